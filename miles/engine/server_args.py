@@ -1,0 +1,60 @@
+"""The rollout engine's own settings.
+
+`python -m miles.engine` builds its command line from this dataclass, and `train_diffusion.py`
+re-registers every field not in `SET_BY_MILES` as `--sglang-<field-name>` (the reference's passthrough).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ServerArgs:
+    # ---- set by miles for each engine it starts (not re-registered) --------------------------------
+    model_path: str = field(default="", metadata={"help": "Diffusers pipeline folder or hub id to serve."})
+    model_family: str | None = field(default=None, metadata={"help": "Registered family key (sd3, wan2_2, ...)."})
+    train_pipeline_config_path: str | None = field(
+        default=None, metadata={"help": "Dotted path of a user TrainPipelineConfig class."}
+    )
+    host: str = field(default="127.0.0.1", metadata={"help": "Address to bind."})
+    port: int = field(default=0, metadata={"help": "Port to bind; 0 picks a free one."})
+    base_gpu_id: int = field(default=0, metadata={"help": "First GPU of this engine."})
+    tp_size: int = field(default=1, metadata={"help": "GPUs of this engine."})
+    random_seed: int = field(default=42, metadata={"help": "Seed of engine-side randomness that no request seeds."})
+    dtype: str = field(default="bf16", metadata={"help": "DiT forward dtype: bf16, fp16 or fp32."})
+    device: str = field(default="auto", metadata={"help": "cuda, cpu or auto."})
+    generator_device: str = field(default="cuda", metadata={"help": "Device of the per-sample noise generators."})
+
+    # ---- tunables, passed through as --sglang-<name> ------------------------------------------------
+    max_batch_size: int = field(
+        default=32, metadata={"help": "Most samples (before CFG doubling) in one batched DiT forward."}
+    )
+    batch_wait_ms: float = field(
+        default=2.0, metadata={"help": "How long the batcher waits for concurrent requests to join a step."}
+    )
+    enable_torch_compile: bool = field(default=False, metadata={"help": "torch.compile the DiT forward."})
+    torch_compile_mode: str = field(default="default", metadata={"help": "torch.compile mode."})
+    attention_backend: str | None = field(
+        default=None, metadata={"help": "diffusers set_attention_backend value for the engine's DiT."}
+    )
+    vae_decode_batch_size: int = field(default=8, metadata={"help": "Samples per VAE decode call."})
+    log_level: str = field(default="info", metadata={"help": "Engine log level."})
+
+
+# Fields miles fills in itself for every engine; they are not re-registered with the --sglang- prefix.
+SET_BY_MILES = frozenset(
+    {
+        "model_path",
+        "model_family",
+        "train_pipeline_config_path",
+        "host",
+        "port",
+        "base_gpu_id",
+        "tp_size",
+        "random_seed",
+        "dtype",
+        "device",
+        "generator_device",
+    }
+)

@@ -1,0 +1,120 @@
+"""The per-family interface: everything model-specific sits behind `TrainPipelineConfig`.
+
+The engine (sampling) and the trainer (scoring) both call the same `predict_velocity`, so the two forwards
+agree by construction. One subclass per family lives in `miles/models/<family>.py` and registers itself
+with `@register_family`. Outside `miles/models/` no code branches on a family name.
+
+Shapes. A *latent* is whatever the family's DiT consumes for one sample (e.g. [C, H, W] for SD3,
+[C, F, H, W] for Wan, packed [N, C] for LTX/FLUX); batched latents add a leading batch axis.
+*Conditioning* is a dict of tensors with a leading batch axis; the same keys are stored per sample
+(without the batch axis) in `Sample.conditioning`, so the trainer never re-encodes prompts.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from miles.types import GuidanceConfig
+
+
+@dataclass(frozen=True)
+class GenerationShape:
+    """Output size of one request (`--diffusion-height/width`, `--diffusion-output-num-frames`, `--diffusion-fps`)."""
+
+    height: int = 512
+    width: int = 512
+    num_frames: int = 1
+    fps: float | None = None
+
+
+class TrainPipelineConfig(ABC):
+    """One model family. Subclasses set the class attributes and implement the methods below."""
+
+    family: ClassVar[str] = ""  # registry key, e.g. "sd3"
+    name_hints: ClassVar[tuple[str, ...]] = ()  # lowercase substrings of a checkpoint name that select this family
+    pipeline_class_name: ClassVar[str] = ""  # the diffusers pipeline class the checkpoint folder holds
+    trainable_modules: ClassVar[tuple[str, ...]] = ("transformer",)  # --update-weight-target-module default
+    default_lora_target_modules: ClassVar[tuple[str, ...]] = ()
+    is_video: ClassVar[bool] = False
+    num_train_timesteps: ClassVar[int] = 1000
+
+    # ---- loading ------------------------------------------------------------------------------------
+    @abstractmethod
+    def load_pipeline(self, path: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> Any:
+        """Load the whole diffusers pipeline (a folder or a hub id) with every component in `dtype`."""
+
+    @abstractmethod
+    def load_modules(self, path: str, names: Sequence[str], dtype: torch.dtype) -> dict[str, nn.Module]:
+        """Load only the named denoiser modules (the trainer needs no encoders or VAE in RL mode)."""
+
+    # ---- conditioning -------------------------------------------------------------------------------
+    @abstractmethod
+    def encode_prompt(
+        self, pipe: Any, prompts: Sequence[str], negative_prompt: str | None, guidance: GuidanceConfig
+    ) -> dict[str, torch.Tensor]:
+        """Encode prompts (and, when CFG is on, the negative prompt) into batched conditioning tensors."""
+
+    # ---- schedule and latents -----------------------------------------------------------------------
+    @abstractmethod
+    def sigmas(self, pipe: Any, num_steps: int, shape: GenerationShape, flow_shift: float | None) -> torch.Tensor:
+        """The generation sigma grid, n + 1 values from 1 down to a terminal 0 (ALGORITHMS.md §1)."""
+
+    def timesteps_from_sigmas(self, sigmas: torch.Tensor) -> torch.Tensor:
+        """What the DiT takes as its time input (SD3/Wan: N·σ; Qwen-Image: σ)."""
+        return sigmas * self.num_train_timesteps
+
+    @abstractmethod
+    def prepare_latents(
+        self, pipe: Any, shape: GenerationShape, generators: Sequence[torch.Generator], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Initial noise, one draw per sample from that sample's own generator, fp32, batched."""
+
+    # ---- the denoiser -------------------------------------------------------------------------------
+    @abstractmethod
+    def predict_velocity(
+        self,
+        modules: Mapping[str, nn.Module],
+        latents: torch.Tensor,
+        sigmas: torch.Tensor,
+        conditioning: Mapping[str, torch.Tensor],
+        guidance: GuidanceConfig,
+        shape: GenerationShape,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """The CFG-combined velocity v for a batch (`sigmas`: one per sample, shape [B]), returned in fp32.
+
+        The inputs are cast to `dtype` for the DiT; CFG runs the negative and positive branches as one
+        doubled batch. Every sample of the batch must be in the same expert phase (`expert_for`).
+        """
+
+    def expert_for(self, sigma: float) -> str:
+        """Which module denoises at this noise level (Wan2.2 switches experts at its boundary)."""
+        return self.trainable_modules[0]
+
+    # ---- output -------------------------------------------------------------------------------------
+    @abstractmethod
+    def decode(self, pipe: Any, latents: torch.Tensor, shape: GenerationShape) -> torch.Tensor:
+        """Final latents to uint8 pixels [B, F, H, W, 3] (F = 1 for images)."""
+
+    # ---- parallelism --------------------------------------------------------------------------------
+    def transformer_block_lists(self, module: nn.Module) -> list[nn.ModuleList]:
+        """The ModuleLists whose blocks FSDP wraps one by one."""
+        return [m for m in module.children() if isinstance(m, nn.ModuleList)]
+
+    def context_parallel_plan(self, module: nn.Module) -> dict | None:
+        """The diffusers context-parallel plan for sequence parallelism, or None if the family has none."""
+        return getattr(module, "_cp_plan", None)
+
+
+FAMILIES: dict[str, type[TrainPipelineConfig]] = {}
+
+
+def register_family(cls: type[TrainPipelineConfig]) -> type[TrainPipelineConfig]:
+    assert cls.family and cls.family not in FAMILIES, f"bad or duplicate family key {cls.family!r}"
+    FAMILIES[cls.family] = cls
+    return cls
