@@ -1,0 +1,28 @@
+"""Session-wide test setup: offline hub, tiny pipelines built once per session."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """`tiny_checkpoint("sd3")` -> path of that family's tiny pipeline, built once per test session."""
+    from miles.testing.make_tiny import build_tiny_pipeline
+
+    cache_root = os.environ.get("MILES_TINY_CACHE") or str(tmp_path_factory.mktemp("tiny"))
+    built: dict[str, str] = {}
+
+    def get(family: str) -> str:
+        if family not in built:
+            built[family] = build_tiny_pipeline(family, os.path.join(cache_root, f"tiny-{family}"))
+        return built[family]
+
+    return get
