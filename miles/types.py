@@ -52,6 +52,7 @@ class Sample:
     timesteps: torch.Tensor | None = None
     rollout_log_probs: torch.Tensor | None = None
     conditioning: dict[str, torch.Tensor] = field(default_factory=dict)
+    clean_latents: torch.Tensor | None = None  # x0: the rollout's final latent x_n (NFT) or an encoded image (SFT)
     debug_model_outputs: dict[int, torch.Tensor] | None = None  # step k -> combined velocity (debug mode)
     reward: float | dict[str, float] | None = None
     advantage: float = 0.0
