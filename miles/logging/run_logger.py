@@ -1,0 +1,161 @@
+"""Everything a run reports: the metrics JSONL, the console line, wandb, phase timings and the final plots.
+
+Metric names are stable: `rollout/*` (rewards, advantages), `train/*` (losses, ratios, grad norm, lr),
+`eval/<name>/*`, `perf/*` (phase times, images/s, pairs/s, MFU). One JSON line per rollout id goes to
+`--metrics-path` (default `<output-dir>/metrics.jsonl`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+from miles.logging.dashboard import PhaseTimeline
+from miles.logging.plots import save_reward_curve, save_sample_grid
+
+logger = logging.getLogger(__name__)
+
+
+def setup_console_logging(level: int = logging.INFO) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+
+
+class RunLogger:
+    """Collects one rollout's metrics, then writes them everywhere at `flush`."""
+
+    def __init__(self, args) -> None:
+        setup_console_logging()
+        self.args = args
+        self.output_dir = args.output_dir
+        os.makedirs(self.output_dir, exist_ok=True)
+        self.metrics_path = args.metrics_path or os.path.join(self.output_dir, "metrics.jsonl")
+        os.makedirs(os.path.dirname(os.path.abspath(self.metrics_path)), exist_ok=True)
+        self._pending: dict[str, float] = {}
+        self._history: list[dict[str, Any]] = []
+        self._sample_images: list[tuple[int, str, torch.Tensor]] = []  # (rollout id, prompt, uint8 [F,H,W,3])
+        self.timeline = PhaseTimeline(args.miles_dashboard_workspace) if args.use_miles_dashboard else None
+        self.wandb = self._init_wandb(args) if args.use_wandb else None
+
+    # ---- collecting ---------------------------------------------------------------------------------
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time a phase of the loop into `perf/<name>_time` (summed if it runs more than once per rollout)."""
+        start = time.perf_counter()
+        if self.timeline is not None:
+            self.timeline.begin(name)
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - start
+            key = f"perf/{name}_time"
+            self._pending[key] = self._pending.get(key, 0.0) + elapsed
+            if self.timeline is not None:
+                self.timeline.end(name)
+
+    def log(self, rollout_id: int, metrics: dict[str, Any]) -> None:
+        for key, value in metrics.items():
+            if isinstance(value, torch.Tensor):
+                value = value.item()
+            if isinstance(value, (int, float)):
+                self._pending[key] = float(value)
+
+    def log_samples(self, rollout_id: int, samples: list, prefix: str = "rollout") -> None:
+        """Keep a few images for the final grid and, on the image interval, send them to wandb."""
+        keep = max(self.args.wandb_log_num_images, 4)
+        chosen = [s for s in samples if s.image is not None][:keep]
+        if prefix == "rollout":
+            self._sample_images = [(rollout_id, s.prompt, s.image) for s in chosen] if chosen else self._sample_images
+            if rollout_id == 0 or not hasattr(self, "_first_images"):
+                self._first_images = [(rollout_id, s.prompt, s.image) for s in chosen]
+        if self.wandb is None or self.args.wandb_log_num_images <= 0:
+            return
+        if rollout_id % self.args.wandb_log_image_interval != 0:
+            return
+        media = [self._to_wandb_media(s) for s in chosen[: self.args.wandb_log_num_images]]
+        self.wandb.log({f"{prefix}/samples": media}, step=rollout_id)
+
+    # ---- writing ------------------------------------------------------------------------------------
+    def flush(self, rollout_id: int) -> dict[str, Any]:
+        record: dict[str, Any] = {"rollout_id": rollout_id, "time": time.time()}
+        record.update({k: v for k, v in sorted(self._pending.items()) if not math.isnan(v)})
+        self._pending = {}
+        self._history.append(record)
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        logger.info("rollout %d | %s", rollout_id, self._console_summary(record))
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if k not in ("rollout_id", "time")}, step=rollout_id)
+        if self.timeline is not None:
+            self.timeline.flush()
+        return record
+
+    def finish(self) -> None:
+        """Leave the reward curve and a grid of first and last samples in the output folder."""
+        curve = save_reward_curve(self._history, os.path.join(self.output_dir, "reward_curve.png"))
+        if curve:
+            logger.info("reward curve: %s", curve)
+        first = getattr(self, "_first_images", [])
+        grid = save_sample_grid(first, self._sample_images, os.path.join(self.output_dir, "samples.png"))
+        if grid:
+            logger.info("sample grid: %s", grid)
+        if self.wandb is not None:
+            self.wandb.finish()
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        return self._history
+
+    # ---- helpers ------------------------------------------------------------------------------------
+    @staticmethod
+    def _console_summary(record: dict[str, Any]) -> str:
+        keys = [
+            "rollout/reward_mean",
+            "eval/reward_mean",
+            "train/loss",
+            "train/approx_kl",
+            "train/clipfrac",
+            "train/grad_norm",
+            "perf/rollout_time",
+            "perf/train_time",
+            "perf/weight_sync_time",
+        ]
+        parts = [f"{k.split('/', 1)[1]}={record[k]:.4g}" for k in keys if k in record]
+        return " ".join(parts) if parts else "(no metrics)"
+
+    def _init_wandb(self, args):
+        import wandb
+
+        if args.wandb_key:
+            wandb.login(key=args.wandb_key, host=args.wandb_host)
+        name = args.wandb_group or "miles"
+        if not args.disable_wandb_random_suffix:
+            name = f"{name}-{os.urandom(3).hex()}"
+        return wandb.init(
+            project=args.wandb_project or "miles",
+            entity=args.wandb_team,
+            group=args.wandb_group,
+            name=name,
+            id=args.wandb_run_id,
+            resume="allow" if args.wandb_run_id else None,
+            mode=args.wandb_mode,
+            dir=args.wandb_dir or os.path.abspath("wandb"),
+            config=vars(args),
+        )
+
+    @staticmethod
+    def _to_wandb_media(sample):
+        import numpy as np
+        import wandb
+
+        frames = sample.image.numpy()
+        if frames.shape[0] == 1:
+            return wandb.Image(frames[0], caption=sample.prompt[:200])
+        fps = int(getattr(sample, "fps", None) or 8)
+        return wandb.Video(np.transpose(frames, (0, 3, 1, 2)), fps=fps, caption=sample.prompt[:200])

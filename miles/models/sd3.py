@@ -1,0 +1,161 @@
+"""Stable Diffusion 3 / 3.5 (`StableDiffusion3Pipeline`): MMDiT on [C, H/8, W/8] latents, three text encoders.
+
+Mirrors `StableDiffusion3Pipeline.__call__` (diffusers 0.42): prompts through two CLIP encoders and T5
+(CLIP hidden states padded to the T5 width, concatenated along the sequence: 77 + `max_sequence_length`
+tokens, a fixed length, so any samples stack), pooled CLIP projections, standard CFG with the negative
+branch first, static shift (SD3.5: 3.0) on the scheduler's own grid, DiT time input t = 1000·σ
+(ALGORITHMS.md §1), and latents decoded as `x / scaling_factor + shift_factor`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from miles.models.base import GenerationShape, register_family
+from miles.models.common import (
+    DiffusersTrainPipelineConfig,
+    cfg_doubled,
+    cfg_pair,
+    combine_cfg,
+    randn_per_sample,
+    repeat_batch,
+    scheduler_sigmas,
+    vae_output_to_uint8,
+)
+from miles.types import GuidanceConfig
+from miles.utils.errors import MilesUserError
+
+# The attention projections Flow-GRPO's SD3 recipe trains (both the image stream and the context stream).
+SD3_LORA_TARGETS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+)
+
+
+@register_family
+class SD3TrainPipelineConfig(DiffusersTrainPipelineConfig):
+    family: ClassVar[str] = "sd3"
+    name_hints: ClassVar[tuple[str, ...]] = ("stable-diffusion-3", "sd3")
+    pipeline_class_name: ClassVar[str] = "StableDiffusion3Pipeline"
+    trainable_modules: ClassVar[tuple[str, ...]] = ("transformer",)
+    default_lora_target_modules: ClassVar[tuple[str, ...]] = SD3_LORA_TARGETS
+    # T5 (text_encoder_3) is optional in SD3: without it the pipeline feeds zeros in its place.
+    required_components: ClassVar[tuple[str, ...]] = (
+        "transformer",
+        "vae",
+        "scheduler",
+        "text_encoder",
+        "text_encoder_2",
+        "tokenizer",
+        "tokenizer_2",
+    )
+    max_sequence_length: ClassVar[int] = 256  # the pipeline's default T5 length
+
+    # ---- conditioning -------------------------------------------------------------------------------
+    def encode_prompt(
+        self, pipe: Any, prompts: Sequence[str], negative_prompt: str | None, guidance: GuidanceConfig
+    ) -> dict[str, torch.Tensor]:
+        """`prompt_embeds` [B, 77 + T5 length, D], `pooled_prompt_embeds` [B, P]; with CFG also the negatives.
+
+        The negative prompt (diffusers' default "" when None) is encoded once and repeated to the batch.
+        """
+        prompts = list(prompts)
+        with torch.no_grad():
+            prompt_embeds, _, pooled, _ = pipe.encode_prompt(
+                prompt=prompts,
+                prompt_2=None,
+                prompt_3=None,
+                do_classifier_free_guidance=False,
+                max_sequence_length=self.max_sequence_length,
+            )
+            conditioning = {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
+            if self.uses_cfg(guidance):
+                negative_embeds, _, negative_pooled, _ = pipe.encode_prompt(
+                    prompt=[negative_prompt if negative_prompt is not None else ""],
+                    prompt_2=None,
+                    prompt_3=None,
+                    do_classifier_free_guidance=False,
+                    max_sequence_length=self.max_sequence_length,
+                )
+                conditioning["negative_prompt_embeds"] = repeat_batch(negative_embeds, len(prompts))
+                conditioning["negative_pooled_prompt_embeds"] = repeat_batch(negative_pooled, len(prompts))
+        return conditioning
+
+    @staticmethod
+    def uses_cfg(guidance: GuidanceConfig) -> bool:
+        return guidance.scale > 1.0
+
+    # ---- schedule and latents -----------------------------------------------------------------------
+    def latent_sample_shape(self, pipe: Any, shape: GenerationShape) -> tuple[int, int, int]:
+        scale = pipe.vae_scale_factor
+        if shape.height % (scale * 2) or shape.width % (scale * 2):
+            raise MilesUserError(
+                f"--diffusion-height/width {shape.height}x{shape.width} must be multiples of {scale * 2} "
+                "(VAE scale factor × patch size) for this SD3 checkpoint"
+            )
+        return (pipe.transformer.config.in_channels, shape.height // scale, shape.width // scale)
+
+    def sigmas(self, pipe: Any, num_steps: int, shape: GenerationShape, flow_shift: float | None) -> torch.Tensor:
+        _, latent_h, latent_w = self.latent_sample_shape(pipe, shape)
+        patch = pipe.transformer.config.patch_size
+        return scheduler_sigmas(
+            pipe.scheduler.config,
+            num_steps,
+            flow_shift=flow_shift,
+            image_seq_len=(latent_h // patch) * (latent_w // patch),
+            default_max_shift=1.16,  # what StableDiffusion3Pipeline.__call__ passes to calculate_shift
+        )
+
+    def prepare_latents(
+        self, pipe: Any, shape: GenerationShape, generators: Sequence[torch.Generator], dtype: torch.dtype
+    ) -> torch.Tensor:
+        return randn_per_sample(self.latent_sample_shape(pipe, shape), generators, device=pipe.transformer.device)
+
+    # ---- the denoiser -------------------------------------------------------------------------------
+    def predict_velocity(
+        self,
+        modules: Mapping[str, nn.Module],
+        latents: torch.Tensor,
+        sigmas: torch.Tensor,
+        conditioning: Mapping[str, torch.Tensor],
+        guidance: GuidanceConfig,
+        shape: GenerationShape,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        transformer = modules["transformer"]
+        timesteps = self.timesteps_from_sigmas(sigmas.to(device=latents.device, dtype=torch.float32))
+        prompt_embeds = conditioning["prompt_embeds"]
+        pooled = conditioning["pooled_prompt_embeds"]
+        cfg = self.uses_cfg(guidance)
+        if cfg:
+            if "negative_prompt_embeds" not in conditioning:
+                raise ValueError("CFG is on but the conditioning holds no negative_prompt_embeds; encode with CFG on")
+            latents = cfg_doubled(latents)
+            timesteps = cfg_doubled(timesteps)
+            prompt_embeds = cfg_pair(conditioning["negative_prompt_embeds"], prompt_embeds)
+            pooled = cfg_pair(conditioning["negative_pooled_prompt_embeds"], pooled)
+        output = transformer(
+            hidden_states=latents.to(dtype),
+            timestep=timesteps,  # fp32, as the pipeline passes scheduler.timesteps
+            encoder_hidden_states=prompt_embeds.to(dtype),
+            pooled_projections=pooled.to(dtype),
+            return_dict=False,
+        )[0]
+        return combine_cfg(output, guidance.scale) if cfg else output.float()
+
+    # ---- output -------------------------------------------------------------------------------------
+    def decode(self, pipe: Any, latents: torch.Tensor, shape: GenerationShape) -> torch.Tensor:
+        vae = pipe.vae
+        scaled = latents / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+        with torch.no_grad():
+            images = vae.decode(scaled.to(vae.dtype), return_dict=False)[0]
+        return vae_output_to_uint8(images)

@@ -1,0 +1,99 @@
+"""RL post-training for diffusion models: the loop over a rollout manager and a trainer group.
+
+    python3 train_diffusion.py --hf-checkpoint DIR --prompt-data prompts.jsonl --rollout-batch-size 8 ...
+
+`python3 train_diffusion.py --help` lists every flag; `--dry-run` prints the resolved configuration and the
+batch geometry without starting anything. docs/ explains the concepts.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from miles.utils.arguments import format_dry_run, parse_args
+from miles.utils.errors import exit_on_user_error
+
+logger = logging.getLogger("miles")
+
+
+def train(args) -> None:
+    # Heavy imports only after the command line is known to be good (a bad flag fails in a second).
+    from miles.logging.run_logger import RunLogger
+    from miles.ray.placement import create_placement_groups, init_ray
+    from miles.ray.rollout_manager import RolloutManager
+    from miles.ray.train_actor import TrainActorGroup
+
+    init_ray(args)
+    run_logger = RunLogger(args)
+    placement = create_placement_groups(args)
+    rollout_manager = RolloutManager(args, placement, run_logger)
+    actor = None if args.debug_rollout_only else TrainActorGroup(args, placement.train)
+
+    start_rollout_id = 0
+    if actor is not None:
+        start_rollout_id, extra_state = actor.init()
+        rollout_manager.load_state_dict(extra_state.get("data_source"))
+    if args.start_rollout_id is not None:
+        start_rollout_id = args.start_rollout_id
+    rollout_manager.start_engines()
+    if actor is not None and rollout_manager.has_engines:
+        # The engines start from the trainer's weights (LoRA-initialised or loaded from --load).
+        with run_logger.phase("weight_sync"):
+            actor.update_weights(rollout_manager.engine_urls(), weight_version=start_rollout_id)
+        rollout_manager.watch_engines(on_restart=lambda url: actor.update_weights([url], rollout_manager.weight_version))
+    if args.offload_rollout and actor is not None:
+        actor.offload()
+
+    for rollout_id in range(start_rollout_id, args.num_rollout):
+        if rollout_manager.should_eval(rollout_id):
+            with run_logger.phase("eval"):
+                rollout_manager.eval(rollout_id)
+
+        with run_logger.phase("rollout"):
+            samples = rollout_manager.generate(rollout_id)
+        if actor is None:
+            run_logger.flush(rollout_id)
+            continue
+
+        # Colocated: the engines give the devices back while the trainer holds them, and vice versa.
+        if args.offload_rollout:
+            rollout_manager.release_memory()
+        if args.offload_train:
+            actor.onload()
+        with run_logger.phase("train"):
+            train_metrics = actor.train(rollout_id, samples)
+        run_logger.log(rollout_id, train_metrics)
+
+        if args.save and args.save_interval and (rollout_id + 1) % args.save_interval == 0:
+            with run_logger.phase("save"):
+                actor.save(rollout_id, extra_state={"data_source": rollout_manager.state_dict()})
+
+        if rollout_manager.has_engines:
+            if args.offload_rollout:
+                rollout_manager.resume_memory()
+            with run_logger.phase("weight_sync"):
+                actor.update_weights(rollout_manager.engine_urls(), weight_version=rollout_id + 1)
+            rollout_manager.weight_version = rollout_id + 1
+        if args.offload_train:
+            actor.offload()
+        run_logger.flush(rollout_id)
+
+    if rollout_manager.should_eval(args.num_rollout, final=True):
+        rollout_manager.eval(args.num_rollout)
+    if actor is not None and args.save:
+        actor.save(args.num_rollout - 1, extra_state={"data_source": rollout_manager.state_dict()})
+    rollout_manager.shutdown()
+    run_logger.finish()
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.dry_run:
+        print(format_dry_run(args))
+        return
+    train(args)
+
+
+if __name__ == "__main__":
+    main()
