@@ -73,7 +73,8 @@ class FSDPArgs:
         ),
     )
     sequence_parallel_size: int = field(
-        default=1, metadata=_opt("Sequence parallel size (USP = Ulysses x Ring). dp_size = world / this.", BACKEND, ge=1)
+        default=1,
+        metadata=_opt("Sequence parallel size (USP = Ulysses x Ring). dp_size = world / this.", BACKEND, ge=1),
     )
     ulysses_degree: int = field(
         default=0,
@@ -140,7 +141,8 @@ class FSDPArgs:
         default=None, metadata=_opt("Decay length in optimizer steps; default: the whole run.", OPTIMIZER, gt=0)
     )
     lr_wsd_decay_iters: int | None = field(
-        default=None, metadata=_opt("Warmup-stable-decay: length of the final decay (required by WSD).", OPTIMIZER, gt=0)
+        default=None,
+        metadata=_opt("Warmup-stable-decay: length of the final decay (required by WSD).", OPTIMIZER, gt=0),
     )
     lr_wsd_decay_style: str | None = field(
         default=None,
