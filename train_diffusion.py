@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from miles.utils.arguments import format_dry_run, parse_args
+from miles.utils.arguments import check_user_paths, format_dry_run, parse_args
 from miles.utils.errors import exit_on_user_error
 
 logger = logging.getLogger("miles")
@@ -23,6 +23,10 @@ def train(args) -> None:
     from miles.ray.rollout_manager import RolloutManager
     from miles.ray.train_actor import TrainActorGroup
 
+    if args.num_rollout is None:  # one pass (or --num-epoch passes) over the prompt data
+        from miles.rollout.data_source import num_rollout_from_args
+
+        args.num_rollout = num_rollout_from_args(args)
     init_ray(args)
     run_logger = RunLogger(args)
     placement = create_placement_groups(args)
@@ -89,6 +93,7 @@ def train(args) -> None:
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    check_user_paths(args)
     if args.dry_run:
         print(format_dry_run(args))
         return

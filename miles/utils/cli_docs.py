@@ -2,7 +2,7 @@
 
     python -m miles.utils.cli_docs > docs/cli-reference.md
 
-Both read `miles.utils.arguments.flag_groups()`, the one source of truth; tests/utils/test_cli_docs.py fails
+Both read `miles.utils.flags.flag_groups()`, the one source of truth; tests/utils/test_cli_docs.py fails
 when the committed docs/cli-reference.md differs from what this module renders.
 """
 
@@ -11,14 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from miles.utils.arguments import (
-    DERIVED_ATTRIBUTES,
-    Flag,
-    all_flags,
-    batch_geometry,
-    default_text,
-    flag_groups,
-)
+from miles.utils.batch_geometry import batch_geometry
+from miles.utils.flags import Flag, all_flags, default_text, flag_groups
+from miles.utils.validation import DERIVED_ATTRIBUTES
 
 HEADER = """\
 # `train_diffusion.py` command line
@@ -32,7 +27,7 @@ Flags come from three places:
 | Source | Where | Notes |
 |---|---|---|
 | Training-backend flags | `FSDPArgs` (`miles/backends/fsdp_utils/arguments.py`) | Each field is `--field-name` |
-| miles flags | `miles/utils/arguments.py` | One `Flag` each, with its bounds; cross-flag rules beside |
+| miles flags | `miles/utils/flags.py` | One `Flag` each, with its bounds; cross-flag rules in `miles/utils/validation.py` |
 | Engine passthrough | `ServerArgs` (`miles/engine/server_args.py`) | `--sglang-<field-name>`, minus `SET_BY_MILES` |
 
 `--custom-config-path FILE.yaml` applies YAML keys after parsing: a key naming a flag overrides it with one

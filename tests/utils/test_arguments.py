@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.utils import arguments
+from miles.utils import arguments, validation
 from miles.utils.arguments import (
     build_parser,
     check_user_paths,
@@ -203,9 +203,9 @@ def test_ulysses_degree_must_divide_sequence_parallel_size():
 def test_ring_degree_needs_torch_2_11(monkeypatch):
     ring = ("--actor-num-gpus-per-node", "4", "--sequence-parallel-size", "4", "--ulysses-degree", "2",
             "--global-batch-size", "8")
-    monkeypatch.setattr(arguments, "_torch_version", lambda: (2, 10))
+    monkeypatch.setattr(validation, "_torch_version", lambda: (2, 10))
     assert "ring degree 2" in error(*ring) and "needs torch >= 2.11" in error(*ring)
-    monkeypatch.setattr(arguments, "_torch_version", lambda: (2, 11))
+    monkeypatch.setattr(validation, "_torch_version", lambda: (2, 11))
     assert parse(*ring).ring_degree == 2
 
 
@@ -409,7 +409,7 @@ def test_num_rollout_or_num_epoch(caplog):
     no_rollout = without("--num-rollout")
     assert parse(base=no_rollout).num_rollout is None  # one epoch of --prompt-data, counted by the data source
     assert parse("--num-epoch", "2", base=no_rollout).num_epoch == 2
-    with caplog.at_level(logging.WARNING, logger="miles.utils.arguments"):
+    with caplog.at_level(logging.WARNING, logger="miles.utils"):
         args = parse("--num-epoch", "2")
     assert args.num_epoch is None and args.num_rollout == 1
     assert any("--num-epoch is ignored" in r.getMessage() for r in caplog.records)
@@ -518,7 +518,7 @@ def write_yaml(tmp_path, text: str) -> str:
 def test_yaml_overrides_with_one_warning_per_collision(tmp_path, caplog):
     path = write_yaml(tmp_path, "lr: 1e-4\nrollout-batch-size: 8\ndiffusion_sde_window_range: [0, 4]\n"
                                 "my_extra_knob: 3\ndebug_train_only: true\n")
-    with caplog.at_level(logging.WARNING, logger="miles.utils.arguments"):
+    with caplog.at_level(logging.WARNING, logger="miles.utils"):
         args = parse("--lr", "2e-5", "--custom-config-path", path)
     assert args.lr == 1e-4  # YAML wins, and "1e-4" (a string to YAML) is parsed as the flag's float
     assert args.rollout_batch_size == 8 and args.global_batch_size == 16  # derived values use the final values
@@ -600,7 +600,16 @@ def test_entry_point_user_errors_exit_2_with_one_line():
 
 
 @pytest.mark.skipif(not (REPO / "train_diffusion.py").exists(), reason="train_diffusion.py is not in the repo")
-def test_entry_point_dry_run_exits_0():
-    result = _run_entry_point(*BASE, "--dry-run")
+def test_entry_point_dry_run_exits_0(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"input": "a cat"}\n')
+    argv = [str(prompts) if arg == "prompts.jsonl" else arg for arg in BASE]
+    result = _run_entry_point(*argv, "--dry-run")
     assert result.returncode == 0, result.stderr
     assert "Batch geometry of one rollout" in result.stdout
+
+
+def test_entry_point_dry_run_checks_user_paths():
+    result = _run_entry_point(*BASE, "--dry-run")
+    assert result.returncode == 2
+    assert "--prompt-data" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,349 @@
+"""Cross-flag rules and derived values of the `train_diffusion.py` command line.
+
+`validate_args` runs the `_rule_*` functions on the final (post-YAML) values, in the order of the reference's
+tables (per-value bounds first, then model, cluster, data and batching, rollout steps, loss, reference policy,
+optimizer, reward, evaluation, outputs), so a YAML file cannot bypass a rule. A rule either raises one
+`MilesUserError` naming the flags and values, or fills resolved and derived values in place
+(`DERIVED_ATTRIBUTES` lists the attributes it adds beyond the flags).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Callable
+
+from miles.utils.batch_geometry import batch_geometry, step_strategy
+from miles.utils.errors import MilesUserError
+from miles.utils.flags import all_flags
+
+# The command line's logger: these warnings keep the name users (and tests) filter on.
+logger = logging.getLogger(__name__)
+
+# Attributes `validate_args` adds beyond the flags (the flags themselves are resolved in place: global_batch_size,
+# num_steps_per_rollout, micro_batch_size, rollout_num_gpus, offload_*, ref_mode, metrics_path, ...).
+DERIVED_ATTRIBUTES = (
+    "diffusion_model_family_resolved",  # family key, None with --train-pipeline-config-path
+    "diffusion_log_prob_no_const_resolved",  # the log-prob form engine and trainer share (ALGORITHMS.md §2)
+    "train_world_size",  # actor_num_nodes x actor_num_gpus_per_node
+    "dp_size",  # train_world_size / sequence_parallel_size
+    "ulysses_degree_resolved",  # --ulysses-degree with 0 resolved to the SP size
+    "ring_degree",  # sequence_parallel_size / ulysses_degree_resolved
+    "eval_prompt_data_pairs",  # [(name, path)] from --eval-prompt-data
+    "debug_train_only",  # legacy name of train_only
+)
+
+
+def _fail(message: str) -> None:
+    raise MilesUserError(message)
+
+
+def _rule_values(args: argparse.Namespace) -> None:
+    """Per-flag choices and bounds (they also cover values that came from the YAML)."""
+    for dest, flag in all_flags().items():
+        problem = flag.problem(getattr(args, dest, flag.default))
+        if problem:
+            _fail(f"{flag.name} {problem}")
+
+
+def _rule_model(args: argparse.Namespace) -> None:
+    if not args.hf_checkpoint:
+        _fail("--hf-checkpoint is required: the diffusers pipeline to train (hub id or local directory)")
+    if args.train_pipeline_config_path and args.diffusion_model_family:
+        _fail(f"--train-pipeline-config-path {args.train_pipeline_config_path!r} and --diffusion-model-family "
+              f"{args.diffusion_model_family!r} are mutually exclusive: a custom TrainPipelineConfig has no family key")
+    args.diffusion_model_family_resolved = None
+    if not args.train_pipeline_config_path:
+        from miles.models import resolve_family_name
+
+        args.diffusion_model_family_resolved = resolve_family_name(args.hf_checkpoint, args.diffusion_model_family)
+    targets = [m.strip() for m in args.update_weight_target_module.split(",") if m.strip()]
+    if not targets:
+        _fail(f"--update-weight-target-module {args.update_weight_target_module!r} names no module")
+    if "transformer_2" in targets and args.diffusion_guidance_scale_2 is None and args.loss_type != "sft_loss":
+        _fail(f"--update-weight-target-module {args.update_weight_target_module!r} trains transformer_2 (Wan2.2's "
+              "low-noise expert): set --diffusion-guidance-scale-2, its CFG scale")
+
+
+def _torch_version() -> tuple[int, int]:
+    import torch
+
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def _rule_topology(args: argparse.Namespace) -> None:
+    world = args.actor_num_nodes * args.actor_num_gpus_per_node
+    sp = args.sequence_parallel_size
+    if world % sp:
+        _fail(f"--sequence-parallel-size {sp} must divide the train world size {world} "
+              f"(--actor-num-nodes {args.actor_num_nodes} x --actor-num-gpus-per-node {args.actor_num_gpus_per_node})")
+    dp = world // sp
+    if dp % args.dp_replicate_size:
+        _fail(f"--dp-replicate-size {args.dp_replicate_size} must divide dp_size {dp} (train world size {world} / "
+              f"--sequence-parallel-size {sp})")
+    ulysses = args.ulysses_degree or sp
+    if sp % ulysses:
+        _fail(f"--sequence-parallel-size {sp} must be divisible by --ulysses-degree {args.ulysses_degree}")
+    ring = sp // ulysses
+    if ring > 1 and _torch_version() < (2, 11):
+        _fail(f"ring degree {ring} (--sequence-parallel-size {sp} / --ulysses-degree {ulysses}) needs torch >= 2.11, "
+              f"found {'.'.join(map(str, _torch_version()))}; set --ulysses-degree {sp} or upgrade torch")
+    args.train_world_size, args.dp_size = world, dp
+    args.ulysses_degree_resolved, args.ring_degree = ulysses, ring
+
+
+def _rule_placement(args: argparse.Namespace) -> None:
+    if args.colocate:
+        world = args.train_world_size
+        if args.rollout_num_gpus is not None and args.rollout_num_gpus != world:
+            _fail(f"--colocate uses the train world size ({world}) for rollout, but --rollout-num-gpus is "
+                  f"{args.rollout_num_gpus}; drop --rollout-num-gpus or set it to {world}")
+        for name in ("offload_train", "offload_rollout"):
+            if getattr(args, name) is False:
+                _fail(f"--colocate needs --{name.replace('_', '-')} (trainer and engines take turns on the GPUs); "
+                      f"remove --no-{name.replace('_', '-')}")
+        args.rollout_num_gpus = world
+        args.offload_train = args.offload_rollout = True
+    else:
+        if args.colocate_reward:
+            _fail("--colocate-reward needs --colocate (reward actors share the colocated rollout GPUs)")
+        args.offload_train, args.offload_rollout = bool(args.offload_train), bool(args.offload_rollout)
+    if args.rollout_num_gpus_per_engine > args.num_gpus_per_node:
+        _fail(f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine} exceeds --num-gpus-per-node "
+              f"{args.num_gpus_per_node}")
+    args.use_miles_router = True  # miles always routes through its own router
+
+
+def _rule_modes(args: argparse.Namespace) -> None:
+    if args.load_debug_rollout_data:
+        args.train_only = True  # a replayed rollout needs no engine
+    if args.debug_rollout_only and args.train_only:
+        _fail("--debug-rollout-only and --train-only (or --load-debug-rollout-data) exclude each other")
+    args.debug_train_only = args.train_only
+    if args.dump_details:
+        if args.save_debug_rollout_data is None:
+            args.save_debug_rollout_data = os.path.join(args.dump_details, "rollout_data", "{rollout_id}.pt")
+        if args.save_debug_train_data is None:
+            args.save_debug_train_data = os.path.join(args.dump_details, "train_data", "{rollout_id}_{rank}.pt")
+
+
+def _rule_batch(args: argparse.Namespace) -> None:
+    """rollout_batch_size x n_samples_per_prompt = global_batch_size x num_steps_per_rollout (ALGORITHMS.md §5)."""
+    rbs, g, gbs, steps = (args.rollout_batch_size, args.n_samples_per_prompt, args.global_batch_size,
+                          args.num_steps_per_rollout)
+    if rbs is None:
+        if not (args.train_only and args.loss_type == "sft_loss"):
+            _fail("--rollout-batch-size is required (prompts per rollout); only --train-only with --loss-type "
+                  "sft_loss may leave it unset")
+        if gbs is None:
+            _fail("--train-only sft_loss without --rollout-batch-size needs --global-batch-size")
+        steps = steps or 1
+        if gbs * steps % g:
+            _fail(f"--global-batch-size {gbs} x --num-steps-per-rollout {steps} must be divisible by "
+                  f"--n-samples-per-prompt {g}")
+        rbs = args.rollout_batch_size = gbs * steps // g
+    if args.over_sampling_batch_size is not None and args.over_sampling_batch_size != rbs:
+        _fail(f"--over-sampling-batch-size {args.over_sampling_batch_size} must equal --rollout-batch-size {rbs} "
+              "(over-sampling is not supported yet)")
+    trajectories = rbs * g
+    knobs = f"--rollout-batch-size {rbs} x --n-samples-per-prompt {g} = {trajectories} samples per rollout"
+    if gbs is None and steps is None:
+        steps = 1
+    if gbs is None:
+        if trajectories % steps:
+            _fail(f"{knobs} is not divisible by --num-steps-per-rollout {steps}")
+        gbs = trajectories // steps
+    elif steps is None:
+        if trajectories % gbs:
+            _fail(f"{knobs} is not divisible by --global-batch-size {gbs}")
+        steps = trajectories // gbs
+    elif gbs * steps != trajectories:
+        _fail(f"{knobs}, but --global-batch-size {gbs} x --num-steps-per-rollout {steps} = {gbs * steps}; "
+              "they must be equal (set one of the two and the other is derived)")
+    if gbs % args.dp_size:
+        _fail(f"--global-batch-size {gbs} must be divisible by dp_size {args.dp_size} (train world size "
+              f"{args.train_world_size} / --sequence-parallel-size {args.sequence_parallel_size})")
+    args.global_batch_size, args.num_steps_per_rollout = gbs, steps
+    tile = (args.micro_batch_size_sample, args.micro_batch_size_tstep)
+    if (tile[0] is None) != (tile[1] is None):
+        _fail(f"--micro-batch-size-sample {tile[0]} and --micro-batch-size-tstep {tile[1]} must be set together")
+    if tile[0] is not None:
+        if args.micro_batch_size not in (1, tile[0] * tile[1]):
+            logger.warning("--micro-batch-size %d is replaced by --micro-batch-size-sample x --micro-batch-size-tstep"
+                           " = %d", args.micro_batch_size, tile[0] * tile[1])
+        args.micro_batch_size = tile[0] * tile[1]
+    if g == 1 and not args.disable_grpo_std_normalization:
+        args.disable_grpo_std_normalization = True  # the std of a single sample is undefined (ALGORITHMS.md §4)
+        if args.loss_type in ("policy_loss", "nft") and not args.globalize_reward_mean:
+            logger.warning("--n-samples-per-prompt 1 with per-prompt mean gives zero advantages; "
+                           "add --globalize-reward-mean")
+
+
+def _rule_run_length(args: argparse.Namespace) -> None:
+    rl = args.loss_type != "sft_loss"
+    if rl and not args.prompt_data and not args.disable_rollout_global_dataset and not args.load_debug_rollout_data:
+        _fail(f"--prompt-data is required for --loss-type {args.loss_type} (or pass --disable-rollout-global-dataset "
+              "with your own --data-source-path, or --load-debug-rollout-data)")
+    if args.num_rollout is not None and args.num_epoch is not None:
+        logger.warning("both --num-rollout %d and --num-epoch %d are set; --num-epoch is ignored",
+                       args.num_rollout, args.num_epoch)
+        args.num_epoch = None
+    # Unset --num-rollout is derived from the dataset (miles.rollout.data_source.num_rollout_from_args: --num-epoch
+    # passes, one by default), which needs the global prompt dataset.
+    from_dataset = bool(args.prompt_data) and not args.disable_rollout_global_dataset
+    if args.num_rollout is None and not from_dataset:
+        what = f"--num-epoch {args.num_epoch}" if args.num_epoch is not None else "an unset --num-rollout"
+        _fail(f"{what} counts passes over --prompt-data, but there is no global prompt dataset "
+              "(--prompt-data unset or --disable-rollout-global-dataset); set --num-rollout N")
+
+
+def _rule_sde_steps(args: argparse.Namespace) -> None:
+    """Which steps become train pairs (ALGORITHMS.md §3)."""
+    n, k, strategy = args.diffusion_num_steps, args.diffusion_num_sde_steps, step_strategy(args)
+    path = args.diffusion_step_strategy_path
+    if strategy == "sde_window" and k < 1:
+        _fail(f"--diffusion-step-strategy-path {path} needs --diffusion-num-sde-steps >= 1, got {k}")
+    if args.diffusion_sde_window_range is not None:
+        lo, hi = args.diffusion_sde_window_range
+        if not 0 <= lo < hi <= n:
+            _fail(f"--diffusion-sde-window-range {lo},{hi} must satisfy 0 <= lo < hi <= --diffusion-num-steps {n}")
+    if k > 0 and strategy in (None, "sde_window", "all_steps_or_window"):
+        lo, hi = args.diffusion_sde_window_range or (0, n)
+        if k > hi - lo:
+            _fail(f"--diffusion-num-sde-steps {k} must be <= the window size {hi - lo} "
+                  f"(--diffusion-sde-window-range {lo},{hi}; --diffusion-num-steps {n})")
+    candidates = args.diffusion_sde_candidate_steps
+    if strategy == "epoch_global_random_choice" and not candidates:
+        _fail(f"--diffusion-step-strategy-path {path} requires --diffusion-sde-candidate-steps \"i,j,...\"")
+    if candidates:
+        if len(set(candidates)) != len(candidates):
+            _fail(f"--diffusion-sde-candidate-steps {candidates} has duplicates")
+        if not all(0 <= c < n for c in candidates):
+            _fail(f"--diffusion-sde-candidate-steps {candidates} must lie in [0, --diffusion-num-steps {n})")
+    if strategy == "ode_and_return_last" and args.loss_type in ("policy_loss", "custom_loss"):
+        _fail(f"--diffusion-step-strategy-path {path} records no SDE step, so --loss-type {args.loss_type} has "
+              "nothing to train; use --loss-type nft or another strategy")
+
+
+def _rule_loss(args: argparse.Namespace) -> None:
+    loss = args.loss_type
+    if loss == "policy_loss":
+        if args.diffusion_sde_type == "ode":
+            _fail("--loss-type policy_loss needs a stochastic rollout: --diffusion-sde-type ode has no log-prob; "
+                  "use sde or cps (or --loss-type nft)")
+        if args.diffusion_noise_level <= 0:
+            _fail(f"--loss-type policy_loss needs --diffusion-noise-level > 0, got {args.diffusion_noise_level:g} "
+                  "(zero noise makes the log-prob undefined)")
+    if args.diffusion_recompute_old_log_prob and loss != "policy_loss":
+        _fail(f"--diffusion-recompute-old-log-prob only applies to --loss-type policy_loss, not {loss}")
+    if loss == "nft" and args.diffusion_nft_beta <= 0:
+        _fail(f"--loss-type nft needs --diffusion-nft-beta > 0, got {args.diffusion_nft_beta:g}")
+    if (loss == "custom_loss") != bool(args.custom_loss_function_path):
+        _fail("--loss-type custom_loss and --custom-loss-function-path go together "
+              f"(got --loss-type {loss}, --custom-loss-function-path {args.custom_loss_function_path!r})")
+    if args.sft_encoder_checkpoint and loss != "sft_loss":
+        _fail(f"--sft-encoder-checkpoint only applies to --loss-type sft_loss, not {loss}")
+    # One log-prob form for engine and trainer (ALGORITHMS.md §2): no-const for cps/ode or when asked.
+    from miles.diffusion.sde import use_no_const_log_prob
+
+    args.diffusion_log_prob_no_const_resolved = use_no_const_log_prob(
+        args.diffusion_sde_type, args.diffusion_log_prob_no_const
+    )
+
+
+def _rule_reference(args: argparse.Namespace) -> None:
+    """--ref-mode auto rules and --use-ema consumers (ALGORITHMS.md §5, §6, §8)."""
+    loss, kl = args.loss_type, args.diffusion_kl_beta
+    if args.ref_mode is None:
+        if loss == "nft":  # v_old: the EMA, else the LoRA base (ALGORITHMS.md §6)
+            if not args.use_ema and not args.use_lora:
+                _fail("--loss-type nft needs a reference policy for v_old: add --use-ema (recommended) or --use-lora")
+            args.ref_mode = "ema" if args.use_ema else "lora_base"
+        else:
+            args.ref_mode = "lora_base" if kl > 0 else "none"
+    elif args.ref_mode == "ema" and not args.use_ema:
+        _fail("--ref-mode ema needs --use-ema")
+    if args.ref_mode == "lora_base" and not args.use_lora:
+        _fail(f"--ref-mode lora_base (the reference for --diffusion-kl-beta {kl:g}) needs --use-lora; "
+              "or pass --ref-mode ema with --use-ema")
+    if kl > 0 and loss != "nft" and args.ref_mode == "none":
+        _fail(f"--diffusion-kl-beta {kl:g} needs a reference policy, but --ref-mode is none")
+    if args.ema_rollout_policy == "ema" and not args.use_ema:
+        _fail("--ema-rollout-policy ema needs --use-ema")
+    if args.use_ema and args.ref_mode != "ema" and args.ema_rollout_policy != "ema":
+        _fail(f"--use-ema has no consumer: set --ref-mode ema or --ema-rollout-policy ema (--ref-mode is "
+              f"{args.ref_mode}, --ema-rollout-policy {args.ema_rollout_policy})")
+    if args.lora_ipc_weight_sync and not args.use_lora:
+        _fail("--lora-ipc-weight-sync needs --use-lora (it pushes only lora_A/lora_B)")
+
+
+def _rule_optimizer(args: argparse.Namespace) -> None:
+    """LR schedule sanity (ALGORITHMS.md §9) and the checkpoint-vs-override scheduler rule."""
+    if args.override_lr_scheduler:
+        args.use_checkpoint_lr_scheduler = False  # the explicit override wins over the default-on restore
+    for name in ("min_lr", "lr_warmup_init"):
+        if getattr(args, name) > args.lr:
+            _fail(f"--{name.replace('_', '-')} {getattr(args, name):g} must be <= --lr {args.lr:g}")
+    if args.lr_decay_style == "WSD" and (args.lr_wsd_decay_iters is None or args.lr_wsd_decay_style is None):
+        _fail("--lr-decay-style WSD needs --lr-wsd-decay-iters and --lr-wsd-decay-style")
+    if args.lr_decay_iters is not None:
+        if args.lr_warmup_fraction is None and args.lr_warmup_iters >= args.lr_decay_iters:
+            _fail(f"--lr-warmup-iters {args.lr_warmup_iters} must be < --lr-decay-iters {args.lr_decay_iters}")
+        if args.lr_wsd_decay_iters is not None and args.lr_wsd_decay_iters > args.lr_decay_iters:
+            _fail(f"--lr-wsd-decay-iters {args.lr_wsd_decay_iters} must be <= --lr-decay-iters {args.lr_decay_iters}")
+
+
+def _rule_reward(args: argparse.Namespace) -> None:
+    if args.rm_type == "pickscore" and not (args.pickscore_model_path and args.pickscore_processor_path):
+        _fail("--rm-type pickscore needs --pickscore-model-path and --pickscore-processor-path "
+              f"(got {args.pickscore_model_path!r}, {args.pickscore_processor_path!r})")
+    if args.rm_type == "remote_rm" and not args.rm_url:
+        _fail("--rm-type remote_rm needs --rm-url (the reward service's URL)")
+
+
+def _rule_eval(args: argparse.Namespace) -> None:
+    pairs = args.eval_prompt_data or []
+    if len(pairs) % 2:
+        _fail(f"--eval-prompt-data takes NAME PATH pairs, got an odd count: {pairs}")
+    names = pairs[0::2]
+    if len(set(names)) != len(names):
+        _fail(f"--eval-prompt-data repeats a dataset name: {names}")
+    args.eval_prompt_data_pairs = list(zip(names, pairs[1::2]))
+    if args.eval_interval is not None and not args.eval_prompt_data_pairs and not args.eval_config:
+        _fail(f"--eval-interval {args.eval_interval} needs eval datasets: --eval-prompt-data NAME PATH or "
+              "--eval-config FILE")
+
+
+def _rule_outputs(args: argparse.Namespace) -> None:
+    if args.save_interval is not None and not args.save:
+        _fail(f"--save-interval {args.save_interval} needs --save DIR")
+    if args.metrics_path is None:
+        args.metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+
+
+def _rule_micro_batches(args: argparse.Namespace) -> None:
+    """A rank's pairs per optimizer window split into whole micro-batches (ALGORITHMS.md §5: Q % m == 0)."""
+    geometry = batch_geometry(args)
+    q, m = geometry.pairs_per_rank_per_optimizer_step, args.micro_batch_size
+    if q == 0:
+        _fail(f"no train pairs: {geometry.steps_rule} gives 0 trained steps per sample")
+    if q is not None and q % m:
+        _fail(f"--micro-batch-size {m} must divide the {q} train pairs per DP rank per optimizer step "
+              f"(--global-batch-size {args.global_batch_size} / dp_size {args.dp_size} x "
+              f"{geometry.trained_steps_per_trajectory} trained steps per sample)")
+
+
+RULES: tuple[Callable[[argparse.Namespace], None], ...] = (
+    _rule_values, _rule_model, _rule_topology, _rule_placement, _rule_modes, _rule_batch, _rule_run_length,
+    _rule_sde_steps, _rule_loss, _rule_reference, _rule_optimizer, _rule_reward, _rule_eval, _rule_outputs,
+    _rule_micro_batches,
+)
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Check every rule and fill the derived values in place; the first violation raises MilesUserError."""
+    for rule in RULES:
+        rule(args)
+
