@@ -8,8 +8,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "disabled")
+# Two cores are shared by the test process, engine subprocesses and Ray workers: one thread each is fastest
+# (with two, a tiny forward can take 100x longer while the other core is busy).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import pytest
+import torch
+
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

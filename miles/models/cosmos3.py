@@ -1,0 +1,255 @@
+"""Cosmos 3 text-to-image (`Cosmos3OmniPipeline` with `num_frames=1`): latents [C, 1, H/s, W/s].
+
+Which pipeline, and how it maps to the reference's `cosmos3`: diffusers 0.42's newest Cosmos text-to-image
+path is `Cosmos3OmniPipeline` (Cosmos 2's `Cosmos2TextToImagePipeline` needs a guardrail package and
+torchvision, and is older). The reference trains "cosmos3" as a text-to-image flow-matching DiT with CFG;
+here that is the omni pipeline's text-to-image mode: one image frame, no image/video/sound/action
+conditioning, no safety checker.
+
+There is no separate text encoder: `Cosmos3OmniTransformer` holds the language model and reads the prompt's
+token ids packed with the vision tokens in one sequence. So this family's conditioning is token ids, not
+embeddings: `input_ids` [B, L] (int64, right-padded to a fixed L so samples stack) with `input_ids_length`
+[B], the same for the negative prompt, and `encoded_shape` [B, 3] (height, width, frames), because the
+pipeline's prompt templates state the output resolution ("This image is of HxW resolution.", and the inverse
+for the negative prompt). `encode_prompt` therefore takes the generation shape as a keyword (default: the
+CLI's 512x512 image); `predict_velocity` refuses conditioning encoded for another size. Keep these tensors
+int64 (move them to a device, never cast them to the forward dtype).
+
+Mirrors `Cosmos3OmniPipeline.__call__` (diffusers 0.42) otherwise: the pipeline's own `tokenize_prompt`
+(system prompt, templates, chat template, eos + `<|vision_start|>`), the text and vision mRoPE positions,
+the DiT time input t = 1000·σ (the transformer scales it by `timestep_scale` itself), CFG
+`v_neg + s·(v_pos − v_neg)` in fp32, latents decoded as `x / (1/std) + mean`. The transformer packs a single
+sequence without a batch axis, so each sample and CFG branch is its own transformer call (no doubled batch).
+Schedule: the checkpoint's `UniPCMultistepScheduler` flow-sigma grid (or flow-match Euler's), honouring
+`use_native_flow_schedule`; our loop takes Euler / SDE steps on it (ALGORITHMS.md §1–§2).
+Differences: CFG is on iff the scale is > 1 (diffusers: any scale ≠ 1); video (num_frames > 1) is not
+supported yet.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from miles.models.base import GenerationShape, register_family
+from miles.models.common import DiffusersTrainPipelineConfig, randn_per_sample, scheduler_sigmas, vae_output_to_uint8
+from miles.models.wan2_2 import unipc_flow_sigmas
+from miles.types import GuidanceConfig
+from miles.utils.errors import MilesUserError
+
+# LoRA on the generation tower's attention (the understanding tower, the language model, stays as it is).
+COSMOS3_LORA_TARGETS = ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+DEFAULT_FPS = 24.0  # Cosmos3OmniPipeline.__call__'s fps default
+
+
+@register_family
+class Cosmos3TrainPipelineConfig(DiffusersTrainPipelineConfig):
+    family: ClassVar[str] = "cosmos3"
+    name_hints: ClassVar[tuple[str, ...]] = ("cosmos3", "cosmos-3", "cosmos_3")
+    pipeline_class_name: ClassVar[str] = "Cosmos3OmniPipeline"
+    trainable_modules: ClassVar[tuple[str, ...]] = ("transformer",)
+    default_lora_target_modules: ClassVar[tuple[str, ...]] = COSMOS3_LORA_TARGETS
+    required_components: ClassVar[tuple[str, ...]] = ("transformer", "vae", "scheduler", "text_tokenizer")
+    max_prompt_tokens: ClassVar[int] = 1024  # fixed padded length of the token-id conditioning
+
+    def pipeline_from_pretrained_kwargs(self) -> dict[str, Any]:
+        # The guardrail package is not installed, and RL rollouts are scored by rewards, not filtered.
+        return {"enable_safety_checker": False, "safety_checker": None}
+
+    # ---- conditioning -------------------------------------------------------------------------------
+    def encode_prompt(
+        self,
+        pipe: Any,
+        prompts: Sequence[str],
+        negative_prompt: str | None,
+        guidance: GuidanceConfig,
+        *,
+        shape: GenerationShape | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Token ids of the templated chat for each prompt (and, with CFG, the negative prompt), padded to L."""
+        shape = shape if shape is not None else GenerationShape()
+        self._check_image_only(shape)
+        pad_id = pipe.text_tokenizer.pad_token_id or 0
+        cond_ids, uncond_ids = [], []
+        for prompt in prompts:
+            cond, uncond = pipe.tokenize_prompt(
+                prompt,
+                negative_prompt,  # None -> "" inside, as the pipeline does
+                num_frames=shape.num_frames,
+                height=shape.height,
+                width=shape.width,
+                fps=shape.fps if shape.fps is not None else DEFAULT_FPS,
+            )
+            cond_ids.append(cond)
+            uncond_ids.append(uncond)
+        ids, lengths = self._pad(cond_ids, pad_id)
+        conditioning = {
+            "input_ids": ids,
+            "input_ids_length": lengths,
+            "encoded_shape": torch.tensor([[shape.height, shape.width, shape.num_frames]] * len(prompts)),
+        }
+        if guidance.scale > 1.0:
+            negative_ids, negative_lengths = self._pad(uncond_ids, pad_id)
+            conditioning["negative_input_ids"] = negative_ids
+            conditioning["negative_input_ids_length"] = negative_lengths
+        return conditioning
+
+    def _pad(self, sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        longest = max(len(s) for s in sequences)
+        if longest > self.max_prompt_tokens:
+            raise MilesUserError(
+                f"a Cosmos 3 prompt takes {longest} tokens with its templates; the limit is {self.max_prompt_tokens}"
+            )
+        ids = torch.full((len(sequences), self.max_prompt_tokens), pad_id, dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            ids[row, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
+        return ids, torch.tensor([len(s) for s in sequences], dtype=torch.long)
+
+    @staticmethod
+    def _check_image_only(shape: GenerationShape) -> None:
+        if shape.num_frames != 1:
+            raise MilesUserError(
+                f"--diffusion-output-num-frames {shape.num_frames}: the cosmos3 family supports text-to-image only "
+                "(num_frames 1); Cosmos 3 video generation is not supported yet"
+            )
+
+    # ---- schedule and latents -----------------------------------------------------------------------
+    def latent_sample_shape(self, pipe: Any, shape: GenerationShape) -> tuple[int, int, int, int]:
+        self._check_image_only(shape)
+        spatial = pipe.vae_scale_factor_spatial
+        if shape.height % spatial or shape.width % spatial:
+            raise MilesUserError(
+                f"--diffusion-height/width {shape.height}x{shape.width} must be multiples of {spatial} for Cosmos 3"
+            )
+        return (pipe.vae.config.z_dim, 1, shape.height // spatial, shape.width // spatial)
+
+    def sigmas(self, pipe: Any, num_steps: int, shape: GenerationShape, flow_shift: float | None) -> torch.Tensor:
+        scheduler = pipe.scheduler
+        base = None
+        if pipe.config.use_native_flow_schedule:  # the grid the pipeline then passes as `sigmas=`
+            num_train_timesteps = scheduler.config.num_train_timesteps
+            base = np.linspace(1.0 - 1.0 / num_train_timesteps, 0.0, num_steps + 1)[:-1]
+        name = type(scheduler).__name__
+        if name == "UniPCMultistepScheduler":
+            return unipc_flow_sigmas(scheduler.config, num_steps, flow_shift, base=base)
+        if name == "FlowMatchEulerDiscreteScheduler":
+            return scheduler_sigmas(
+                scheduler.config, num_steps, flow_shift=flow_shift, base_grid=None if base is None else base.tolist()
+            )
+        raise MilesUserError(
+            f"scheduler {name} is not supported for Cosmos 3; use UniPC (flow sigmas) or flow-match Euler"
+        )
+
+    def prepare_latents(
+        self, pipe: Any, shape: GenerationShape, generators: Sequence[torch.Generator], dtype: torch.dtype
+    ) -> torch.Tensor:
+        return randn_per_sample(self.latent_sample_shape(pipe, shape), generators, device=pipe.transformer.device)
+
+    # ---- the denoiser -------------------------------------------------------------------------------
+    def packed_inputs(self, transformer: nn.Module, input_ids: torch.Tensor, latent: torch.Tensor) -> dict[str, Any]:
+        """The step-invariant transformer inputs for one sample: text then vision tokens in one sequence.
+
+        The same fields `Cosmos3OmniPipeline._prepare_text_segment` / `_prepare_vision_segment` build for an
+        unconditioned image: every vision frame noisy, positions from diffusers' mRoPE helpers.
+        """
+        from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import (
+            get_3d_mrope_ids_text_tokens,
+            get_3d_mrope_ids_vae_tokens,
+        )
+
+        config = transformer.config
+        device = latent.device
+        und_len = int(input_ids.shape[0])
+        text_positions, next_offset = get_3d_mrope_ids_text_tokens(
+            num_tokens=und_len, temporal_offset=0, use_float_positions=config.enable_fps_modulation
+        )
+        _, frames, height, width = latent.shape
+        patch = config.latent_patch_size
+        grid_h, grid_w = math.ceil(height / patch), math.ceil(width / patch)
+        num_vision_tokens = frames * grid_h * grid_w
+        vision_positions, _ = get_3d_mrope_ids_vae_tokens(
+            grid_t=frames,
+            grid_h=grid_h,
+            grid_w=grid_w,
+            temporal_offset=next_offset + config.unified_3d_mrope_temporal_modality_margin,
+            reset_spatial_indices=config.unified_3d_mrope_reset_spatial_ids,
+            fps=None,  # fps modulation only applies to videos (grid_t > 1)
+            base_fps=float(config.base_fps),
+            temporal_compression_factor=1,
+        )
+        vision_indexes = torch.arange(und_len, und_len + num_vision_tokens, dtype=torch.long, device=device)
+        return {
+            "input_ids": input_ids.to(device=device, dtype=torch.long),
+            "text_indexes": torch.arange(und_len, dtype=torch.long, device=device),
+            "position_ids": torch.cat([text_positions.to(device), vision_positions.to(device)], dim=1),
+            "und_len": und_len,
+            "sequence_length": und_len + num_vision_tokens,
+            "vision_token_shapes": [(frames, grid_h, grid_w)],
+            "vision_sequence_indexes": vision_indexes,
+            "vision_mse_loss_indexes": vision_indexes,
+            "vision_noisy_frame_indexes": [torch.arange(frames, dtype=torch.long, device=device)],
+        }
+
+    def predict_velocity(
+        self,
+        modules: Mapping[str, nn.Module],
+        latents: torch.Tensor,
+        sigmas: torch.Tensor,
+        conditioning: Mapping[str, torch.Tensor],
+        guidance: GuidanceConfig,
+        shape: GenerationShape,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        transformer = modules["transformer"]
+        encoded = conditioning["encoded_shape"].reshape(-1, 3).tolist()
+        wanted = [shape.height, shape.width, shape.num_frames]
+        if any(row != wanted for row in encoded):
+            raise ValueError(
+                f"Cosmos 3 conditioning was encoded for (height, width, frames) {encoded[0]} but the step runs at "
+                f"{wanted}; call encode_prompt(..., shape=<the generation shape>)"
+            )
+        cfg = guidance.scale > 1.0
+        if cfg and "negative_input_ids" not in conditioning:
+            raise ValueError("CFG is on but the conditioning holds no negative_input_ids; encode with CFG on")
+        timesteps = self.timesteps_from_sigmas(sigmas.to(device=latents.device, dtype=torch.float32).reshape(-1))
+        velocities = []
+        for b in range(latents.shape[0]):
+            latent = latents[b]
+            patch = transformer.config.latent_patch_size
+            frames, height, width = latent.shape[1:]
+            num_vision_tokens = frames * math.ceil(height / patch) * math.ceil(width / patch)
+            step_inputs = {
+                "vision_tokens": [latent.unsqueeze(0).to(dtype)],
+                "vision_timesteps": timesteps[b].expand(num_vision_tokens).contiguous(),  # fp32 t = 1000·σ
+                "return_dict": False,
+            }
+            branches = [("input_ids", "input_ids_length")]
+            if cfg:
+                branches.insert(0, ("negative_input_ids", "negative_input_ids_length"))
+            outputs = []
+            for ids_key, length_key in branches:
+                ids = conditioning[ids_key][b, : int(conditioning[length_key][b])]
+                packed = self.packed_inputs(transformer, ids, latent)
+                preds_vision = transformer(**packed, **step_inputs)[0]  # one [1, C, T, H, W] per vision item
+                outputs.append(preds_vision[0].reshape(latent.shape).float())
+            if cfg:
+                v_neg, v_pos = outputs
+                velocities.append(v_neg + guidance.scale * (v_pos - v_neg))
+            else:
+                velocities.append(outputs[0])
+        return torch.stack(velocities, dim=0)
+
+    # ---- output -------------------------------------------------------------------------------------
+    def decode(self, pipe: Any, latents: torch.Tensor, shape: GenerationShape) -> torch.Tensor:
+        vae = pipe.vae
+        channels = vae.config.z_dim
+        mean = torch.tensor(vae.config.latents_mean, dtype=vae.dtype).view(1, channels, 1, 1, 1)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std, dtype=vae.dtype).view(1, channels, 1, 1, 1)
+        latents = latents.to(device=vae.device, dtype=vae.dtype)
+        with torch.no_grad():
+            images = vae.decode(latents / inv_std.to(latents.device) + mean.to(latents.device)).sample
+        return vae_output_to_uint8(images)

@@ -1,0 +1,63 @@
+"""Tiny random-weight Cosmos 3 pipeline (`Cosmos3OmniPipeline`), built offline.
+
+`Cosmos3OmniTransformer` holds the language model itself (no separate text encoder): a 2-layer model of
+width 32 (head_dim 8, 4 query / 2 key-value heads, rotary sections (2, 1, 1) summing to head_dim/2) whose
+`vocab_size` equals the length of a locally built byte-level Qwen2 tokenizer with a chat template and the
+`<|vision_start|>` token. The VAE is a small 16-channel AutoencoderKLWan (8x spatial) and
+`patch_latent_dim` = patch² × latent channels = 64. The scheduler is the `UniPCMultistepScheduler` with flow
+sigmas that the published pipeline ships. No safety checker (`enable_safety_checker=False`). About 1 MB.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from miles.testing.tiny.tokenizers import build_qwen2_tokenizer
+
+TINY_FLOW_SHIFT = 3.0
+LATENT_CHANNELS = 16
+PATCH = 2
+
+
+def build(out_dir: str, seed: int = 0) -> str:
+    """Build and `save_pretrained` a tiny Cosmos 3 text-to-image pipeline into `out_dir`."""
+    from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, Cosmos3OmniTransformer, UniPCMultistepScheduler
+
+    torch.manual_seed(seed)
+    tokenizer = build_qwen2_tokenizer()
+    head_dim = 8
+    transformer = Cosmos3OmniTransformer(
+        head_dim=head_dim,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        latent_channel=LATENT_CHANNELS,
+        latent_patch_size=PATCH,
+        patch_latent_dim=PATCH * PATCH * LATENT_CHANNELS,
+        rope_axes_dim=[2, 1, 1],  # sums to head_dim / 2
+        rope_theta=10000.0,
+        vocab_size=len(tokenizer),
+    )
+    vae = AutoencoderKLWan(
+        base_dim=8,
+        z_dim=LATENT_CHANNELS,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.1 * ((i % 5) - 2) for i in range(LATENT_CHANNELS)],
+        latents_std=[1.0 + 0.05 * (i % 3) for i in range(LATENT_CHANNELS)],
+    )
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=TINY_FLOW_SHIFT, num_train_timesteps=1000
+    )
+    pipe = Cosmos3OmniPipeline(
+        transformer=transformer,
+        text_tokenizer=tokenizer,
+        vae=vae,
+        scheduler=scheduler,
+        enable_safety_checker=False,
+    )
+    pipe.save_pretrained(out_dir)
+    return out_dir
