@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import inspect
 import json
-import math
 import logging
 import os
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -191,7 +191,7 @@ def scheduler_sigmas(
     *,
     flow_shift: float | None = None,
     image_seq_len: int | None = None,
-    base_grid: torch.Tensor | None = None,
+    base_grid: Sequence[float] | None = None,
     default_max_shift: float = 1.15,
 ) -> torch.Tensor:
     """n + 1 fp32 sigmas (terminal 0) as a FlowMatchEulerDiscreteScheduler with this config would give them.
@@ -205,7 +205,7 @@ def scheduler_sigmas(
     - `shift_terminal`: the stretch that makes the last non-zero sigma equal that value.
     `default_max_shift` is the default the pipeline's own `calculate_shift` call uses (SD3 passes 1.16).
     """
-    from miles.diffusion.schedules import dynamic_shift_mu, flow_match_sigmas, shift_sigmas
+    from miles.diffusion.schedules import dynamic_shift_mu, flow_match_sigmas
 
     for option in UNSUPPORTED_SCHEDULER_OPTIONS:
         if scheduler_config.get(option):
@@ -225,20 +225,20 @@ def scheduler_sigmas(
         shift_type = scheduler_config.get("time_shift_type", "exponential")
         if shift_type not in ("exponential", "linear"):
             raise MilesUserError(f"scheduler time_shift_type {shift_type!r} is not supported")
-        shift_factor = math.exp(mu) if shift_type == "exponential" else mu
+        shift_factor = mu
     else:
         shift_factor = float(flow_shift if flow_shift is not None else scheduler_config.get("shift", 1.0))
 
-    if base_grid is None:
-        if dynamic and shift_type == "exponential":
-            sigmas = flow_match_sigmas(num_steps, num_train_timesteps=num_train_timesteps, mu=mu)[:-1]
-        elif dynamic:  # linear time shift: the scheduler's unshifted grid, then S_mu
-            unshifted = flow_match_sigmas(num_steps, shift=1.0, num_train_timesteps=num_train_timesteps)[:-1]
-            sigmas = shift_sigmas(unshifted, shift_factor)
-        else:
-            sigmas = flow_match_sigmas(num_steps, shift=shift_factor, num_train_timesteps=num_train_timesteps)[:-1]
-    else:
-        sigmas = shift_sigmas(base_grid.to(torch.float32), shift_factor)
+    base = None if base_grid is None else [float(u) for u in base_grid]
+    if dynamic and shift_type == "linear" and base is None:  # the dynamic scheduler's grid is unshifted
+        base = flow_match_sigmas(num_steps, shift=1.0, num_train_timesteps=num_train_timesteps)[:-1].tolist()
+    if dynamic and shift_type == "exponential":
+        with_terminal = flow_match_sigmas(num_steps, num_train_timesteps=num_train_timesteps, mu=mu, sigmas=base)
+    else:  # static shift; the linear time shift mu/(mu + 1/u - 1) is the static shift with s = mu
+        with_terminal = flow_match_sigmas(
+            num_steps, shift=shift_factor, num_train_timesteps=num_train_timesteps, sigmas=base
+        )
+    sigmas = with_terminal[:-1]
     sigmas = sigmas.to(torch.float32)
     shift_terminal = scheduler_config.get("shift_terminal")
     if shift_terminal:
@@ -248,9 +248,9 @@ def scheduler_sigmas(
     return torch.cat([sigmas, sigmas.new_zeros(1)])
 
 
-def flux_style_base_grid(num_steps: int) -> torch.Tensor:
-    """The unshifted grid FLUX and Qwen-Image pass as `sigmas=`: linspace(1, 1/n, n), built in float64 then fp32."""
-    return torch.linspace(1.0, 1.0 / num_steps, num_steps, dtype=torch.float64).to(torch.float32)
+def flux_style_base_grid(num_steps: int) -> list[float]:
+    """The unshifted grid FLUX and Qwen-Image pass as `sigmas=`: numpy's linspace(1, 1/n, n) in float64."""
+    return np.linspace(1.0, 1.0 / num_steps, num_steps).tolist()
 
 
 # ---- classifier-free guidance ------------------------------------------------------------------------
