@@ -55,9 +55,18 @@ class TrainPipelineConfig(ABC):
     # ---- conditioning -------------------------------------------------------------------------------
     @abstractmethod
     def encode_prompt(
-        self, pipe: Any, prompts: Sequence[str], negative_prompt: str | None, guidance: GuidanceConfig
+        self,
+        pipe: Any,
+        prompts: Sequence[str],
+        negative_prompt: str | None,
+        guidance: GuidanceConfig,
+        *,
+        shape: GenerationShape | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Encode prompts (and, when CFG is on, the negative prompt) into batched conditioning tensors."""
+        """Encode prompts (and, when CFG is on, the negative prompt) into batched conditioning tensors.
+
+        `shape` is the output size of the request; most families ignore it (Cosmos 3 writes the resolution
+        into its prompt)."""
 
     # ---- schedule and latents -----------------------------------------------------------------------
     @abstractmethod

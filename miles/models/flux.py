@@ -117,7 +117,13 @@ class FluxTrainPipelineConfig(DiffusersTrainPipelineConfig):
         return guidance.true_cfg_scale is not None and guidance.true_cfg_scale > 1.0
 
     def encode_prompt(
-        self, pipe: Any, prompts: Sequence[str], negative_prompt: str | None, guidance: GuidanceConfig
+        self,
+        pipe: Any,
+        prompts: Sequence[str],
+        negative_prompt: str | None,
+        guidance: GuidanceConfig,
+        *,
+        shape: GenerationShape | None = None,
     ) -> dict[str, torch.Tensor]:
         """`prompt_embeds` [B, T5 length, D] (T5), `pooled_prompt_embeds` [B, P] (CLIP pooler output);
         with true CFG also the negatives (the negative prompt encoded once, repeated)."""

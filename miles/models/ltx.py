@@ -130,7 +130,13 @@ class LTXTrainPipelineConfig(DiffusersTrainPipelineConfig):
 
     # ---- conditioning -------------------------------------------------------------------------------
     def encode_prompt(
-        self, pipe: Any, prompts: Sequence[str], negative_prompt: str | None, guidance: GuidanceConfig
+        self,
+        pipe: Any,
+        prompts: Sequence[str],
+        negative_prompt: str | None,
+        guidance: GuidanceConfig,
+        *,
+        shape: GenerationShape | None = None,
     ) -> dict[str, torch.Tensor]:
         """`prompt_embeds` [B, 128, D] + `prompt_attention_mask` [B, 128] (bool); with CFG the negatives too."""
         with torch.no_grad():

@@ -116,7 +116,13 @@ class QwenImageTrainPipelineConfig(DiffusersTrainPipelineConfig):
         return pad_to_length(embeds, self.prompt_pad_length), pad_to_length(mask, self.prompt_pad_length)
 
     def encode_prompt(
-        self, pipe: Any, prompts: Sequence[str], negative_prompt: str | None, guidance: GuidanceConfig
+        self,
+        pipe: Any,
+        prompts: Sequence[str],
+        negative_prompt: str | None,
+        guidance: GuidanceConfig,
+        *,
+        shape: GenerationShape | None = None,
     ) -> dict[str, torch.Tensor]:
         """`prompt_embeds` [B, L, D] and `prompt_embeds_mask` [B, L] (int64, 1 = token), L = prompt_pad_length;
         with CFG also `negative_prompt_embeds` / `negative_prompt_embeds_mask` (encoded once, repeated)."""

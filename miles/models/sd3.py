@@ -62,7 +62,13 @@ class SD3TrainPipelineConfig(DiffusersTrainPipelineConfig):
 
     # ---- conditioning -------------------------------------------------------------------------------
     def encode_prompt(
-        self, pipe: Any, prompts: Sequence[str], negative_prompt: str | None, guidance: GuidanceConfig
+        self,
+        pipe: Any,
+        prompts: Sequence[str],
+        negative_prompt: str | None,
+        guidance: GuidanceConfig,
+        *,
+        shape: GenerationShape | None = None,
     ) -> dict[str, torch.Tensor]:
         """`prompt_embeds` [B, 77 + T5 length, D], `pooled_prompt_embeds` [B, P]; with CFG also the negatives.
 

@@ -161,7 +161,13 @@ class Wan22TrainPipelineConfig(DiffusersTrainPipelineConfig):
 
     # ---- conditioning -------------------------------------------------------------------------------
     def encode_prompt(
-        self, pipe: Any, prompts: Sequence[str], negative_prompt: str | None, guidance: GuidanceConfig
+        self,
+        pipe: Any,
+        prompts: Sequence[str],
+        negative_prompt: str | None,
+        guidance: GuidanceConfig,
+        *,
+        shape: GenerationShape | None = None,
     ) -> dict[str, torch.Tensor]:
         """`prompt_embeds` [B, 512, D] (padding zeroed); with CFG `negative_prompt_embeds` of the same shape."""
         with torch.no_grad():

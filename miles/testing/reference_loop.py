@@ -59,7 +59,7 @@ def sample_reference(
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
     generators = generators_from_seeds(seeds, device=generator_device)
-    conditioning = family.encode_prompt(pipe, list(prompts), negative_prompt, guidance)
+    conditioning = family.encode_prompt(pipe, list(prompts), negative_prompt, guidance, shape=shape)
     sigmas = family.sigmas(pipe, num_steps, shape, flow_shift).to(torch.float32)
     latents = family.prepare_latents(pipe, shape, generators, dtype)
     modules = {name: getattr(pipe, name) for name in family.trainable_modules}

@@ -3,7 +3,6 @@ with `Cosmos3OmniPipeline.__call__` (which generates one sample per call)."""
 
 from __future__ import annotations
 
-import functools
 
 import numpy as np
 import pytest
@@ -39,10 +38,9 @@ def path(tiny_checkpoint):
 
 
 def load(path, euler: bool):
-    """The family (its prompts encoded for SHAPE, which the reference loop does not pass) and its pipeline;
-    `euler` swaps in flow-match Euler so that diffusers' loop takes the same Euler steps as ours."""
+    """The family and its pipeline; `euler` swaps in flow-match Euler so that diffusers' loop takes the same
+    Euler steps as ours."""
     family = get_family_class("cosmos3")()
-    family.encode_prompt = functools.partial(family.encode_prompt, shape=SHAPE)
     pipe = family.load_pipeline(path, torch.float32)
     if euler:
         pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=pipe.scheduler.config.flow_shift)
@@ -75,7 +73,7 @@ def ours(family, pipe, guidance, num_steps, decode=False, **kwargs):
 
 def test_encode_prompt_is_padded_token_ids_of_the_pipelines_templates(loaded):
     family, pipe = loaded
-    cond = family.encode_prompt(pipe, PROMPTS, " ", CFG)
+    cond = family.encode_prompt(pipe, PROMPTS, " ", CFG, shape=SHAPE)
     assert set(cond) == {"input_ids", "input_ids_length", "negative_input_ids", "negative_input_ids_length",
                          "encoded_shape"}
     assert cond["input_ids"].shape == (2, 1024) and cond["input_ids"].dtype == torch.long
@@ -89,7 +87,7 @@ def test_encode_prompt_is_padded_token_ids_of_the_pipelines_templates(loaded):
     negative = pipe.text_tokenizer.decode(cond["negative_input_ids"][0, : cond["negative_input_ids_length"][0]])
     assert "This image is not of 32x32 resolution." in negative
     assert cond["encoded_shape"].tolist() == [[32, 32, 1], [32, 32, 1]]
-    assert set(family.encode_prompt(pipe, PROMPTS, None, GuidanceConfig(guidance_scale=1.0))) == {
+    assert set(family.encode_prompt(pipe, PROMPTS, None, GuidanceConfig(guidance_scale=1.0), shape=SHAPE)) == {
         "input_ids", "input_ids_length", "encoded_shape"}
 
 
@@ -138,16 +136,16 @@ def test_shape_mismatch_and_missing_negatives_are_refused(loaded):
     family, pipe = loaded
     latents = family.prepare_latents(pipe, SHAPE, generators_from_seeds(SEEDS), torch.float32)
     modules = {"transformer": pipe.transformer}
-    cond = family.encode_prompt(pipe, PROMPTS, " ", CFG)
+    cond = family.encode_prompt(pipe, PROMPTS, " ", CFG, shape=SHAPE)
     with pytest.raises(ValueError, match="encoded for"):
         family.predict_velocity(modules, latents, torch.ones(2), cond, CFG, GenerationShape(64, 32, 1), torch.float32)
-    no_cfg = family.encode_prompt(pipe, PROMPTS, " ", GuidanceConfig(guidance_scale=1.0))
+    no_cfg = family.encode_prompt(pipe, PROMPTS, " ", GuidanceConfig(guidance_scale=1.0), shape=SHAPE)
     with pytest.raises(ValueError, match="negative_input_ids"):
         family.predict_velocity(modules, latents, torch.ones(2), no_cfg, CFG, SHAPE, torch.float32)
     with pytest.raises(MilesUserError, match="text-to-image only"):
         family.encode_prompt(pipe, PROMPTS, " ", CFG, shape=GenerationShape(32, 32, 5))
     with pytest.raises(MilesUserError, match="the limit is 1024"):
-        family.encode_prompt(pipe, ["x" * 1200], " ", CFG)
+        family.encode_prompt(pipe, ["x" * 1200], " ", CFG, shape=SHAPE)
     with pytest.raises(MilesUserError, match="multiples of 8"):
         family.prepare_latents(pipe, GenerationShape(36, 32, 1), generators_from_seeds([0]), torch.float32)
 
