@@ -1,0 +1,255 @@
+"""Prompt data for rollouts: the JSONL reader, the data source with its buffer, and `num_rollout`.
+
+Prompt JSONL: one JSON object per line, the prompt under `--input-key` (default "input"), optional
+metadata (a JSON object) under `--metadata-key` (default "metadata"); blank lines are skipped. A bad
+line is a `MilesUserError` naming the file and the line.
+
+Order: every epoch walks the prompts in a fresh permutation drawn from `--rollout-seed` + epoch, so a run
+is reproducible and a resumed run continues the same order (`args.rollout_shuffle = False`, when the
+parser defines it, keeps file order). The position (epoch, offset in the epoch, group counter) is in
+`state_dict()` and goes into checkpoints.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from miles.types import Sample
+from miles.utils.errors import MilesUserError
+from miles.utils.imports import load_function, load_object
+
+logger = logging.getLogger(__name__)
+
+Group = list[Sample]
+
+
+@dataclass
+class PromptRow:
+    prompt: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+    line: int = 0  # 1-based line number in the file
+
+
+def load_prompt_data(path: str, input_key: str = "input", metadata_key: str = "metadata") -> list[PromptRow]:
+    """Read and check a prompt JSONL file."""
+    if not os.path.isfile(path):
+        raise MilesUserError(f"prompt file {path!r} does not exist")
+    rows: list[PromptRow] = []
+    with open(path, encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise MilesUserError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from err
+            if not isinstance(record, dict):
+                raise MilesUserError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            if input_key not in record:
+                raise MilesUserError(f"{where}: no key {input_key!r} (--input-key); keys are {sorted(record)}")
+            prompt = record[input_key]
+            if not isinstance(prompt, str):
+                raise MilesUserError(f"{where}: {input_key!r} must be a string, got {type(prompt).__name__}")
+            if not prompt.strip():
+                raise MilesUserError(f"{where}: empty prompt under {input_key!r}")
+            metadata = record.get(metadata_key, {})
+            if metadata is None:
+                metadata = {}
+            if not isinstance(metadata, dict):
+                raise MilesUserError(
+                    f"{where}: {metadata_key!r} (--metadata-key) must be a JSON object, got {type(metadata).__name__}"
+                )
+            rows.append(PromptRow(prompt=prompt, metadata=metadata, line=line_number))
+    if not rows:
+        raise MilesUserError(f"prompt file {path!r} holds no prompts")
+    return rows
+
+
+def compute_num_rollout(
+    num_rollout: int | None, num_epoch: int | None, num_prompts: int, rollout_batch_size: int
+) -> int:
+    """`--num-rollout` if set, else `ceil(num_epoch × num_prompts / rollout_batch_size)` (one epoch if
+    neither is set)."""
+    if num_rollout is not None:
+        return int(num_rollout)
+    if rollout_batch_size is None or rollout_batch_size < 1:
+        raise MilesUserError("--rollout-batch-size must be set (>= 1) to derive --num-rollout")
+    epochs = 1 if num_epoch is None else int(num_epoch)
+    return math.ceil(epochs * num_prompts / rollout_batch_size)
+
+
+def num_rollout_from_args(args) -> int:
+    """`compute_num_rollout` with the prompt count read from `--prompt-data`."""
+    if getattr(args, "num_rollout", None) is not None:
+        return int(args.num_rollout)
+    if getattr(args, "disable_rollout_global_dataset", False) or not getattr(args, "prompt_data", None):
+        raise MilesUserError("set --num-rollout: without --prompt-data the number of rollouts cannot be derived")
+    num_prompts = len(load_prompt_data(args.prompt_data, _input_key(args), _metadata_key(args)))
+    return compute_num_rollout(None, getattr(args, "num_epoch", None), num_prompts, args.rollout_batch_size)
+
+
+def _input_key(args) -> str:
+    return getattr(args, "input_key", None) or "input"
+
+
+def _metadata_key(args) -> str:
+    return getattr(args, "metadata_key", None) or "metadata"
+
+
+def pop_first(args, rollout_id: int, buffer: list[Group], num_groups: int) -> list[Group]:
+    """The default buffer filter: the oldest `num_groups` groups."""
+    return buffer[:num_groups]
+
+
+class RolloutDataSource:
+    """Walks the prompt file epoch by epoch and makes prompt groups of `--n-samples-per-prompt` samples."""
+
+    def __init__(self, args):
+        self.args = args
+        self.n_samples_per_prompt = int(getattr(args, "n_samples_per_prompt", 1) or 1)
+        self.seed = int(getattr(args, "rollout_seed", 42) or 0)
+        self.shuffle = bool(getattr(args, "rollout_shuffle", True))
+        self.rows: list[PromptRow] = []
+        if not getattr(args, "disable_rollout_global_dataset", False):
+            if not getattr(args, "prompt_data", None):
+                raise MilesUserError("--prompt-data is required (or pass --disable-rollout-global-dataset with your own --data-source-path)")
+            self.rows = load_prompt_data(args.prompt_data, _input_key(args), _metadata_key(args))
+        self.epoch = 0
+        self.offset = 0  # prompts consumed in the current epoch
+        self.group_counter = 0  # next group_index (monotone across the run)
+        self._order = self._epoch_order(0)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        if not self.shuffle or not self.rows:
+            return list(range(len(self.rows)))
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(len(self.rows), generator=generator).tolist()
+
+    def _next_rows(self, num_groups: int) -> list[PromptRow]:
+        rows: list[PromptRow] = []
+        while len(rows) < num_groups and self.rows:
+            if self.offset == len(self.rows):
+                self.epoch += 1
+                self.offset = 0
+                self._order = self._epoch_order(self.epoch)
+                logger.info("prompt data: starting epoch %d", self.epoch)
+            rows.append(self.rows[self._order[self.offset]])
+            self.offset += 1
+        return rows
+
+    def _make_group(self, row: PromptRow) -> Group:
+        group_index = self.group_counter
+        self.group_counter += 1
+        return [
+            Sample(prompt=row.prompt, group_index=group_index, metadata=copy.deepcopy(row.metadata))
+            for _ in range(self.n_samples_per_prompt)
+        ]
+
+    def get_samples(self, num_groups: int, rollout_id: int | None = None) -> list[Group]:
+        """`num_groups` new prompt groups; `sample.index` = position in the returned batch."""
+        groups = [self._make_group(row) for row in self._next_rows(num_groups)]
+        return _reindex(groups)
+
+    def add_samples(self, groups: list[Group]) -> None:
+        raise NotImplementedError("RolloutDataSource keeps no buffer; use RolloutDataSourceWithBuffer")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "offset": self.offset,
+            "group_counter": self.group_counter,
+            "num_prompts": len(self.rows),
+            "seed": self.seed,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("num_prompts", len(self.rows)) != len(self.rows):
+            logger.warning(
+                "prompt data changed since the checkpoint (%s prompts then, %d now): the position is kept, "
+                "the order is not the one the checkpoint saw",
+                state.get("num_prompts"),
+                len(self.rows),
+            )
+        self.epoch = int(state["epoch"])
+        self.offset = min(int(state["offset"]), len(self.rows))
+        self.group_counter = int(state["group_counter"])
+        self._order = self._epoch_order(self.epoch)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+class RolloutDataSourceWithBuffer(RolloutDataSource):
+    """The default data source: groups put back by partial rollouts (`add_samples`) are served first,
+    chosen by `--buffer-filter-path` `fn(args, rollout_id, buffer, num_groups) -> list[group]`."""
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.buffer: list[Group] = []
+        self._calls = 0
+        path = getattr(args, "buffer_filter_path", None)
+        self.buffer_filter: Callable = (
+            load_function(path, "--buffer-filter-path", required_params=4) if path else pop_first
+        )
+
+    def get_samples(self, num_groups: int, rollout_id: int | None = None) -> list[Group]:
+        rollout_id = self._calls if rollout_id is None else rollout_id
+        self._calls += 1
+        groups: list[Group] = []
+        if self.buffer:
+            selected = self.buffer_filter(self.args, rollout_id, self.buffer, num_groups)
+            if not isinstance(selected, list) or len(selected) > num_groups:
+                raise MilesUserError(
+                    f"--buffer-filter-path must return a list of at most {num_groups} groups, got "
+                    f"{len(selected) if isinstance(selected, list) else type(selected).__name__}"
+                )
+            chosen = {id(group) for group in selected}
+            self.buffer = [group for group in self.buffer if id(group) not in chosen]
+            groups.extend(selected)
+        groups.extend(self._make_group(row) for row in self._next_rows(num_groups - len(groups)))
+        return _reindex(groups)
+
+    def add_samples(self, groups: list[Group]) -> None:
+        for group in groups:
+            if not isinstance(group, list) or not group or not all(isinstance(s, Sample) for s in group):
+                raise MilesUserError("add_samples takes a list of groups, each a non-empty list of Samples")
+        self.buffer.extend(groups)
+
+    def state_dict(self) -> dict[str, Any]:
+        # The buffer holds half-finished groups of the running rollout; they are regenerated after a resume.
+        return {**super().state_dict(), "buffered_groups_dropped": len(self.buffer)}
+
+
+def _reindex(groups: list[Group]) -> list[Group]:
+    position = 0
+    for group in groups:
+        for sample in group:
+            sample.index = position
+            position += 1
+    return groups
+
+
+REQUIRED_METHODS = ("get_samples", "add_samples", "state_dict", "load_state_dict")
+
+
+def build_data_source(args) -> Any:
+    """`--data-source-path` (a class taking `args`), else `RolloutDataSourceWithBuffer`."""
+    path = getattr(args, "data_source_path", None)
+    if not path:
+        return RolloutDataSourceWithBuffer(args)
+    cls = load_object(path, "--data-source-path")
+    if not callable(cls):
+        raise MilesUserError(f"--data-source-path {path!r}: expected a class taking (args)")
+    missing = [name for name in REQUIRED_METHODS if not callable(getattr(cls, name, None))]
+    if missing:
+        raise MilesUserError(f"--data-source-path {path!r}: missing method(s) {missing} (see docs/customization.md)")
+    return cls(args)

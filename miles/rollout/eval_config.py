@@ -1,0 +1,144 @@
+"""Evaluation datasets from `--eval-prompt-data NAME PATH ...` or `--eval-config` (which overrides them).
+
+`--eval-config` is an OmegaConf YAML or JSON file:
+
+    eval:                       # optional wrapper
+      defaults:                 # optional, applied to every dataset
+        n_samples_per_eval_prompt: 4
+      datasets:
+        - name: ocr_test
+          path: data/ocr_test.jsonl      # relative paths: as given if that exists, else next to the config
+          input_key: prompt              # default --eval-input-key, else --input-key
+          metadata_key: metadata         # default --metadata-key
+          n_samples_per_eval_prompt: 4   # default --n-samples-per-eval-prompt
+          num_steps: 40                  # default --diffusion-eval-num-steps, else --diffusion-num-steps
+          reward_key: ocr                # default --eval-reward-key, else --reward-key
+          rm_type: ocr                   # default: as in training; a row's metadata.rm_type still wins
+
+Metrics of a dataset are logged under `eval/<name>/*`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+from miles.rollout.data_source import PromptRow, load_prompt_data
+from miles.utils.errors import MilesUserError
+
+
+@dataclass
+class EvalDataset:
+    name: str
+    path: str
+    input_key: str = "input"
+    metadata_key: str = "metadata"
+    n_samples_per_eval_prompt: int = 1
+    num_steps: int = 10
+    reward_key: str | None = None
+    rm_type: str | None = None
+
+    def load_prompts(self) -> list[PromptRow]:
+        return load_prompt_data(self.path, self.input_key, self.metadata_key)
+
+    def scalar_reward(self, reward: float | dict | None) -> float:
+        """The logged eval reward: a float as is, or the value at this dataset's `reward_key`."""
+        if reward is None:
+            raise MilesUserError(f"eval dataset {self.name!r}: a sample has no reward")
+        if not isinstance(reward, dict):
+            return float(reward)
+        if self.reward_key is None or self.reward_key not in reward:
+            raise MilesUserError(
+                f"eval dataset {self.name!r}: the reward is a dict with keys {sorted(reward)}; set its reward_key "
+                f"(--eval-reward-key / --reward-key or reward_key in --eval-config), got {self.reward_key!r}"
+            )
+        return float(reward[self.reward_key])
+
+
+OPTIONAL_KEYS = {f.name for f in fields(EvalDataset)} - {"name", "path"}
+
+
+def _defaults(args) -> dict[str, Any]:
+    return {
+        "input_key": getattr(args, "eval_input_key", None) or getattr(args, "input_key", None) or "input",
+        "metadata_key": getattr(args, "metadata_key", None) or "metadata",
+        "n_samples_per_eval_prompt": int(getattr(args, "n_samples_per_eval_prompt", None) or 1),
+        "num_steps": int(
+            getattr(args, "diffusion_eval_num_steps", None) or getattr(args, "diffusion_num_steps", None) or 10
+        ),
+        "reward_key": getattr(args, "eval_reward_key", None) or getattr(args, "reward_key", None),
+        "rm_type": None,  # None: routed like training (metadata.rm_type, --custom-rm-path, --rm-type)
+    }
+
+
+def _check(dataset: EvalDataset, where: str) -> EvalDataset:
+    if not dataset.name or "/" in dataset.name:
+        raise MilesUserError(f"{where}: eval dataset name {dataset.name!r} must be non-empty without '/'")
+    if not os.path.isfile(dataset.path):
+        raise MilesUserError(f"{where}: eval dataset {dataset.name!r}: file {dataset.path!r} does not exist")
+    if dataset.n_samples_per_eval_prompt < 1 or dataset.num_steps < 1:
+        raise MilesUserError(f"{where}: eval dataset {dataset.name!r}: n_samples_per_eval_prompt and num_steps must be >= 1")
+    return dataset
+
+
+def _from_pairs(args, pairs: list[str]) -> list[EvalDataset]:
+    if len(pairs) % 2 != 0:
+        raise MilesUserError(f"--eval-prompt-data takes NAME PATH pairs, got {len(pairs)} values: {pairs}")
+    defaults = _defaults(args)
+    return [
+        _check(EvalDataset(name=name, path=path, **defaults), "--eval-prompt-data")
+        for name, path in zip(pairs[0::2], pairs[1::2])
+    ]
+
+
+def _from_config(args, config_path: str) -> list[EvalDataset]:
+    from omegaconf import OmegaConf
+
+    where = f"--eval-config {config_path}"
+    if not os.path.isfile(config_path):
+        raise MilesUserError(f"{where}: file does not exist")
+    try:
+        config = OmegaConf.to_container(OmegaConf.load(config_path), resolve=True)
+    except Exception as err:
+        raise MilesUserError(f"{where}: cannot parse: {err}") from err
+    if isinstance(config, dict) and "eval" in config:
+        config = config["eval"]
+    if not isinstance(config, dict) or not isinstance(config.get("datasets"), list) or not config["datasets"]:
+        raise MilesUserError(f"{where}: expected a non-empty 'datasets' list (optionally under 'eval')")
+    shared = config.get("defaults") or {}
+    unknown_top = set(config) - {"datasets", "defaults"}
+    if unknown_top or not isinstance(shared, dict) or set(shared) - OPTIONAL_KEYS:
+        raise MilesUserError(f"{where}: unknown keys {sorted(unknown_top | (set(shared) - OPTIONAL_KEYS))}; allowed: datasets, defaults {sorted(OPTIONAL_KEYS)}")
+    folder = os.path.dirname(os.path.abspath(config_path))
+    datasets = []
+    for position, entry in enumerate(config["datasets"]):
+        entry_where = f"{where}: datasets[{position}]"
+        if not isinstance(entry, dict) or "name" not in entry or "path" not in entry:
+            raise MilesUserError(f"{entry_where}: each dataset needs 'name' and 'path'")
+        unknown = set(entry) - OPTIONAL_KEYS - {"name", "path"}
+        if unknown:
+            raise MilesUserError(f"{entry_where}: unknown keys {sorted(unknown)}; allowed: name, path, {sorted(OPTIONAL_KEYS)}")
+        path = str(entry["path"])
+        if not os.path.isabs(path) and not os.path.exists(path):
+            path = os.path.join(folder, path)
+        values = {**_defaults(args), **shared, **{k: v for k, v in entry.items() if k not in ("name", "path")}}
+        dataset = EvalDataset(name=str(entry["name"]), path=path, **values)
+        dataset.n_samples_per_eval_prompt = int(dataset.n_samples_per_eval_prompt)
+        dataset.num_steps = int(dataset.num_steps)
+        datasets.append(_check(dataset, entry_where))
+    names = [dataset.name for dataset in datasets]
+    if len(set(names)) != len(names):
+        raise MilesUserError(f"{where}: duplicate dataset names {names}")
+    return datasets
+
+
+def build_eval_datasets(args) -> list[EvalDataset]:
+    """The configured eval datasets ([] when none): `--eval-config` wins over `--eval-prompt-data`."""
+    config_path = getattr(args, "eval_config", None)
+    if config_path:
+        return _from_config(args, config_path)
+    pairs = getattr(args, "eval_prompt_data", None)
+    if pairs:
+        return _from_pairs(args, list(pairs))
+    return []

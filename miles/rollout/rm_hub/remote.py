@@ -1,0 +1,96 @@
+"""`remote_rm`: score samples through a user's HTTP reward service (`--rm-url`).
+
+Wire format (docs/rewards.md has the full description and an example server):
+
+request   POST <rm_url>, Content-Type: application/msgpack, body = msgpack map
+          {"samples": [{"prompt": str, "index": int, "group_index": int, "metadata": map,
+                        "image": {"dtype": "uint8", "shape": [F, H, W, 3], "data": bytes}}, ...]}
+response  200 with {"rewards": [float | {str: float}, ...]} (one per sample, same order), encoded as
+          msgpack (Content-Type application/msgpack) or JSON (application/json).
+
+A connection error, a timeout or a 5xx status is retried (`--rm-max-retries`, exponential back-off); a
+4xx status or a malformed body is a user error at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, Sequence
+
+import aiohttp
+import msgpack
+
+from miles.rollout.rm_hub.builtin import frames_uint8
+from miles.types import Sample
+from miles.utils.errors import MilesUserError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_MAX_RETRIES = 3
+MSGPACK_CONTENT_TYPE = "application/msgpack"
+
+
+def encode_request(samples: Sequence[Sample]) -> bytes:
+    payload = []
+    for sample in samples:
+        frames = frames_uint8(sample)
+        payload.append(
+            {
+                "prompt": sample.prompt,
+                "index": sample.index,
+                "group_index": sample.group_index,
+                "metadata": sample.metadata,
+                "image": {"dtype": "uint8", "shape": list(frames.shape), "data": frames.tobytes()},
+            }
+        )
+    return msgpack.packb({"samples": payload}, use_bin_type=True)
+
+
+def decode_response(body: bytes, content_type: str, url: str) -> list[Any]:
+    try:
+        if "json" in content_type:
+            decoded = json.loads(body)
+        else:
+            decoded = msgpack.unpackb(body, raw=False)
+    except Exception as err:
+        raise MilesUserError(f"--rm-url {url}: cannot decode the response ({content_type or 'no content type'}): {err}") from err
+    if not isinstance(decoded, dict) or not isinstance(decoded.get("rewards"), list):
+        raise MilesUserError(f"--rm-url {url}: the response must be a map with a 'rewards' list, got {str(decoded)[:200]!r}")
+    return decoded["rewards"]
+
+
+async def remote_rm(args, samples: Sequence[Sample]) -> list[Any]:
+    url = getattr(args, "rm_url", None)
+    if not url:
+        raise MilesUserError("--rm-type remote_rm needs --rm-url")
+    timeout_s = float(getattr(args, "rm_timeout", None) or DEFAULT_TIMEOUT_S)
+    max_retries = int(getattr(args, "rm_max_retries", DEFAULT_MAX_RETRIES) or 0)
+    body = encode_request(samples)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    last_error: str = ""
+    for attempt in range(max_retries + 1):
+        try:
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                async with session.post(url, data=body, headers={"Content-Type": MSGPACK_CONTENT_TYPE}) as response:
+                    content = await response.read()
+                    if response.status >= 500:
+                        last_error = f"HTTP {response.status}: {content[:200]!r}"
+                    elif response.status >= 400:
+                        raise MilesUserError(f"--rm-url {url}: HTTP {response.status}: {content[:300]!r}")
+                    else:
+                        rewards = decode_response(content, response.headers.get("Content-Type", ""), url)
+                        if len(rewards) != len(samples):
+                            raise MilesUserError(
+                                f"--rm-url {url}: returned {len(rewards)} rewards for {len(samples)} samples"
+                            )
+                        return rewards
+        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+            last_error = f"{type(err).__name__}: {err}"
+        if attempt < max_retries:
+            delay = min(2.0**attempt * 0.5, 10.0)
+            logger.warning("remote reward %s failed (%s); retry %d/%d in %.1fs", url, last_error, attempt + 1, max_retries, delay)
+            await asyncio.sleep(delay)
+    raise MilesUserError(f"--rm-url {url}: no valid response after {max_retries + 1} attempt(s): {last_error}")

@@ -1,0 +1,349 @@
+"""SFT data (`--loss-type sft_loss`): caption + image/video rows, encoded once into cached latents.
+
+SFT JSONL: one JSON object per line with the caption under `--input-key` and the media path under
+`image` or `video` (exactly one). Relative paths resolve against the JSONL file's folder. Supported media:
+- `image`: any file PIL opens (converted to RGB);
+- `video`: a folder of frame images (sorted by file name), or a file PIL reads frame by frame (GIF,
+  animated WebP/PNG, multi-page TIFF). Other containers (mp4, ...) are not read: extract frames first.
+Frames are strided by `--sft-frame-stride` (and cut to `--diffusion-output-num-frames` for video
+families), resized to cover `--diffusion-height/width` and center-cropped (ALGORITHMS.md §7).
+
+Encoding: the family's text encoders (`encode_prompt`, conditional only, §7) and the VAE
+(`encode_images`: the latent mean, `(z − shift_factor) · scaling_factor`), from `--sft-encoder-checkpoint`
+when given, else `--hf-checkpoint`. Each row's encoding is cached as one file in a folder keyed by the
+settings (family, size, stride, frames, encoder checkpoint); the file name hashes the row and its media's
+size and modification time, so an epoch (or a rerun) does not re-encode and an edited row is re-encoded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from miles.types import GuidanceConfig, Sample
+from miles.utils.errors import MilesUserError
+
+logger = logging.getLogger(__name__)
+
+MEDIA_KEYS = ("image", "video")
+CACHE_FORMAT_VERSION = 1
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif")
+# Families whose latent is the plain VAE latent [C, h, w] (no packing, no temporal axis).
+PLAIN_VAE_LATENT_FAMILIES = ("sd3",)
+
+
+@dataclass
+class SftRow:
+    caption: str
+    media_path: str
+    media_kind: str  # "image" or "video"
+    line: int
+    raw: str  # the JSONL line, part of the cache key
+
+
+def load_sft_rows(path: str, caption_key: str = "input") -> list[SftRow]:
+    """Read and check an SFT JSONL file (errors name the file and line)."""
+    if not os.path.isfile(path):
+        raise MilesUserError(f"SFT data file {path!r} does not exist")
+    folder = os.path.dirname(os.path.abspath(path))
+    rows: list[SftRow] = []
+    with open(path, encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise MilesUserError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from err
+            if not isinstance(record, dict):
+                raise MilesUserError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            caption = record.get(caption_key)
+            if not isinstance(caption, str) or not caption.strip():
+                raise MilesUserError(f"{where}: needs a non-empty caption string under {caption_key!r} (--input-key)")
+            kinds = [key for key in MEDIA_KEYS if key in record]
+            if len(kinds) != 1:
+                raise MilesUserError(f"{where}: needs exactly one of the keys {list(MEDIA_KEYS)}, got {sorted(record)}")
+            kind = kinds[0]
+            media = record[kind]
+            if not isinstance(media, str) or not media:
+                raise MilesUserError(f"{where}: {kind!r} must be a path string")
+            media_path = media if os.path.isabs(media) else os.path.join(folder, media)
+            if not os.path.exists(media_path):
+                raise MilesUserError(f"{where}: {kind} {media_path!r} does not exist")
+            rows.append(SftRow(caption=caption, media_path=media_path, media_kind=kind, line=line_number, raw=line.strip()))
+    if not rows:
+        raise MilesUserError(f"SFT data file {path!r} holds no rows")
+    return rows
+
+
+def _read_all_frames(row: SftRow, where: str) -> list[np.ndarray]:
+    from PIL import Image, ImageSequence
+
+    try:
+        if os.path.isdir(row.media_path):
+            names = sorted(name for name in os.listdir(row.media_path) if name.lower().endswith(IMAGE_SUFFIXES))
+            if not names:
+                raise MilesUserError(f"{where}: video folder {row.media_path!r} holds no frame images")
+            return [np.asarray(Image.open(os.path.join(row.media_path, name)).convert("RGB")) for name in names]
+        with Image.open(row.media_path) as image:
+            if row.media_kind == "image":
+                return [np.asarray(image.convert("RGB"))]
+            return [np.asarray(frame.convert("RGB")) for frame in ImageSequence.Iterator(image)]
+    except MilesUserError:
+        raise
+    except Exception as err:
+        raise MilesUserError(
+            f"{where}: cannot read {row.media_kind} {row.media_path!r} ({err}); videos must be frame folders or "
+            "files PIL reads frame by frame (GIF, animated WebP/PNG, TIFF)"
+        ) from err
+
+
+def center_crop(frame: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Resize (bicubic) so the frame covers height × width, then cut the center."""
+    from PIL import Image
+
+    source_h, source_w = frame.shape[:2]
+    scale = max(height / source_h, width / source_w)
+    resized_h, resized_w = max(height, round(source_h * scale)), max(width, round(source_w * scale))
+    image = Image.fromarray(frame)
+    if (resized_h, resized_w) != (source_h, source_w):
+        image = image.resize((resized_w, resized_h), Image.BICUBIC)
+    top, left = (resized_h - height) // 2, (resized_w - width) // 2
+    return np.array(image.crop((left, top, left + width, top + height)))  # a writable copy
+
+
+def read_frames(row: SftRow, height: int, width: int, frame_stride: int = 1, num_frames: int | None = None) -> np.ndarray:
+    """uint8 [F, height, width, 3]: frames strided by `frame_stride`, cut to `num_frames`, center-cropped."""
+    where = f"line {row.line}"
+    frames = _read_all_frames(row, where)[:: max(1, frame_stride)]
+    if num_frames is not None and num_frames > 1:
+        if len(frames) < num_frames:
+            raise MilesUserError(
+                f"{where}: video {row.media_path!r} has {len(frames)} frames after --sft-frame-stride {frame_stride}; "
+                f"--diffusion-output-num-frames asks for {num_frames}"
+            )
+        frames = frames[:num_frames]
+    return np.stack([center_crop(frame, height, width) for frame in frames])
+
+
+def encode_images(family: Any, pipe: Any, pixels: torch.Tensor) -> torch.Tensor:
+    """uint8 pixels [B, F, H, W, 3] -> the family's clean latents x0 (batched).
+
+    Uses the family's own `encode_images` when it defines one; otherwise the plain VAE path for image
+    families whose latent is the VAE latent: mean of the posterior, then `(z − shift_factor) · scaling_factor`
+    (the inverse of the family's decode).
+    """
+    own = getattr(family, "encode_images", None)
+    if callable(own):
+        return own(pipe, pixels)
+    if getattr(family, "family", None) not in PLAIN_VAE_LATENT_FAMILIES or getattr(family, "is_video", False):
+        raise MilesUserError(
+            f"SFT encoding for family {getattr(family, 'family', type(family).__name__)!r} is not supported yet "
+            f"(supported: {list(PLAIN_VAE_LATENT_FAMILIES)}); its latents need the family's own packing — give its "
+            "TrainPipelineConfig an encode_images(pipe, pixels) method"
+        )
+    if pixels.shape[1] != 1:
+        raise MilesUserError(f"family {family.family!r} trains on images; got {pixels.shape[1]} frames per row")
+    vae = pipe.vae
+    images = pixels[:, 0].permute(0, 3, 1, 2).float() / 127.5 - 1.0
+    with torch.no_grad():
+        latents = vae.encode(images.to(device=vae.device, dtype=vae.dtype)).latent_dist.mean.float()
+    shift = vae.config.shift_factor or 0.0
+    return (latents - shift) * vae.config.scaling_factor
+
+
+def _file_digest(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+def _media_stamp(path: str) -> str:
+    if os.path.isdir(path):
+        entries = sorted(os.listdir(path))
+        return json.dumps([(name, os.path.getsize(os.path.join(path, name)), os.path.getmtime(os.path.join(path, name))) for name in entries])
+    return f"{os.path.getsize(path)}:{os.path.getmtime(path)}"
+
+
+def _hash(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def _writable(folder: str) -> bool:
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK)
+
+
+def sft_cache_folder(args, data_path: str, family_name: str, encoder_path: str) -> str:
+    """`<cache root>/<hash of the data file and the encoding settings>`."""
+    root = getattr(args, "sft_cache_dir", None) or os.path.join(os.path.dirname(os.path.abspath(data_path)), ".miles_sft_cache")
+    if not getattr(args, "sft_cache_dir", None) and not _writable(root):
+        fallback = os.path.join(os.path.expanduser("~"), ".cache", "miles", "sft_cache")
+        logger.warning("SFT cache: %s is not writable; caching under %s instead", root, fallback)
+        root = fallback
+    key = _hash(
+        CACHE_FORMAT_VERSION,
+        _file_digest(data_path),
+        family_name,
+        os.path.abspath(encoder_path) if os.path.exists(encoder_path) else encoder_path,
+        args.diffusion_height,
+        args.diffusion_width,
+        int(getattr(args, "sft_frame_stride", 1) or 1),
+        int(getattr(args, "diffusion_output_num_frames", 1) or 1),
+    )
+    return os.path.join(root, key)
+
+
+def load_encoder_pipeline(family: Any, path: str, dtype: torch.dtype, device: str | torch.device) -> Any:
+    """The family's pipeline without its denoiser(s) when it is a plain diffusers family (encoders only)."""
+    if hasattr(family, "pipeline_class") and getattr(family, "model_backend", None) is None:
+        skip = {name: None for name in family.trainable_modules}
+        try:
+            pipe = family.pipeline_class().from_pretrained(path, dtype=dtype, **skip, **family.pipeline_from_pretrained_kwargs())
+        except Exception as err:
+            raise MilesUserError(f"SFT encoders: cannot load the pipeline at {path!r} (--sft-encoder-checkpoint / --hf-checkpoint): {err}") from err
+        pipe.to(device)
+        family.configure_pipeline(pipe)
+        return pipe
+    return family.load_pipeline(path, dtype, device)
+
+
+def build_sft_samples(
+    args,
+    family: Any | None = None,
+    pipe: Any | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    batch_size: int = 8,
+) -> list[Sample]:
+    """Every row of `--prompt-data` as a Sample with `clean_latents` and `conditioning`, from the cache when
+    possible. `family`/`pipe` default to the run's family and its encoders."""
+    from miles.models.common import build_train_pipeline_config, conditioning_unbatch
+
+    data_path = getattr(args, "prompt_data", None)
+    if not data_path:
+        raise MilesUserError("--loss-type sft_loss needs --prompt-data (an SFT JSONL of captions and image/video paths)")
+    rows = load_sft_rows(data_path, getattr(args, "input_key", None) or "input")
+    family = family or build_train_pipeline_config(args)
+    encoder_path = getattr(args, "sft_encoder_checkpoint", None) or args.hf_checkpoint
+    folder = sft_cache_folder(args, data_path, getattr(family, "family", type(family).__name__), encoder_path)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as err:
+        raise MilesUserError(f"SFT cache: cannot create {folder!r}: {err}") from err
+    row_files = [os.path.join(folder, f"{_hash(row.raw, _media_stamp(row.media_path))}.pt") for row in rows]
+    missing = [i for i, file in enumerate(row_files) if not os.path.exists(file)]
+    if missing:
+        logger.info("SFT: encoding %d of %d rows into %s", len(missing), len(rows), folder)
+        pipe = pipe or load_encoder_pipeline(family, encoder_path, dtype, device)
+        num_frames = int(getattr(args, "diffusion_output_num_frames", 1) or 1) if getattr(family, "is_video", False) else None
+        stride = int(getattr(args, "sft_frame_stride", 1) or 1)
+        for start in range(0, len(missing), batch_size):
+            chunk = missing[start : start + batch_size]
+            pixels = torch.from_numpy(
+                np.stack([read_frames(rows[i], args.diffusion_height, args.diffusion_width, stride, num_frames) for i in chunk])
+            )
+            try:
+                latents = encode_images(family, pipe, pixels)
+            except RuntimeError as err:  # e.g. mixed frame counts or a size the VAE cannot take
+                raise MilesUserError(f"{data_path}: encoding lines {[rows[i].line for i in chunk]} failed: {err}") from err
+            conditioning = family.encode_prompt(pipe, [rows[i].caption for i in chunk], None, GuidanceConfig(guidance_scale=1.0))
+            for i, latent, cond in zip(chunk, latents, conditioning_unbatch(conditioning)):
+                record = {
+                    "clean_latents": latent.detach().cpu().contiguous(),
+                    "conditioning": {key: value.detach().cpu().contiguous() for key, value in cond.items()},
+                }
+                temporary = row_files[i] + ".tmp"
+                torch.save(record, temporary)
+                os.replace(temporary, row_files[i])  # atomic: a crash never leaves a half-written cache entry
+    samples = []
+    for index, (row, file) in enumerate(zip(rows, row_files)):
+        record = torch.load(file, weights_only=True)
+        samples.append(
+            Sample(
+                prompt=row.caption,
+                index=index,
+                group_index=index,
+                metadata={"source": data_path, "line": row.line, "media": row.media_path},
+                clean_latents=record["clean_latents"],
+                conditioning=record["conditioning"],
+            )
+        )
+    return samples
+
+
+class SftDataSource:
+    """Epochs over the encoded SFT samples in a seeded permutation per epoch (`--rollout-seed` + epoch), with
+    the position in `state_dict()` for resume — the same contract as the rollout data source."""
+
+    def __init__(self, args, samples: Sequence[Sample]):
+        if not samples:
+            raise MilesUserError("SFT data: no samples")
+        self.samples = list(samples)
+        # Samples per rollout, as in RL: --rollout-batch-size × --n-samples-per-prompt (1 for SFT, usually).
+        self.batch_size = int(getattr(args, "rollout_batch_size", None) or 1) * int(
+            getattr(args, "n_samples_per_prompt", None) or 1
+        )
+        self.seed = int(getattr(args, "rollout_seed", 42) or 0)
+        self.epoch = 0
+        self.offset = 0
+        self._order = self._epoch_order(0)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(len(self.samples), generator=generator).tolist()
+
+    def get_samples(self, num_samples: int) -> list[Sample]:
+        batch = []
+        while len(batch) < num_samples:
+            if self.offset == len(self.samples):
+                self.epoch, self.offset = self.epoch + 1, 0
+                self._order = self._epoch_order(self.epoch)
+            batch.append(self.samples[self._order[self.offset]])
+            self.offset += 1
+        return batch
+
+    def next_batch(self, rollout_id: int | None = None) -> list[Sample]:
+        """The next `batch_size` samples as fresh copies (the trainer may annotate them), indexed 0..B−1."""
+        batch = [dataclasses.replace(sample, index=position) for position, sample in enumerate(self.get_samples(self.batch_size))]
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset, "num_samples": len(self.samples)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.offset = int(state["epoch"]), min(int(state["offset"]), len(self.samples))
+        self._order = self._epoch_order(self.epoch)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+def build_sft_dataset(args) -> SftDataSource:
+    """Encode (or read from the cache) every SFT row, then serve them epoch by epoch (`next_batch`).
+
+    Encodes in this process on its GPU when it has one (in `--diffusion-forward-dtype` there, fp32 on CPU);
+    the encoder pipeline is freed once the cache is complete.
+    """
+    from miles.models.common import parse_dtype
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = parse_dtype(getattr(args, "diffusion_forward_dtype", None) or "fp32") if device == "cuda" else torch.float32
+    samples = build_sft_samples(args, device=device, dtype=dtype, batch_size=int(getattr(args, "sft_encode_batch_size", None) or 8))
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return SftDataSource(args, samples)

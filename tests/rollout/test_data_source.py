@@ -1,0 +1,220 @@
+"""Prompt JSONL errors, epochs, seeded shuffling, the buffer, resume of the position, custom sources."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import uuid
+from argparse import Namespace
+
+import pytest
+
+from miles.rollout.data_source import (
+    RolloutDataSourceWithBuffer,
+    build_data_source,
+    compute_num_rollout,
+    load_prompt_data,
+    num_rollout_from_args,
+)
+from miles.utils.errors import MilesUserError
+
+
+def _write_prompts(tmp_path, count: int = 5, name: str = "prompts.jsonl") -> str:
+    path = tmp_path / name
+    path.write_text("".join(json.dumps({"input": f"prompt {i}", "metadata": {"id": i}}) + "\n" for i in range(count)))
+    return str(path)
+
+
+def _args(prompt_data, **overrides) -> Namespace:
+    values = dict(prompt_data=prompt_data, input_key="input", metadata_key="metadata", n_samples_per_prompt=2,
+                  rollout_seed=42, buffer_filter_path=None, data_source_path=None,
+                  disable_rollout_global_dataset=False, num_rollout=None, num_epoch=None, rollout_batch_size=2)
+    values.update(overrides)
+    return Namespace(**values)
+
+
+def _ids(groups) -> list[int]:
+    return [group[0].metadata["id"] for group in groups]
+
+
+def test_reads_prompts_metadata_and_line_numbers(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"text": "a cat", "meta": {"rm_type": "ocr"}}\n\n{"text": "a dog"}\n')
+    rows = load_prompt_data(str(path), "text", "meta")
+    assert [(r.prompt, r.metadata, r.line) for r in rows] == [("a cat", {"rm_type": "ocr"}, 1), ("a dog", {}, 3)]
+
+
+@pytest.mark.parametrize(
+    "second_line, message",
+    [
+        ('{"input": "a dog"', "not valid JSON"),
+        ('["a dog"]', "expected a JSON object, got list"),
+        ('{"prompt": "a dog"}', "no key 'input' \\(--input-key\\)"),
+        ('{"input": "   "}', "empty prompt"),
+        ('{"input": 3}', "'input' must be a string, got int"),
+        ('{"input": "a dog", "metadata": [1]}', "'metadata' \\(--metadata-key\\) must be a JSON object"),
+    ],
+)
+def test_bad_lines_name_the_file_and_line(tmp_path, second_line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"input": "a cat"}\n' + second_line + "\n")
+    with pytest.raises(MilesUserError, match=f"bad.jsonl:2: {message}"):
+        load_prompt_data(str(path), "input", "metadata")
+
+
+def test_missing_and_empty_files(tmp_path):
+    with pytest.raises(MilesUserError, match="does not exist"):
+        load_prompt_data(str(tmp_path / "nope.jsonl"))
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(MilesUserError, match="holds no prompts"):
+        load_prompt_data(str(tmp_path / "empty.jsonl"))
+    with pytest.raises(MilesUserError, match="--prompt-data is required"):
+        RolloutDataSourceWithBuffer(_args(None))
+
+
+def test_groups_epochs_and_seeded_shuffle(tmp_path):
+    source = RolloutDataSourceWithBuffer(_args(_write_prompts(tmp_path, 5)))
+    batches = [source.get_samples(2) for _ in range(5)]  # 10 prompts = 2 epochs
+    for batch in batches:
+        assert [len(group) for group in batch] == [2, 2]
+        assert [s.index for group in batch for s in group] == [0, 1, 2, 3]
+        assert batch[0][0].metadata is not batch[0][1].metadata  # each sample owns its metadata
+    group_indices = [group[0].group_index for batch in batches for group in batch]
+    assert group_indices == list(range(10))
+    order = [i for batch in batches for i in _ids(batch)]
+    first_epoch, second_epoch = order[:5], order[5:]
+    assert sorted(first_epoch) == sorted(second_epoch) == [0, 1, 2, 3, 4]
+    assert first_epoch != [0, 1, 2, 3, 4] or second_epoch != [0, 1, 2, 3, 4]  # shuffled
+    assert first_epoch != second_epoch  # a new permutation per epoch
+    assert source.epoch == 1
+    again = RolloutDataSourceWithBuffer(_args(_write_prompts(tmp_path, 5)))
+    assert [i for _ in range(5) for i in _ids(again.get_samples(2))] == order  # same seed, same order
+    other = RolloutDataSourceWithBuffer(_args(_write_prompts(tmp_path, 5), rollout_seed=7))
+    assert [i for _ in range(5) for i in _ids(other.get_samples(2))] != order
+    unshuffled = RolloutDataSourceWithBuffer(_args(_write_prompts(tmp_path, 5), rollout_shuffle=False))
+    assert _ids(unshuffled.get_samples(3)) == [0, 1, 2]
+
+
+def test_resume_continues_the_same_sequence(tmp_path):
+    path = _write_prompts(tmp_path, 5)
+    reference = RolloutDataSourceWithBuffer(_args(path))
+    expected = [_ids(reference.get_samples(2)) for _ in range(6)]
+    first = RolloutDataSourceWithBuffer(_args(path))
+    seen = [_ids(first.get_samples(2)) for _ in range(3)]  # stops mid-epoch 1
+    state = first.state_dict()
+    assert state["epoch"] == 1 and state["offset"] == 1 and state["group_counter"] == 6
+    resumed = RolloutDataSourceWithBuffer(_args(path))
+    resumed.load_state_dict(json.loads(json.dumps(state)))  # survives a JSON round trip
+    rest = [resumed.get_samples(2) for _ in range(3)]
+    assert seen + [_ids(batch) for batch in rest] == expected
+    assert rest[0][0][0].group_index == 6
+
+
+def test_buffer_is_served_first(tmp_path):
+    source = RolloutDataSourceWithBuffer(_args(_write_prompts(tmp_path, 5)))
+    partial = source.get_samples(2)
+    source.add_samples([partial[1]])
+    batch = source.get_samples(2)
+    assert batch[0] is partial[1]  # the buffered group comes back first, re-indexed
+    assert [s.index for s in batch[0]] == [0, 1]
+    assert batch[1][0].group_index == 2
+    assert source.buffer == []
+    with pytest.raises(MilesUserError, match="list of groups"):
+        source.add_samples([[]])
+
+
+BUFFER_FILTERS = """
+    SEEN = []
+
+    def newest(args, rollout_id, buffer, num_groups):
+        SEEN.append((rollout_id, len(buffer), num_groups))
+        return buffer[-1:]
+
+    def too_many(args, rollout_id, buffer, num_groups):
+        return buffer * 5
+
+    def three_args(args, buffer, num_groups):
+        return buffer
+"""
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def write(source: str) -> str:
+        name = f"user_data_{uuid.uuid4().hex[:8]}"
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+        return name
+
+    return write
+
+
+def test_buffer_filter_hook(tmp_path, user_module):
+    module = user_module(BUFFER_FILTERS)
+    source = RolloutDataSourceWithBuffer(_args(_write_prompts(tmp_path, 5), buffer_filter_path=f"{module}.newest"))
+    groups = source.get_samples(2)
+    source.add_samples(groups)
+    batch = source.get_samples(2, rollout_id=7)
+    assert batch[0] is groups[1] and source.buffer == [groups[0]]
+    assert __import__(module).SEEN == [(7, 2, 2)]
+    bad = RolloutDataSourceWithBuffer(_args(_write_prompts(tmp_path, 5), buffer_filter_path=f"{module}.too_many"))
+    bad.add_samples(bad.get_samples(1))
+    with pytest.raises(MilesUserError, match="at most 2 groups"):
+        bad.get_samples(2)
+    with pytest.raises(MilesUserError, match="--buffer-filter-path .* must accept 4 positional"):
+        RolloutDataSourceWithBuffer(_args(_write_prompts(tmp_path, 5), buffer_filter_path=f"{module}.three_args"))
+
+
+def test_disable_global_dataset_serves_only_the_buffer(tmp_path):
+    source = RolloutDataSourceWithBuffer(_args(None, disable_rollout_global_dataset=True))
+    assert source.get_samples(2) == []
+    feeder = RolloutDataSourceWithBuffer(_args(_write_prompts(tmp_path, 5)))
+    source.add_samples(feeder.get_samples(1))
+    assert len(source.get_samples(2)) == 1
+
+
+CUSTOM_SOURCE = """
+    from miles.types import Sample
+
+    class Counting:
+        def __init__(self, args):
+            self.args, self.position = args, 0
+        def get_samples(self, num_groups):
+            groups = [[Sample(prompt=f"generated {self.position + g}", group_index=self.position + g)]
+                      for g in range(num_groups)]
+            self.position += num_groups
+            return groups
+        def add_samples(self, groups):
+            pass
+        def state_dict(self):
+            return {"position": self.position}
+        def load_state_dict(self, state):
+            self.position = state["position"]
+
+    class Incomplete:
+        def __init__(self, args):
+            pass
+        def get_samples(self, num_groups):
+            return []
+"""
+
+
+def test_custom_data_source_class(user_module):
+    module = user_module(CUSTOM_SOURCE)
+    source = build_data_source(_args(None, data_source_path=f"{module}.Counting", disable_rollout_global_dataset=True))
+    assert [g[0].prompt for g in source.get_samples(2)] == ["generated 0", "generated 1"]
+    with pytest.raises(MilesUserError, match=r"--data-source-path .*missing method\(s\) \['add_samples', 'state_dict', 'load_state_dict'\]"):
+        build_data_source(_args(None, data_source_path=f"{module}.Incomplete"))
+    with pytest.raises(MilesUserError, match="--data-source-path"):
+        build_data_source(_args(None, data_source_path=f"{module}.Nope"))
+
+
+def test_num_rollout_derivation(tmp_path):
+    assert compute_num_rollout(None, 3, 10, 4) == 8  # ceil(30 / 4)
+    assert compute_num_rollout(5, 3, 10, 4) == 5  # --num-rollout wins
+    assert compute_num_rollout(None, None, 10, 4) == 3  # one epoch
+    path = _write_prompts(tmp_path, 5)
+    assert num_rollout_from_args(_args(path, num_epoch=2, rollout_batch_size=4)) == 3
+    with pytest.raises(MilesUserError, match="set --num-rollout"):
+        num_rollout_from_args(_args(None, disable_rollout_global_dataset=True))

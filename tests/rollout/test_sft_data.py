@@ -1,0 +1,163 @@
+"""SFT data: JSONL rows, frames, center crop, VAE + text encoding with the tiny SD3, and the cache."""
+
+from __future__ import annotations
+
+import json
+import os
+from argparse import Namespace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import miles.rollout.sft_data as sft_data
+from miles.rollout.sft_data import SftDataSource, SftRow, build_sft_dataset, build_sft_samples, center_crop, encode_images, load_sft_rows, read_frames
+from miles.types import GuidanceConfig
+from miles.utils.errors import MilesUserError
+
+
+def _save_image(path, height: int, width: int, seed: int) -> np.ndarray:
+    pixels = np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path)
+    return pixels
+
+
+def _write_jsonl(path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_rows_resolve_relative_paths_and_name_bad_lines(tmp_path):
+    (tmp_path / "media").mkdir()
+    _save_image(tmp_path / "media" / "a.png", 8, 8, 0)
+    data = _write_jsonl(tmp_path / "sft.jsonl", [{"caption": "a", "image": "media/a.png"}])
+    (row,) = load_sft_rows(data, "caption")
+    assert row.media_path == str(tmp_path / "media" / "a.png") and row.media_kind == "image" and row.line == 1
+    bad_rows = [
+        ({"image": "media/a.png"}, "non-empty caption string under 'caption'"),
+        ({"caption": "a"}, "exactly one of the keys"),
+        ({"caption": "a", "image": "media/a.png", "video": "media"}, "exactly one of the keys"),
+        ({"caption": "a", "image": "media/missing.png"}, "missing.png' does not exist"),
+    ]
+    for record, message in bad_rows:
+        path = _write_jsonl(tmp_path / "bad.jsonl", [{"caption": "ok", "image": "media/a.png"}, record])
+        with pytest.raises(MilesUserError, match=f"bad.jsonl:2: .*{message}"):
+            load_sft_rows(path, "caption")
+    (tmp_path / "broken.jsonl").write_text("{nope\n")
+    with pytest.raises(MilesUserError, match="broken.jsonl:1: not valid JSON"):
+        load_sft_rows(str(tmp_path / "broken.jsonl"), "caption")
+
+
+def test_center_crop_and_frame_stride(tmp_path):
+    wide = np.random.default_rng(0).integers(0, 256, size=(32, 64, 3), dtype=np.uint8)
+    assert np.array_equal(center_crop(wide, 32, 32), wide[:, 16:48])  # no resize needed: the middle columns
+    assert center_crop(wide, 16, 16).shape == (16, 16, 3)  # downscaled to cover, then cropped
+    assert center_crop(wide[:8, :8], 16, 24).shape == (16, 24, 3)  # upscaled to cover
+    folder = tmp_path / "clip"
+    folder.mkdir()
+    for i in range(6):
+        Image.fromarray(np.full((16, 16, 3), i * 40, np.uint8)).save(folder / f"{i:03d}.png")
+    row = SftRow(caption="c", media_path=str(folder), media_kind="video", line=1, raw="")
+    frames = read_frames(row, 16, 16, frame_stride=2)
+    assert frames.shape == (3, 16, 16, 3) and frames[:, 0, 0, 0].tolist() == [0, 80, 160]
+    assert read_frames(row, 16, 16, frame_stride=1, num_frames=4).shape[0] == 4
+    with pytest.raises(MilesUserError, match="has 3 frames after --sft-frame-stride 2"):
+        read_frames(row, 16, 16, frame_stride=2, num_frames=5)
+    gif = tmp_path / "clip.gif"
+    images = [Image.fromarray(np.full((16, 16, 3), i * 40, np.uint8)) for i in range(4)]
+    images[0].save(gif, save_all=True, append_images=images[1:])
+    gif_row = SftRow(caption="c", media_path=str(gif), media_kind="video", line=1, raw="")
+    assert read_frames(gif_row, 16, 16, frame_stride=3).shape[0] == 2
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    with pytest.raises(MilesUserError, match="cannot read image"):
+        read_frames(SftRow("c", str(tmp_path / "bad.png"), "image", 1, ""), 16, 16)
+
+
+def test_unsupported_family_is_a_clear_error():
+    class PackedFamily:
+        family = "ltx"
+        is_video = True
+
+    with pytest.raises(MilesUserError, match="SFT encoding for family 'ltx' is not supported yet"):
+        encode_images(PackedFamily(), None, torch.zeros(1, 1, 8, 8, 3, dtype=torch.uint8))
+
+
+@pytest.fixture(scope="module")
+def sd3(tiny_checkpoint):
+    from miles.models.common import build_train_pipeline_config
+    from miles.rollout.sft_data import load_encoder_pipeline
+
+    path = tiny_checkpoint("sd3")
+    family = build_train_pipeline_config(Namespace(hf_checkpoint=path, diffusion_model_family="sd3"))
+    return path, family, load_encoder_pipeline(family, path, torch.float32, "cpu")
+
+
+def test_sd3_encoding_and_cache(tmp_path, sd3, monkeypatch):
+    path, family, pipe = sd3
+    assert getattr(pipe, "transformer", None) is None  # encoders only
+    originals = [_save_image(tmp_path / f"{i}.png", 40, 56, i) for i in range(3)]
+    data = _write_jsonl(tmp_path / "sft.jsonl", [{"input": f"caption {i}", "image": f"{i}.png"} for i in range(3)])
+    args = Namespace(prompt_data=data, input_key="input", hf_checkpoint=path, diffusion_model_family="sd3",
+                     sft_encoder_checkpoint=None, diffusion_height=32, diffusion_width=32, sft_frame_stride=1,
+                     diffusion_output_num_frames=1, sft_cache_dir=str(tmp_path / "cache"))
+    samples = build_sft_samples(args, family=family, pipe=pipe, batch_size=2)
+    assert [s.prompt for s in samples] == ["caption 0", "caption 1", "caption 2"]
+    assert [s.metadata["line"] for s in samples] == [1, 2, 3]
+    assert samples[0].clean_latents.shape == (4, 8, 8)
+
+    # x0 = (mean(VAE posterior) - shift) * scale of the center-cropped image (the inverse of the family's decode).
+    cropped = torch.from_numpy(center_crop(originals[1], 32, 32)).permute(2, 0, 1)[None].float() / 127.5 - 1
+    with torch.no_grad():
+        posterior_mean = pipe.vae.encode(cropped).latent_dist.mean
+    expected = (posterior_mean - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
+    torch.testing.assert_close(samples[1].clean_latents, expected[0], rtol=1e-5, atol=1e-5)
+    conditioning = family.encode_prompt(pipe, ["caption 1"], None, GuidanceConfig(guidance_scale=1.0))
+    assert set(samples[1].conditioning) == set(conditioning) == {"prompt_embeds", "pooled_prompt_embeds"}
+    for key, value in conditioning.items():
+        torch.testing.assert_close(samples[1].conditioning[key], value[0])
+
+    # A second pass reads the cache; an edited image is re-encoded alone.
+    encoded_batches = []
+    real_encode = sft_data.encode_images
+    monkeypatch.setattr(sft_data, "encode_images", lambda f, p, pixels: encoded_batches.append(len(pixels)) or real_encode(f, p, pixels))
+    again = build_sft_samples(args, family=family, pipe=pipe)
+    assert encoded_batches == []
+    for first, second in zip(samples, again):
+        assert torch.equal(first.clean_latents, second.clean_latents)
+    _save_image(tmp_path / "2.png", 40, 56, 99)
+    os.utime(tmp_path / "2.png", (1, 1))  # a different modification time
+    edited = build_sft_samples(args, family=family, pipe=pipe)
+    assert encoded_batches == [1]
+    assert not torch.equal(edited[2].clean_latents, samples[2].clean_latents)
+    assert torch.equal(edited[0].clean_latents, samples[0].clean_latents)
+
+    # The run's entry point reads the complete cache without loading any model, then serves batches.
+    monkeypatch.setattr(sft_data, "load_encoder_pipeline", lambda *a: pytest.fail("the cache was complete"))
+    dataset = build_sft_dataset(Namespace(**{**vars(args), "rollout_batch_size": 2, "n_samples_per_prompt": 1}))
+    batch = dataset.next_batch(0)
+    assert [s.index for s in batch] == [0, 1] and len(dataset.next_batch(1)) == 2
+    by_prompt = {s.prompt: s for s in edited}
+    for sample in batch:
+        assert torch.equal(sample.clean_latents, by_prompt[sample.prompt].clean_latents)
+
+    video_data = _write_jsonl(tmp_path / "video.jsonl", [{"input": "v", "video": str(tmp_path)}])
+    with pytest.raises(MilesUserError, match="trains on images"):
+        build_sft_samples(Namespace(**{**vars(args), "prompt_data": video_data}), family=family, pipe=pipe)
+
+
+def test_sft_data_source_epochs_and_resume():
+    from miles.types import Sample
+
+    samples = [Sample(prompt=f"c{i}", index=i) for i in range(5)]
+    args = Namespace(rollout_seed=3)
+    source = SftDataSource(args, samples)
+    order = [s.index for _ in range(4) for s in source.get_samples(3)]  # 12 = 2 epochs + 2
+    assert sorted(order[:5]) == sorted(order[5:10]) == [0, 1, 2, 3, 4] and order[:5] != order[5:10]
+    first = SftDataSource(args, samples)
+    first.get_samples(7)
+    resumed = SftDataSource(args, samples)
+    resumed.load_state_dict(first.state_dict())
+    assert [s.index for s in resumed.get_samples(5)] == order[7:12]
+    with pytest.raises(MilesUserError, match="no samples"):
+        SftDataSource(args, [])
