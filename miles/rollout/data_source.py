@@ -5,9 +5,8 @@ metadata (a JSON object) under `--metadata-key` (default "metadata"); blank line
 line is a `MilesUserError` naming the file and the line.
 
 Order: every epoch walks the prompts in a fresh permutation drawn from `--rollout-seed` + epoch, so a run
-is reproducible and a resumed run continues the same order (`args.rollout_shuffle = False`, when the
-parser defines it, keeps file order). The position (epoch, offset in the epoch, group counter) is in
-`state_dict()` and goes into checkpoints.
+is reproducible and a resumed run continues the same order (`--no-rollout-shuffle` keeps file order).
+The position (epoch, offset in the epoch, group counter) is in `state_dict()` and goes into checkpoints.
 """
 
 from __future__ import annotations
@@ -117,7 +116,7 @@ class RolloutDataSource:
         self.args = args
         self.n_samples_per_prompt = int(getattr(args, "n_samples_per_prompt", 1) or 1)
         self.seed = int(getattr(args, "rollout_seed", 42) or 0)
-        self.shuffle = bool(getattr(args, "rollout_shuffle", True))
+        self.shuffle = not getattr(args, "no_rollout_shuffle", False)
         self.rows: list[PromptRow] = []
         if not getattr(args, "disable_rollout_global_dataset", False):
             if not getattr(args, "prompt_data", None):

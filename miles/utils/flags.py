@@ -281,6 +281,12 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
         F("--start-rollout-id", int, None, "First rollout id; resumed from --load when unset.", ge=0),
         F("--sft-encoder-checkpoint", str, None, "SFT only: tokenizer/text_encoder/vae source."),
         F("--sft-frame-stride", int, 1, "SFT encode temporal stride.", ge=1),
+        F("--sft-cache-dir", str, None, "Where SFT encodings are cached; default <jsonl folder>/.miles_sft_cache.",
+          extension=True),
+        F("--sft-encode-batch-size", int, 8, "Images encoded per VAE/text-encoder call for SFT data.", ge=1,
+          extension=True),
+        S("--no-rollout-shuffle", "Walk --prompt-data in file order instead of a seeded permutation per epoch.",
+          extension=True),
     ]),
     ("Evaluation", [
         F("--eval-interval", int, None, "Evaluate every N rollouts. Requires --eval-prompt-data or --eval-config.",

@@ -91,7 +91,7 @@ def test_groups_epochs_and_seeded_shuffle(tmp_path):
     assert [i for _ in range(5) for i in _ids(again.get_samples(2))] == order  # same seed, same order
     other = RolloutDataSourceWithBuffer(_args(_write_prompts(tmp_path, 5), rollout_seed=7))
     assert [i for _ in range(5) for i in _ids(other.get_samples(2))] != order
-    unshuffled = RolloutDataSourceWithBuffer(_args(_write_prompts(tmp_path, 5), rollout_shuffle=False))
+    unshuffled = RolloutDataSourceWithBuffer(_args(_write_prompts(tmp_path, 5), no_rollout_shuffle=True))
     assert _ids(unshuffled.get_samples(3)) == [0, 1, 2]
 
 
