@@ -465,15 +465,31 @@ def first_tensor(out: Any) -> torch.Tensor:
     return out
 
 
-def measure(model, kwargs, device: torch.device, warmup: int, repeats: int) -> dict:
+def _sdpa_flops_gqa(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """Fused attention FLOPs that also allow fewer key/value heads than query heads (grouped-query attention,
+    which torch's own formula rejects): 2·B·Hq·Lq·Lk·(Dqk + Dv)."""
+    batch, query_heads, query_len, head_dim = query_shape
+    key_len, value_dim = key_shape[-2], value_shape[-1]
+    return 2 * batch * query_heads * query_len * key_len * (head_dim + value_dim)
+
+
+def _flop_counter():
     from torch.utils.flop_counter import FlopCounterMode
+
+    aten = torch.ops.aten
+    sdpa_ops = [aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention,
+                aten._scaled_dot_product_cudnn_attention]
+    return FlopCounterMode(display=False, custom_mapping={op: _sdpa_flops_gqa for op in sdpa_ops})
+
+
+def measure(model, kwargs, device: torch.device, warmup: int, repeats: int) -> dict:
 
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     with torch.no_grad():
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        counter = FlopCounterMode(display=False)
+        counter = _flop_counter()
         with counter:  # the counted forward doubles as the first warm-up
             out = model(**kwargs)
         sample = first_tensor(out)
