@@ -1,0 +1,531 @@
+"""The per-rank FSDP2 trainer: one rollout's samples in, optimizer steps out (ALGORITHMS.md §5–§9).
+
+`train()` reads as one rollout: samples → pairs (train_data.py) → optional old-log-prob recompute → for each
+optimizer window: micro-batch forwards (the family's CFG-combined `predict_velocity`), the math core's loss,
+backward on Σ/Q → unscale (fp16) → clip → AdamW → LR step; then one EMA update. Metrics are Σtotal/Σcount over
+micro-batches and ranks. Checkpoints and weight export live in checkpoint.py and weight_export.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import time
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from miles.backends.fsdp_utils import deterministic
+from miles.backends.fsdp_utils.parallel_dims import ParallelDims
+from miles.backends.fsdp_utils.parallelize import parallelize_module, trainer_dtypes
+from miles.backends.fsdp_utils.train_data import (
+    TrainBatch,
+    collate,
+    convert_samples_to_train_data,
+    plan_rank_train_data,
+)
+from miles.models.base import GenerationShape
+from miles.types import GuidanceConfig, Sample
+from miles.utils.errors import MilesUserError
+from miles.utils.imports import load_function
+
+logger = logging.getLogger(__name__)
+
+LOSS_TYPES = ("policy_loss", "nft", "sft_loss", "custom_loss")
+PEAK_TFLOPS_BY_DEVICE = {"H200": 989.5, "H100": 989.5, "H800": 989.5, "A100": 312.0, "B200": 2250.0}
+
+
+def resolve_ref_mode(args) -> str:
+    """`--ref-mode`, else the auto rule of §5/§6: lora_base when KL > 0, ema under nft, else none."""
+    mode = getattr(args, "ref_mode", None)
+    kl_beta = float(getattr(args, "diffusion_kl_beta", 0.0) or 0.0)
+    use_lora = bool(getattr(args, "use_lora", False))
+    use_ema = bool(getattr(args, "use_ema", False))
+    if mode is None:
+        if args.loss_type == "nft":
+            mode = "ema" if use_ema else ("lora_base" if use_lora else "none")
+        elif kl_beta > 0:
+            mode = "lora_base"
+        else:
+            mode = "none"
+    if mode not in ("none", "lora_base", "ema"):
+        raise MilesUserError(f"--ref-mode {mode!r}: expected none, lora_base or ema")
+    if mode == "lora_base" and not use_lora:
+        raise MilesUserError("--ref-mode lora_base (the default when --diffusion-kl-beta > 0) requires --use-lora")
+    if mode == "ema" and not use_ema:
+        raise MilesUserError("--ref-mode ema requires --use-ema")
+    if kl_beta > 0 and mode == "none" and args.loss_type in ("policy_loss", "custom_loss"):
+        raise MilesUserError("--diffusion-kl-beta > 0 needs a reference: --ref-mode lora_base (with --use-lora) or ema")
+    return mode
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    import os
+
+    if os.environ.get("MILES_PEAK_TFLOPS"):
+        return float(os.environ["MILES_PEAK_TFLOPS"])
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((value for key, value in PEAK_TFLOPS_BY_DEVICE.items() if key in name), None)
+
+
+class _MetricSums:
+    """Σ value and Σ count per metric name, kept on the device (one host sync per rollout, in `reduce`);
+    `add_max` metrics reduce with max."""
+
+    def __init__(self):
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, int] = {}
+        self.maxima: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, values: torch.Tensor) -> None:
+        values = values.detach().to(torch.float64).reshape(-1)
+        total = values.sum()
+        self.sums[name] = total if name not in self.sums else self.sums[name] + total
+        self.counts[name] = self.counts.get(name, 0) + values.numel()
+
+    def add_max(self, name: str, value: torch.Tensor) -> None:
+        value = value.detach().to(torch.float64).reshape(())
+        self.maxima[name] = value if name not in self.maxima else torch.maximum(self.maxima[name], value)
+
+    def reduce(self, device) -> dict[str, float]:
+        result: dict[str, float] = {}
+        names = sorted(self.sums)
+        if names:
+            totals = torch.stack([self.sums[n].to(device) for n in names])
+            counts = torch.tensor([float(self.counts[n]) for n in names], dtype=torch.float64, device=device)
+            packed = torch.stack([totals, counts])
+            if dist.is_initialized():
+                dist.all_reduce(packed)
+            packed = packed.cpu()
+            result.update({n: float(packed[0, i] / max(float(packed[1, i]), 1.0)) for i, n in enumerate(names)})
+        max_names = sorted(self.maxima)
+        if max_names:
+            packed = torch.stack([self.maxima[n].to(device) for n in max_names])
+            if dist.is_initialized():
+                dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+            result.update({n: float(v) for n, v in zip(max_names, packed.cpu().tolist())})
+        return result
+
+
+class DiffusionTrainer:
+    """One trainer rank. Needs torch.distributed initialised (world size 1 works too)."""
+
+    def __init__(self, args, family, device: torch.device | str = "cpu"):
+        if args.loss_type not in LOSS_TYPES:
+            raise MilesUserError(f"--loss-type {args.loss_type!r}: expected one of {', '.join(LOSS_TYPES)}")
+        self.args = args
+        self.family = family
+        self.device = torch.device(device)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.dims = ParallelDims.from_args(args, self.world_size)
+        self.dp_rank = self.dims.dp_rank(self.rank)
+        self.forward_dtype, self.master_dtype, self.reduce_dtype = trainer_dtypes(args)
+        self.ref_mode = resolve_ref_mode(args)
+        if getattr(args, "use_ema", False) and self.ref_mode != "ema" and getattr(args, "ema_rollout_policy", "live") != "ema":
+            raise MilesUserError("--use-ema needs a consumer: --ref-mode ema or --ema-rollout-policy ema")
+        if getattr(args, "ema_rollout_policy", "live") == "ema" and not getattr(args, "use_ema", False):
+            raise MilesUserError("--ema-rollout-policy ema requires --use-ema")
+        if getattr(args, "diffusion_recompute_old_log_prob", False) and args.loss_type != "policy_loss":
+            raise MilesUserError("--diffusion-recompute-old-log-prob applies to --loss-type policy_loss only")
+        self.guidance = GuidanceConfig(
+            guidance_scale=float(getattr(args, "diffusion_guidance_scale", 4.0)),
+            guidance_scale_2=getattr(args, "diffusion_guidance_scale_2", None),
+            true_cfg_scale=getattr(args, "diffusion_true_cfg_scale", None),
+        )
+        self.shape = GenerationShape(
+            height=int(getattr(args, "diffusion_height", 512)),
+            width=int(getattr(args, "diffusion_width", 512)),
+            num_frames=int(getattr(args, "diffusion_output_num_frames", 1) or 1),
+            fps=getattr(args, "diffusion_fps", None),
+        )
+        self.module_names = self._module_names()
+        self.model: nn.ModuleDict | None = None
+        self.ema = None
+        self.flops_per_pair: float | None = None
+        self.global_step = 0
+
+    def _module_names(self) -> list[str]:
+        value = getattr(self.args, "update_weight_target_module", None)
+        if not value:
+            return list(self.family.trainable_modules)
+        names = value.split(",") if isinstance(value, str) else list(value)
+        return [n.strip() for n in names if n.strip()]
+
+    # ------------------------------------------------------------------------------------------------
+    # construction
+    # ------------------------------------------------------------------------------------------------
+    def init(self) -> int:
+        """Load, LoRA, shard, optimizer, scheduler, EMA, resume. Returns the first rollout id to run."""
+        args = self.args
+        deterministic.apply_deterministic_mode(args)
+        self.mesh = self.dims.build_mesh(self.device.type)
+        modules = self.family.load_modules(args.hf_checkpoint, self.module_names, self.master_dtype)
+        deterministic.seed_everything(int(args.seed))  # identical LoRA init on every rank
+        for name, module in modules.items():
+            if getattr(args, "use_lora", False):
+                self._add_lora(name, module)
+            else:
+                module.requires_grad_(True)
+            parallelize_module(module, self.family, args, self.dims, self.mesh, name, self.device)
+        self.model = nn.ModuleDict(modules)
+        self.trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        if not self.trainable:
+            raise MilesUserError("no trainable parameters: check --lora-target-modules / --update-weight-target-module")
+        self.optimizer = torch.optim.AdamW(
+            [p for _, p in self.trainable],
+            lr=float(args.lr),
+            betas=(float(getattr(args, "adam_beta1", 0.9)), float(getattr(args, "adam_beta2", 0.999))),
+            eps=float(getattr(args, "adam_eps", 1e-8)),
+            weight_decay=float(getattr(args, "weight_decay", 0.0)),
+            fused=self.device.type == "cuda" and not getattr(args, "fsdp_cpu_offload", False),
+        )
+        from miles.diffusion.lr_scheduler import build_lr_scheduler
+        from miles.diffusion.sde import build_sde_backend
+
+        num_rollout = int(getattr(args, "num_rollout", None) or 1)
+        steps_per_rollout = int(getattr(args, "num_steps_per_rollout", None) or 1)
+        self.lr_scheduler = build_lr_scheduler(args, self.optimizer, num_rollout * steps_per_rollout)
+        if getattr(args, "use_ema", False):
+            from miles.diffusion.ema import EMA
+
+            self.ema = EMA(
+                self.trainable,
+                decay_init=float(getattr(args, "ema_decay_init", 0.001)),
+                decay_ramp=float(getattr(args, "ema_decay_ramp", 0.001)),
+                decay_max=float(getattr(args, "ema_decay_max", 0.5)),
+                flat_steps=int(getattr(args, "ema_decay_flat_steps", 0) or 0),
+            )
+        self.sde = build_sde_backend(
+            getattr(args, "diffusion_sde_type", "sde"),
+            float(getattr(args, "diffusion_noise_level", 0.7)),
+            bool(getattr(args, "diffusion_log_prob_no_const", False)),
+            getattr(args, "sde_step_backend_path", None),
+        )
+        if args.loss_type == "policy_loss" and (self.sde.kind == "ode" or self.sde.noise_level <= 0):
+            raise MilesUserError(
+                "--loss-type policy_loss needs a stochastic step: --diffusion-sde-type sde or cps with "
+                "--diffusion-noise-level > 0"
+            )
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.forward_dtype == torch.float16)
+        self.custom_loss = None
+        if args.loss_type == "custom_loss":
+            from miles.diffusion.losses import load_custom_loss
+
+            if not getattr(args, "custom_loss_function_path", None):
+                raise MilesUserError("--loss-type custom_loss requires --custom-loss-function-path")
+            self.custom_loss = load_custom_loss(args.custom_loss_function_path)
+        prepare_path = getattr(args, "custom_prepare_train_batch_path", None)
+        self.prepare_batch = (
+            load_function(prepare_path, "--custom-prepare-train-batch-path", 2) if prepare_path else None
+        )
+        from miles.backends.fsdp_utils.checkpoint import load_checkpoint
+
+        start_rollout_id = load_checkpoint(self)
+        if getattr(args, "start_rollout_id", None) is not None:
+            start_rollout_id = int(args.start_rollout_id)
+        return start_rollout_id
+
+    def _add_lora(self, name: str, module: nn.Module) -> None:
+        from peft import LoraConfig
+
+        args = self.args
+        targets = getattr(args, "lora_target_modules", None) or list(self.family.default_lora_target_modules)
+        if not targets:
+            raise MilesUserError(f"--use-lora: the family names no default LoRA targets; pass --lora-target-modules")
+        init = getattr(args, "lora_init_weights", "gaussian") or "gaussian"
+        init_value = {"kaiming-uniform": True, "true": True, "false": False}.get(str(init).lower(), init)
+        config = LoraConfig(
+            r=int(getattr(args, "lora_rank", 64)),
+            lora_alpha=int(getattr(args, "lora_alpha", 64)),
+            target_modules=list(targets),
+            init_lora_weights=init_value,
+        )
+        module.requires_grad_(False)
+        try:
+            module.add_adapter(config)
+        except ValueError as err:  # PEFT: no target matched, or an unknown init scheme
+            raise MilesUserError(f"--use-lora on {name!r}: {err}") from err
+        self.lora_config = config
+
+    # ------------------------------------------------------------------------------------------------
+    # forwards
+    # ------------------------------------------------------------------------------------------------
+    def velocity(self, latents, sigmas, conditioning, guidance: GuidanceConfig) -> torch.Tensor:
+        """The family's CFG-combined velocity in fp32 (the same function the engine samples with)."""
+        return self.family.predict_velocity(
+            self.model, latents, sigmas, conditioning, guidance, self.shape, self.forward_dtype
+        )
+
+    @contextlib.contextmanager
+    def reference_weights(self):
+        """No-grad context with the reference policy in the live modules (`--ref-mode`, §5/§8)."""
+        with torch.no_grad():
+            if self.ref_mode == "ema":
+                with self.ema.swapped():
+                    yield
+            elif self.ref_mode == "lora_base":
+                for module in self.model.values():
+                    module.disable_adapters()
+                try:
+                    yield
+                finally:
+                    for module in self.model.values():
+                        module.enable_adapters()
+            else:
+                yield
+
+    def _pair_noise(self, batch: TrainBatch, rollout_id: int) -> torch.Tensor:
+        noises = []
+        for pair in batch.pairs:
+            generator = deterministic.pair_generator(int(self.args.seed), rollout_id, pair.sample_index, pair.step_index)
+            noises.append(torch.randn(tuple(pair.latents.shape), generator=generator, dtype=torch.float32))
+        return torch.stack(noises).to(self.device)
+
+    # ------------------------------------------------------------------------------------------------
+    # losses
+    # ------------------------------------------------------------------------------------------------
+    def _rl_loss(self, batch: TrainBatch, window_index: int, metrics: _MetricSums):
+        from miles.diffusion.losses import LossInputs, call_custom_loss, kl_to_reference, policy_loss
+
+        args = self.args
+        kl_beta = float(getattr(args, "diffusion_kl_beta", 0.0) or 0.0)
+        velocity = self.velocity(batch.latents, batch.sigmas, batch.conditioning, self.guidance)
+        step = self.sde.log_prob(
+            batch.latents, velocity, batch.next_latents, batch.sigmas, batch.sigmas_next, batch.sigmas_1
+        )
+        recompute = getattr(args, "diffusion_recompute_old_log_prob", False)
+        old_log_prob = step.log_prob.detach() if (recompute and window_index == 0) else batch.old_log_probs
+        ref_mean = ref_velocity = None
+        if kl_beta > 0 or (self.custom_loss is not None and self.ref_mode != "none"):
+            with self.reference_weights():
+                ref_velocity = self.velocity(batch.latents, batch.sigmas, batch.conditioning, self.guidance)
+                ref_mean = self.sde.log_prob(
+                    batch.latents, ref_velocity, batch.next_latents, batch.sigmas, batch.sigmas_next, batch.sigmas_1
+                ).mean
+        if self.custom_loss is not None:
+            inputs = LossInputs(
+                advantages=batch.advantages,
+                new_log_prob=step.log_prob,
+                old_log_prob=old_log_prob,
+                rollout_log_prob=batch.old_log_probs,
+                velocity=velocity,
+                ref_velocity=ref_velocity,
+                mean=step.mean,
+                ref_mean=ref_mean,
+                std=step.std,
+                diffusion_coef=step.diffusion_coef,
+                latents=batch.latents,
+                next_latents=batch.next_latents,
+                sigma=batch.sigmas,
+                sigma_next=batch.sigmas_next,
+                sample_indices=torch.tensor([p.sample_index for p in batch.pairs]),
+                step_indices=torch.tensor([p.step_index for p in batch.pairs]),
+                loss_mask=batch.loss_mask,
+                extra=batch.extra,
+            )
+            loss, pair_metrics = call_custom_loss(self.custom_loss, args, inputs)
+        else:
+            kl = kl_to_reference(step.mean, ref_mean, step.diffusion_coef) if kl_beta > 0 else None
+            loss, pair_metrics = policy_loss(
+                step.log_prob,
+                old_log_prob,
+                batch.advantages,
+                float(args.diffusion_clip_range),
+                float(args.diffusion_adv_clip_max),
+                kl=kl,
+                kl_beta=kl_beta,
+            )
+        if window_index == 0:
+            metrics.add("rollout_train_log_prob_abs_diff", (step.log_prob.detach() - batch.old_log_probs).abs())
+        self._debug_metrics(batch, velocity, metrics)
+        return loss, pair_metrics
+
+    def _nft_or_sft_loss(self, batch: TrainBatch, rollout_id: int, metrics: _MetricSums):
+        from miles.diffusion.losses import forward_noise, nft_loss, sft_loss
+
+        args = self.args
+        noise = self._pair_noise(batch, rollout_id)
+        clean = batch.latents
+        noised = forward_noise(clean, noise, batch.sigmas)
+        no_cfg = GuidanceConfig(guidance_scale=1.0)
+        v_theta = self.velocity(noised, batch.sigmas, batch.conditioning, no_cfg)
+        if args.loss_type == "sft_loss":
+            return sft_loss(v_theta, clean, noise)
+        if self.ref_mode == "none":
+            v_old = v_theta.detach()
+        else:
+            with self.reference_weights():
+                v_old = self.velocity(noised, batch.sigmas, batch.conditioning, no_cfg)
+        return nft_loss(
+            v_theta,
+            v_old,
+            noised,
+            clean,
+            batch.sigmas,
+            batch.advantages,
+            float(getattr(args, "diffusion_nft_beta", 1.0)),
+            float(args.diffusion_adv_clip_max),
+            adaptive_weight=not getattr(args, "no_diffusion_nft_adaptive_weight", False),
+        )
+
+    def _debug_metrics(self, batch: TrainBatch, velocity: torch.Tensor, metrics: _MetricSums) -> None:
+        if not getattr(self.args, "diffusion_debug_mode", False) or batch.debug_model_outputs is None:
+            return
+        diff = (velocity.detach().float() - batch.debug_model_outputs.to(velocity.device)).abs()
+        metrics.add("model_output_mean_abs_diff", diff.reshape(diff.shape[0], -1).mean(dim=1))
+        metrics.add_max("model_output_max_abs_diff", diff.max())
+
+    def _micro_batch_loss(self, batch: TrainBatch, rollout_id: int, window_index: int, metrics: _MetricSums):
+        if self.args.loss_type in ("policy_loss", "custom_loss"):
+            return self._rl_loss(batch, window_index, metrics)
+        return self._nft_or_sft_loss(batch, rollout_id, metrics)
+
+    # ------------------------------------------------------------------------------------------------
+    # one rollout
+    # ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def recompute_old_log_probs(self, windows) -> None:
+        """§5: with the pre-update weights, overwrite ℓ_old of every pair in windows 1…W−1."""
+        for window in windows[1:]:
+            for micro_batch in window:
+                batch = self._batch(micro_batch)
+                velocity = self.velocity(batch.latents, batch.sigmas, batch.conditioning, self.guidance)
+                step = self.sde.log_prob(
+                    batch.latents, velocity, batch.next_latents, batch.sigmas, batch.sigmas_next, batch.sigmas_1
+                )
+                for pair, value in zip(micro_batch, step.log_prob.tolist()):
+                    pair.old_log_prob = value
+
+    def _batch(self, micro_batch) -> TrainBatch:
+        batch = collate(micro_batch, self.device)
+        if self.prepare_batch is not None:
+            batch = self.prepare_batch(self.args, batch)
+            if not isinstance(batch, TrainBatch):
+                raise MilesUserError(
+                    f"--custom-prepare-train-batch-path must return a TrainBatch, got {type(batch).__name__}"
+                )
+        return batch
+
+    def train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
+        """Train on one rollout's samples; returns `train/*` and `perf/*` metrics (identical on every rank)."""
+        started = time.perf_counter()
+        args = self.args
+        skip_step = bool(getattr(args, "debug_skip_optimizer_step", False))
+        pairs = convert_samples_to_train_data(args, samples, self.family)
+        # pairs are views of the samples; copy the scalars we overwrite (recompute) so samples stay untouched
+        pairs = [_shallow_copy(p) for p in pairs]
+        if not pairs:  # every sample filtered out (--rollout-sample-filter-path): nothing to learn from
+            logger.warning("rollout %d: no train pairs (all samples removed); skipping its optimizer steps", rollout_id)
+            return {"train/num_pairs": 0.0, "perf/train_time_s": time.perf_counter() - started}
+        plan = plan_rank_train_data(args, pairs, self.dp_rank, self.dims.dp_size, self.family)
+        if getattr(args, "diffusion_recompute_old_log_prob", False):
+            self.recompute_old_log_probs(plan.windows)
+        metrics = _MetricSums()
+        grad_norms: list[torch.Tensor] = []
+        lr = self.lr_scheduler.get_lr()
+        for window_index, window in enumerate(plan.windows):
+            self.optimizer.zero_grad(set_to_none=True)
+            lr = self.optimizer.param_groups[0]["lr"]
+            for micro_batch in window:
+                batch = self._batch(micro_batch)
+                # FLOPs are counted once, eagerly; a dispatch mode around compiled blocks would force recompiles
+                measure = self.flops_per_pair is None and not skip_step and not getattr(args, "fsdp_torch_compile", False)
+                with self._flop_counter(measure, len(micro_batch)):
+                    with torch.set_grad_enabled(not skip_step):
+                        per_pair_loss, pair_metrics = self._micro_batch_loss(batch, rollout_id, window_index, metrics)
+                        if not skip_step:
+                            from miles.diffusion.losses import window_reduce
+
+                            loss = window_reduce(per_pair_loss * batch.loss_mask, plan.pairs_per_window)
+                            self.scaler.scale(loss).backward()
+                for name, values in pair_metrics.items():
+                    metrics.add(name, values)
+            if not skip_step:
+                grad_norms.append(self._optimizer_step())
+        if self.ema is not None and not skip_step:
+            self.ema.update()  # once per rollout, after its optimizer steps (§8)
+        result = {f"train/{k}": v for k, v in metrics.reduce(self.device).items()}
+        if grad_norms:
+            result["train/grad_norm"] = float(torch.stack(grad_norms).float().mean())
+        result["train/lr"] = lr
+        result["train/num_pairs"] = float(plan.num_pairs_total - plan.num_pairs_dropped)
+        if self.ema is not None:
+            result["train/ema_num_updates"] = float(self.ema.num_updates)
+        result.update(self._perf_metrics(plan, time.perf_counter() - started))
+        return result
+
+    def _optimizer_step(self) -> float:
+        self.scaler.unscale_(self.optimizer)
+        params = [p for _, p in self.trainable]
+        clip = float(getattr(self.args, "clip_grad", 1.0) or 0.0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"), foreach=True)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        if scale_before is not None and self.scaler.get_scale() < scale_before:
+            logger.warning("fp16 gradient overflow: optimizer step skipped, loss scale now %g", self.scaler.get_scale())
+            return grad_norm.detach()
+        self.lr_scheduler.step()
+        self.global_step += 1
+        return grad_norm.detach()
+
+    @contextlib.contextmanager
+    def _flop_counter(self, enabled: bool, num_pairs: int):
+        """Count the FLOPs of one micro-batch's forward + backward once (torch.utils.flop_counter)."""
+        if not enabled:
+            yield
+            return
+        from torch.utils.flop_counter import FlopCounterMode
+
+        counter = FlopCounterMode(display=False)
+        with counter:
+            yield
+        self.flops_per_pair = counter.get_total_flops() / max(num_pairs, 1)
+
+    def _perf_metrics(self, plan, seconds: float) -> dict[str, float]:
+        trained_pairs = plan.num_pairs_total - plan.num_pairs_dropped
+        result = {"perf/train_time_s": seconds, "perf/train_pairs_per_s": trained_pairs / max(seconds, 1e-9)}
+        if self.flops_per_pair:
+            # every SP rank of a group runs the pair's full FLOPs in this count; divide by the world size
+            tflops = self.flops_per_pair * trained_pairs * self.dims.sp / max(seconds, 1e-9) / self.world_size / 1e12
+            result["perf/tflops_per_rank"] = tflops
+            peak = peak_tflops(self.device)
+            if peak:
+                result["perf/mfu"] = tflops / peak
+        return result
+
+    # ------------------------------------------------------------------------------------------------
+    # colocated runs
+    # ------------------------------------------------------------------------------------------------
+    def offload(self) -> None:
+        """Move parameters, optimizer state and EMA to the CPU (the engines take the GPU)."""
+        self._move("cpu")
+
+    def onload(self) -> None:
+        self._move(self.device)
+
+    def _move(self, device) -> None:
+        if self.device.type == "cpu" or getattr(self.args, "fsdp_cpu_offload", False):
+            return
+        self.model.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(device, non_blocking=True)
+        if self.ema is not None:
+            for name, shadow in self.ema._shadow.items():
+                self.ema._shadow[name] = shadow.to(device, non_blocking=True)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            if str(device) == "cpu":
+                torch.cuda.empty_cache()
+
+
+def _shallow_copy(pair):
+    return copy.copy(pair)

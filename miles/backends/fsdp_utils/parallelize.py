@@ -1,0 +1,124 @@
+"""Apply the trainer's parallelism and precision to a family's denoiser modules, in one function.
+
+Order (torchtitan style): attention backend → sequence parallelism (diffusers context-parallel plan) →
+activation checkpointing → (optional `torch.compile` per block, `args.fsdp_torch_compile`) → `fully_shard` on
+every transformer block the family lists, then on the module root.
+Dtypes: parameters are held in `--fsdp-master-dtype` (sharded master weights, optimizer state), all-gathered
+and computed in `--diffusion-forward-dtype` (MixedPrecisionPolicy.param_dtype), gradients reduce-scattered in
+`--fsdp-reduce-dtype`. `--fsdp-cpu-offload` keeps the shards (and so the optimizer) on the CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from miles.backends.fsdp_utils.parallel_dims import ParallelDims
+from miles.utils.errors import MilesUserError
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_dtype(name, flag: str) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise MilesUserError(f"{flag} {name!r}: expected one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def trainer_dtypes(args) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+    """(forward/param dtype, master dtype, reduce dtype) from the three precision flags."""
+    return (
+        parse_dtype(getattr(args, "diffusion_forward_dtype", "bf16") or "bf16", "--diffusion-forward-dtype"),
+        parse_dtype(getattr(args, "fsdp_master_dtype", "fp32") or "fp32", "--fsdp-master-dtype"),
+        parse_dtype(getattr(args, "fsdp_reduce_dtype", "fp32") or "fp32", "--fsdp-reduce-dtype"),
+    )
+
+
+def apply_sequence_parallel(module: nn.Module, family, dims: ParallelDims, mesh, name: str) -> None:
+    """USP through diffusers' context parallelism with the family's plan (`--sequence-parallel-size` > 1)."""
+    plan = family.context_parallel_plan(module)
+    if plan is None:
+        raise MilesUserError(
+            f"--sequence-parallel-size {dims.sp}: the {family.family!r} family has no context-parallel plan for "
+            f"its {name!r} module; run with --sequence-parallel-size 1 or give the family a context_parallel_plan"
+        )
+    if not torch.cuda.is_available():
+        raise MilesUserError(
+            f"--sequence-parallel-size {dims.sp}: diffusers context parallelism needs CUDA devices (it places one "
+            "rank per accelerator); it cannot run on a CPU/gloo trainer"
+        )
+    from diffusers import ContextParallelConfig
+
+    config = ContextParallelConfig(ring_degree=dims.ring, ulysses_degree=dims.ulysses, mesh=mesh[("ring", "ulysses")])
+    module.enable_parallelism(config=config, cp_plan=plan)
+
+
+def enable_gradient_checkpointing(module: nn.Module, blocks: list[nn.ModuleList]) -> None:
+    """Diffusers' own switch when the module has one, else per-block `checkpoint_wrapper` (non-reentrant)."""
+    if hasattr(module, "enable_gradient_checkpointing") and getattr(module, "_supports_gradient_checkpointing", False):
+        module.enable_gradient_checkpointing()
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for block_list in blocks:
+        for index, block in enumerate(block_list):
+            block_list[index] = checkpoint_wrapper(block)
+
+
+def parallelize_module(module: nn.Module, family, args, dims: ParallelDims, mesh, name: str, device) -> nn.Module:
+    """Shard one denoiser module in place (per block, then the root); returns it (now an FSDPModule)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    forward_dtype, master_dtype, reduce_dtype = trainer_dtypes(args)
+    backend = getattr(args, "fsdp_attention_backend", None)
+    if backend:
+        if not hasattr(module, "set_attention_backend"):
+            raise MilesUserError(f"--fsdp-attention-backend {backend!r}: module {name!r} has no set_attention_backend")
+        try:
+            module.set_attention_backend(backend)
+        except Exception as err:  # diffusers raises ValueError/RuntimeError for an unknown or unavailable backend
+            raise MilesUserError(f"--fsdp-attention-backend {backend!r}: {err}") from err
+    if dims.sp_enabled:
+        apply_sequence_parallel(module, family, dims, mesh, name)
+
+    blocks = family.transformer_block_lists(module)
+    if not blocks:
+        raise MilesUserError(f"the {family.family!r} family lists no transformer blocks for {name!r}; cannot shard it")
+    if getattr(args, "gradient_checkpointing", False):
+        enable_gradient_checkpointing(module, blocks)
+
+    if any(param.dtype != master_dtype for param in module.parameters()):
+        module.to(dtype=master_dtype)
+    offload = bool(getattr(args, "fsdp_cpu_offload", False))
+    if not offload:
+        module.to(device)
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=None if forward_dtype == master_dtype else forward_dtype,
+        reduce_dtype=reduce_dtype,
+        cast_forward_inputs=False,  # the family casts its inputs; sigmas/timesteps stay fp32 as in the engine
+    )
+    # Always reshard after the forward: a reference forward (EMA swapped into the shards) must gather again.
+    fsdp_kwargs = {"mesh": dims.fsdp_mesh(mesh), "mp_policy": mp_policy, "reshard_after_forward": True}
+    if offload:
+        fsdp_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    compile_blocks = bool(getattr(args, "fsdp_torch_compile", False))
+    for block_list in blocks:
+        for block in block_list:
+            if compile_blocks:
+                block.compile()  # per block, before sharding (torchtitan order): one graph reused by every layer
+            fully_shard(block, **fsdp_kwargs)
+    fully_shard(module, **fsdp_kwargs)
+    if dims.sp_enabled:
+        # Each SP rank's parameter gradients cover only its sequence shard: sum over SP, average over DP.
+        module.set_gradient_divide_factor(float(dims.dp_size))
+    logger.info(
+        "sharded %s: %d block lists, param %s / master %s / reduce %s, cpu offload %s, mesh %s",
+        name, len(blocks), forward_dtype, master_dtype, reduce_dtype, offload, dims,
+    )
+    return module

@@ -1,0 +1,220 @@
+"""Trainer ranks as Ray actors (DESIGN.md §3): one `TrainRayActor` per rank, driven by `TrainActorGroup`.
+
+The ranks form one torch.distributed group (NCCL on GPU, gloo on CPU; with `--fsdp-cpu-offload` a
+`cpu:<--fsdp-cpu-backend>,cuda:nccl` group). Every group call fans out to all ranks and waits for all of them:
+FSDP collectives (training, gathering weights for sync, checkpoints) need every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from datetime import timedelta
+from typing import Any
+
+import ray
+
+from miles.utils.errors import MilesUserError
+
+logger = logging.getLogger(__name__)
+
+COLOCATED_TRAIN_GPU_SHARE = 0.7  # train 0.7 + rollout 0.25 + reward 0.05 on one GPU (DESIGN.md §3)
+
+
+def parse_train_env_vars(value) -> dict[str, str]:
+    """`--train-env-vars` as a dict of strings (JSON text or a dict)."""
+    if not value:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise MilesUserError(f"--train-env-vars {value!r}: not valid JSON ({err})") from err
+    if not isinstance(value, dict):
+        raise MilesUserError(f"--train-env-vars must be a JSON object, got {type(value).__name__}")
+    return {str(k): str(v) for k, v in value.items()}
+
+
+class TrainRayActor:
+    """One trainer rank. Methods mirror `DiffusionTrainer`; see `TrainActorGroup` for their meaning."""
+
+    def __init__(self, args, rank: int, world_size: int, family_name: str | None = None):
+        self.args = args
+        self.rank = rank
+        self.world_size = world_size
+        self.family_name = family_name
+        self.trainer = None
+        os.environ.update(parse_train_env_vars(getattr(args, "train_env_vars", None)))
+
+    def master_address(self) -> tuple[str, int]:
+        from miles.backends.fsdp_utils.spawn import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def init(self, master_addr: str, master_port: int) -> int:
+        import torch
+        import torch.distributed as dist
+
+        from miles.backends.fsdp_utils.actor import DiffusionTrainer
+
+        os.environ.update(
+            MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank), WORLD_SIZE=str(self.world_size)
+        )
+        on_gpu = torch.cuda.is_available()
+        if on_gpu:
+            torch.cuda.set_device(0)  # Ray exposes this actor's GPU as device 0
+            backend = "nccl"
+            if getattr(self.args, "fsdp_cpu_offload", False):
+                backend = f"cpu:{getattr(self.args, 'fsdp_cpu_backend', 'gloo') or 'gloo'},cuda:nccl"
+        else:
+            backend = "gloo"
+        timeout = timedelta(minutes=float(getattr(self.args, "distributed_timeout_minutes", 10) or 10))
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=timeout)
+        family = _build_family(self.args, self.family_name)
+        self.trainer = DiffusionTrainer(self.args, family, device="cuda" if on_gpu else "cpu")
+        return self.trainer.init()
+
+    def loaded_extra_state(self) -> dict | None:
+        return self.trainer.loaded_extra_state
+
+    def train(self, rollout_id: int, samples) -> dict[str, float]:
+        return self.trainer.train(rollout_id, samples)
+
+    def update_weights(self, engine_urls: list[str], weight_version: int) -> dict | None:
+        from miles.backends.fsdp_utils.weight_export import iter_sync_tensors, lora_scaling
+
+        named_tensors = iter_sync_tensors(self.trainer)
+        if self.rank != 0:
+            for _ in named_tensors:  # join every gather; only rank 0 sends
+                pass
+            return None
+        from miles.engine.weight_sync import push_weights
+
+        args = self.args
+        return push_weights(
+            engine_urls,
+            named_tensors,
+            int(getattr(args, "update_weight_buffer_size", 512 * 1024 * 1024)),
+            weight_version,
+            lora=bool(getattr(args, "lora_ipc_weight_sync", False)),
+            lora_scaling=lora_scaling(self.trainer),
+            target_modules=list(self.trainer.model.keys()),
+        )
+
+    def named_tensors(self, lora_only: bool = False, use_ema: bool = False) -> dict | None:
+        """Gathered tensors (rank 0 returns them; for tests and debugging)."""
+        from miles.backends.fsdp_utils.weight_export import iter_named_tensors
+
+        tensors = {name: tensor.cpu() for name, tensor in iter_named_tensors(self.trainer, lora_only, use_ema)}
+        return tensors if self.rank == 0 else None
+
+    def save(self, rollout_id: int, extra_state: dict | None = None) -> str:
+        from miles.backends.fsdp_utils.checkpoint import save_checkpoint
+
+        return save_checkpoint(self.trainer, rollout_id, extra_state)
+
+    def export_lora(self, path: str) -> None:
+        from miles.backends.fsdp_utils.checkpoint import export_lora
+
+        export_lora(self.trainer, path)
+
+    def offload(self) -> None:
+        self.trainer.offload()
+
+    def onload(self) -> None:
+        self.trainer.onload()
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _build_family(args, family_name: str | None):
+    from miles.models.common import build_train_pipeline_config
+
+    if family_name and not getattr(args, "diffusion_model_family", None) and not getattr(
+        args, "train_pipeline_config_path", None
+    ):
+        import copy
+
+        args = copy.copy(args)
+        args.diffusion_model_family = family_name
+    return build_train_pipeline_config(args)
+
+
+class TrainActorGroup:
+    """The N trainer ranks (`--actor-num-nodes` × `--actor-num-gpus-per-node`).
+
+    `placement_group`: a Ray placement group with one bundle per rank (GPU bundles, or CPU bundles on a CPU
+    run), or None to let Ray place the actors. On GPU each actor takes one GPU (0.7 under `--colocate`).
+    """
+
+    def __init__(self, args, placement_group=None, family_name: str | None = None, world_size: int | None = None):
+        import torch
+
+        self.args = args
+        self.world_size = world_size or int(getattr(args, "actor_num_nodes", 1) or 1) * int(
+            getattr(args, "actor_num_gpus_per_node", 1) or 1
+        )
+        use_gpu = torch.cuda.is_available()
+        num_gpus = (COLOCATED_TRAIN_GPU_SHARE if getattr(args, "colocate", False) else 1.0) if use_gpu else 0
+        env_vars = parse_train_env_vars(getattr(args, "train_env_vars", None))
+        remote_cls = ray.remote(TrainRayActor)
+        self.actors = []
+        for rank in range(self.world_size):
+            options: dict[str, Any] = {"num_cpus": 1 if not use_gpu else 0.01, "num_gpus": num_gpus}
+            if env_vars:
+                options["runtime_env"] = {"env_vars": env_vars}
+            if placement_group is not None:
+                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=placement_group, placement_group_bundle_index=rank
+                )
+            self.actors.append(remote_cls.options(**options).remote(args, rank, self.world_size, family_name))
+        self.weight_version = 0
+
+    def _all(self, method: str, *args) -> list:
+        return ray.get([getattr(actor, method).remote(*args) for actor in self.actors])
+
+    def init(self) -> int:
+        """Start the process group, load and shard the model, resume from `--load`; returns the first rollout id."""
+        master_addr, master_port = ray.get(self.actors[0].master_address.remote())
+        start_ids = self._all("init", master_addr, master_port)
+        self.loaded_extra_state = ray.get(self.actors[0].loaded_extra_state.remote())
+        return start_ids[0]
+
+    def train(self, rollout_id: int, samples) -> dict[str, float]:
+        """Every rank expands all samples and trains on its DP share; returns rank 0's (global) metrics."""
+        samples_ref = ray.put(samples)
+        return self._all("train", rollout_id, samples_ref)[0]
+
+    def update_weights(self, engine_urls: list[str], weight_version: int | None = None) -> dict | None:
+        """Push the live or EMA weights (full or LoRA pairs) to the engines; returns rank 0's push report."""
+        self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
+        if not engine_urls:
+            return None
+        return self._all("update_weights", list(engine_urls), self.weight_version)[0]
+
+    def named_tensors(self, lora_only: bool = False, use_ema: bool = False) -> dict:
+        return self._all("named_tensors", lora_only, use_ema)[0]
+
+    def save(self, rollout_id: int, extra_state: dict | None = None) -> str:
+        return self._all("save", rollout_id, extra_state)[0]
+
+    def export_lora(self, path: str) -> None:
+        self._all("export_lora", path)
+
+    def offload(self) -> None:
+        self._all("offload")
+
+    def onload(self) -> None:
+        self._all("onload")
+
+    def shutdown(self) -> None:
+        self._all("shutdown")
+        for actor in self.actors:
+            ray.kill(actor)

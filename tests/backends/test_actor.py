@@ -1,0 +1,286 @@
+"""The FSDP2 trainer on a tiny SD3 (CPU, gloo, one rank): alignment, gradients, micro-batch invariance, losses,
+hooks, determinism, bad settings. DP = 2 against DP = 1 runs with two Ray actors in tests/ray/test_train_actor.py."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from miles.backends.fsdp_utils.actor import DiffusionTrainer
+from miles.backends.fsdp_utils.parallel_dims import ParallelDims
+from miles.backends.fsdp_utils.spawn import free_port, init_distributed
+from miles.backends.fsdp_utils.tiny_rollout import (
+    load_tiny_family,
+    make_rollout_samples,
+    tiny_trainer_args,
+    trainer_args,
+    trained_state,
+)
+from miles.backends.fsdp_utils.train_data import TrainBatch
+from miles.diffusion.sde import build_sde_backend
+from miles.utils.errors import MilesUserError
+
+SDE_STEPS = [1, 2]
+
+
+@pytest.fixture(scope="module")
+def world():
+    """This process as a one-rank gloo group (the spawned DP = 2 test makes its own)."""
+    torch.set_num_threads(1)
+    init_distributed(0, 1, "gloo", free_port())
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint, world):
+    args = tiny_trainer_args(tiny_checkpoint("sd3"))
+    family, pipe = load_tiny_family(args)
+    samples = make_rollout_samples(family, pipe, args, ["a red cube", "two cats"], 2, SDE_STEPS, seed=5, debug=True)
+    return args, family, pipe, samples
+
+
+def make_trainer(tiny, **overrides) -> DiffusionTrainer:
+    base_args, family, _, _ = tiny
+    args = tiny_trainer_args(base_args.hf_checkpoint, **overrides)
+    trainer = DiffusionTrainer(args, family)
+    assert trainer.init() == 0
+    return trainer
+
+
+def grads(trainer) -> dict[str, torch.Tensor]:
+    return {n: p.grad.full_tensor().clone() for n, p in trainer.trainable}
+
+
+def test_train_rollout_alignment_is_exact_in_fp32(tiny):
+    """Same weights + inputs ⇒ v_trainer == v_engine bitwise and ℓ_new == ℓ_rollout to fp32 rounding (§11.7)."""
+    trainer = make_trainer(
+        tiny,
+        debug_skip_optimizer_step=True,
+        diffusion_debug_mode=True,
+        micro_batch_size_sample=4,  # one tile = the rollout's batch of 4 samples at one step
+        micro_batch_size_tstep=1,
+        diffusion_train_iter_order="timestep_major",
+    )
+    before = trained_state(trainer)
+    metrics = trainer.train(0, tiny[3])
+    assert metrics["train/model_output_max_abs_diff"] == 0.0  # the DiT forwards agree bit for bit
+    # The engine scores x' from ε (SAMPLE mode), the trainer from x' − μ (SCORE mode): the same number up to
+    # fp32 rounding of x' = μ + s·ε (§11.6 allows 1e-6), so the ratio is 1 within one ulp.
+    assert metrics["train/rollout_train_log_prob_abs_diff"] <= 1e-6
+    assert metrics["train/log_prob_mean_abs_diff"] <= 1e-6
+    assert metrics["train/clipfrac"] == 0.0 and metrics["train/approx_kl"] <= 1e-12
+    assert "train/grad_norm" not in metrics
+    after = trained_state(trainer)
+    assert all(torch.equal(before[n], after[n]) for n in before)  # --debug-skip-optimizer-step: weights never drift
+
+
+def test_policy_loss_gradient_matches_closed_form(tiny):
+    """§11.9: at ρ ≡ 1 (recompute, window 0) ∇L = −mean_j(A_c,j ∇ℓ_new,j), A_c = clamp(A, −5, 5)."""
+    args, family, _, samples = tiny
+    chosen = [samples[0], samples[3]]
+    chosen[0].advantage, chosen[1].advantage = 7.0, -0.75  # 7 is clipped to 5
+    trainer = make_trainer(
+        tiny, use_lora=True, diffusion_recompute_old_log_prob=True, clip_grad=0.0, lr=0.0, micro_batch_size=1
+    )
+    trainer.train(0, chosen)
+    got = grads(trainer)
+
+    # independent reference: a plain (unsharded) transformer with the same LoRA weights, autograd per pair
+    modules = family.load_modules(args.hf_checkpoint, ["transformer"], torch.float32)
+    reference = modules["transformer"]
+    reference.add_adapter(trainer.lora_config)
+    state = trained_state(trainer)
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if f"transformer.{name}" in state:
+                param.copy_(state[f"transformer.{name}"])
+    lora_params = {f"transformer.{n}": p for n, p in reference.named_parameters() if "lora_" in n}
+    sde = build_sde_backend("sde", args.diffusion_noise_level, False)
+    expected = {name: torch.zeros_like(p) for name, p in lora_params.items()}
+    num_pairs = 2 * len(SDE_STEPS)
+    for sample, clipped_adv in zip(chosen, (5.0, -0.75)):
+        for j, k in enumerate(sample.sde_step_indices):
+            cond = {key: value[None] for key, value in sample.conditioning.items()}
+            velocity = family.predict_velocity(
+                modules, sample.latents[k][None], sample.sigmas[k : k + 1], cond, trainer.guidance, trainer.shape, torch.float32
+            )
+            log_prob = sde.log_prob(
+                sample.latents[k][None], velocity, sample.latents[k + 1][None], sample.sigmas[k], sample.sigmas[k + 1], sample.sigmas[1]
+            ).log_prob.sum()
+            pair_grads = torch.autograd.grad(log_prob, list(lora_params.values()))
+            for name, g in zip(lora_params, pair_grads):
+                expected[name] += -clipped_adv * g / num_pairs
+    assert set(got) == set(expected)
+    scale = max(float(g.abs().max()) for g in expected.values())
+    assert scale > 0
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-6 * scale)
+
+
+def test_flat_and_tile_micro_batches_give_the_same_gradients(tiny):
+    """§11.12: Σ/Q per micro-batch makes the window gradient independent of the micro-batch shape."""
+    samples = tiny[3]
+    layouts = [
+        dict(micro_batch_size=1),
+        dict(micro_batch_size=8),
+        dict(micro_batch_size_sample=2, micro_batch_size_tstep=2),
+        dict(micro_batch_size_sample=4, micro_batch_size_tstep=1, diffusion_train_iter_order="timestep_major"),
+    ]
+    results = []
+    for layout in layouts:
+        trainer = make_trainer(tiny, lr=0.0, clip_grad=0.0, **layout)
+        metrics = trainer.train(0, samples)
+        results.append((grads(trainer), metrics["train/loss"]))
+    reference, reference_loss = results[0]
+    assert max(float(g.abs().max()) for g in reference.values()) > 0
+    for got, loss in results[1:]:
+        assert loss == pytest.approx(reference_loss, rel=1e-5, abs=1e-9)
+        for name in reference:
+            torch.testing.assert_close(got[name], reference[name], rtol=1e-4, atol=1e-7)
+
+
+def test_kl_to_lora_base_is_zero_at_init_and_nft_sft_run(tiny):
+    """§11.11: KL = 0 while policy == reference (LoRA B = 0); NFT with an EMA reference and SFT train."""
+    samples = tiny[3]
+    kl = make_trainer(tiny, use_lora=True, diffusion_kl_beta=0.04, micro_batch_size=4)
+    assert kl.ref_mode == "lora_base"
+    assert kl.train(0, samples)["train/kl_loss"] == 0.0
+    assert kl.train(1, samples)["train/kl_loss"] > 0.0  # after an update the adapters move the mean
+
+    removed = [copy.copy(sample) for sample in samples]
+    for sample in removed:
+        sample.remove_sample = True
+    assert train_metrics_without_steps(make_trainer(tiny, micro_batch_size=4), removed) == {"train/num_pairs": 0.0}
+
+    nft = make_trainer(tiny, loss_type="nft", use_lora=True, use_ema=True, micro_batch_size=3)
+    assert nft.ref_mode == "ema"
+    metrics = nft.train(0, samples)
+    assert metrics["train/ema_num_updates"] == 1.0
+    assert 0.0 <= metrics["train/nft_r_mean"] <= 1.0 and torch.isfinite(torch.tensor(metrics["train/nft_loss"]))
+    sft = make_trainer(tiny, loss_type="sft_loss", micro_batch_size=2)
+    assert sft.train(0, samples)["train/sft_loss"] > 0
+
+
+def train_metrics_without_steps(trainer, samples):
+    metrics = trainer.train(0, samples)
+    assert trainer.global_step == 0
+    return {k: v for k, v in metrics.items() if k.startswith("train/")}
+
+
+def advantage_times_log_prob(args, inputs):
+    loss = -inputs.advantages * inputs.new_log_prob
+    return loss, {"custom_metric": torch.full_like(loss, 3.0)}
+
+
+def zero_advantages(args, batch: TrainBatch) -> TrainBatch:
+    batch.advantages = torch.zeros_like(batch.advantages)
+    return batch
+
+
+def test_custom_loss_and_prepare_batch_hooks(tiny):
+    samples = tiny[3]
+    custom = make_trainer(
+        tiny, loss_type="custom_loss", custom_loss_function_path=f"{__name__}.advantage_times_log_prob", micro_batch_size=4
+    )
+    metrics = custom.train(0, samples)
+    assert metrics["train/custom_metric"] == 3.0 and metrics["train/loss"] != 0.0
+    prepared = make_trainer(tiny, custom_prepare_train_batch_path=f"{__name__}.zero_advantages", micro_batch_size=4)
+    metrics = prepared.train(0, samples)
+    assert metrics["train/loss"] == 0.0 and metrics["train/grad_norm"] == 0.0
+
+
+def test_deterministic_mode_runs_are_bitwise_equal(tiny):
+    runs = []
+    try:
+        for _ in range(2):
+            trainer = make_trainer(tiny, deterministic_mode=True, use_lora=True, micro_batch_size=2, num_rollout=2)
+            losses = [trainer.train(rollout_id, tiny[3])["train/loss"] for rollout_id in (0, 1)]
+            runs.append((losses, trained_state(trainer)))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == ":4096:8"
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(runs[0][1][n], runs[1][1][n]) for n in runs[0][1])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(diffusion_kl_beta=0.1), "requires --use-lora"),
+        (dict(ref_mode="ema"), "--ref-mode ema requires --use-ema"),
+        (dict(use_ema=True), "--use-ema needs a consumer"),
+        (dict(ema_rollout_policy="ema"), "requires --use-ema"),
+        (dict(loss_type="nft", diffusion_recompute_old_log_prob=True), "policy_loss only"),
+        (dict(loss_type="dpo"), "--loss-type 'dpo'"),
+    ],
+)
+def test_bad_settings_fail_before_any_work(tiny, overrides, message):
+    with pytest.raises(MilesUserError, match=message):
+        DiffusionTrainer(tiny_trainer_args(tiny[0].hf_checkpoint, **overrides), tiny[1])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(diffusion_sde_type="ode"), "needs a stochastic step"),
+        (dict(loss_type="custom_loss"), "requires --custom-loss-function-path"),
+        (dict(sequence_parallel_size=1, use_lora=True, lora_target_modules=["no_such_layer"]), "--use-lora"),
+    ],
+)
+def test_bad_settings_fail_at_init(tiny, overrides, message):
+    trainer = DiffusionTrainer(tiny_trainer_args(tiny[0].hf_checkpoint, **overrides), tiny[1])
+    with pytest.raises(MilesUserError, match=message):
+        trainer.init()
+
+
+def test_bad_geometry_errors(tiny):
+    with pytest.raises(MilesUserError, match="not divisible by --num-steps-per-rollout 3"):
+        make_trainer(tiny, num_steps_per_rollout=3).train(0, tiny[3])
+    with pytest.raises(MilesUserError, match="--micro-batch-size 3 must divide"):
+        make_trainer(tiny, micro_batch_size=3).train(0, tiny[3])
+    with pytest.raises(MilesUserError, match="not divisible by --dp-replicate-size"):
+        ParallelDims.from_args(trainer_args(dp_replicate_size=3), 4)
+    with pytest.raises(MilesUserError, match="--ulysses-degree 3 must divide"):
+        ParallelDims.from_args(trainer_args(sequence_parallel_size=4, ulysses_degree=3), 4)
+    dims = ParallelDims.from_args(trainer_args(dp_replicate_size=2, sequence_parallel_size=2), 8)
+    assert (dims.dp_shard, dims.dp_size, dims.ring, dims.ulysses) == (2, 4, 1, 2)
+    assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_sequence_parallel_without_a_family_plan_is_a_clear_error(tiny):
+    from miles.backends.fsdp_utils.parallelize import apply_sequence_parallel
+
+    args, family, pipe, _ = tiny
+    dims = ParallelDims(world_size=2, sp=2, ulysses=2)
+    with pytest.raises(MilesUserError, match="no context-parallel plan"):
+        apply_sequence_parallel(pipe.transformer, family, dims, mesh=None, name="transformer")
+
+
+def test_gradient_checkpointing_attention_backend_and_offload_keep_the_gradients(tiny):
+    samples = tiny[3]
+    reference = make_trainer(tiny, lr=0.0, clip_grad=0.0, micro_batch_size=4)
+    reference.train(0, samples)
+    for options in (
+        dict(gradient_checkpointing=True),
+        dict(fsdp_attention_backend="native"),
+        dict(fsdp_cpu_offload=True),
+    ):
+        trainer = make_trainer(tiny, lr=0.0, clip_grad=0.0, micro_batch_size=4, **options)
+        trainer.train(0, samples)
+        for name, grad in grads(reference).items():
+            torch.testing.assert_close(grads(trainer)[name], grad, rtol=1e-5, atol=1e-8, msg=lambda m: f"{options}: {m}")
+    with pytest.raises(MilesUserError, match="--fsdp-attention-backend 'no_such_backend'"):
+        make_trainer(tiny, fsdp_attention_backend="no_such_backend")
+
+
+def test_fp16_forward_uses_the_grad_scaler(tiny):
+    trainer = make_trainer(tiny, diffusion_forward_dtype="fp16", use_lora=True, micro_batch_size=4)
+    assert trainer.scaler.is_enabled()
+    metrics = trainer.train(0, tiny[3])
+    assert torch.isfinite(torch.tensor([metrics["train/loss"], metrics["train/grad_norm"]])).all()
+    assert trainer.global_step == 1

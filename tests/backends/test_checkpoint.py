@@ -1,0 +1,191 @@
+"""Checkpoints (DCP) and the LoRA export: bitwise resume, atomic pointer, flags, diffusers-loadable adapters."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from miles.backends.fsdp_utils import checkpoint
+from miles.backends.fsdp_utils.actor import DiffusionTrainer
+from miles.backends.fsdp_utils.checkpoint import (
+    POINTER_FILE,
+    export_lora,
+    read_latest_iteration,
+    save_checkpoint,
+    should_save,
+)
+from miles.backends.fsdp_utils.spawn import free_port, init_distributed
+from miles.backends.fsdp_utils.tiny_rollout import load_tiny_family, make_rollout_samples, tiny_trainer_args, trained_state
+from miles.types import GuidanceConfig
+from miles.utils.errors import MilesUserError
+
+NFT_SETTINGS = dict(
+    loss_type="nft",
+    use_lora=True,
+    use_ema=True,
+    micro_batch_size=3,
+    num_rollout=3,
+    lr_decay_style="cosine",
+    lr_warmup_iters=1,
+    lr_warmup_init=1e-3,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    torch.set_num_threads(1)
+    init_distributed(0, 1, "gloo", free_port())
+    args = tiny_trainer_args(tiny_checkpoint("sd3"))
+    family, pipe = load_tiny_family(args)
+    samples = make_rollout_samples(family, pipe, args, ["a red cube", "two cats"], 2, [1, 2], seed=5)
+    yield args.hf_checkpoint, family, pipe, samples
+    dist.destroy_process_group()
+
+
+def make_trainer(tiny, **overrides) -> DiffusionTrainer:
+    trainer = DiffusionTrainer(tiny_trainer_args(tiny[0], **overrides), tiny[1])
+    trainer.start_rollout_id = trainer.init()
+    return trainer
+
+
+def snapshot(trainer) -> dict:
+    optimizer = {
+        f"{name}.{key}": value.full_tensor().clone() if hasattr(value, "full_tensor") else torch.as_tensor(value).clone()
+        for (name, param) in trainer.trainable
+        for key, value in trainer.optimizer.state[param].items()
+    }
+    ema = {name: t.full_tensor().clone() for name, t in trainer.ema.shadow_tensors().items()} if trainer.ema else {}
+    return {"model": trained_state(trainer), "optimizer": optimizer, "ema": ema, "lr_steps": trainer.lr_scheduler.num_steps}
+
+
+def assert_bitwise(a: dict, b: dict) -> None:
+    assert a["lr_steps"] == b["lr_steps"]
+    for part in ("model", "optimizer", "ema"):
+        assert a[part].keys() == b[part].keys() and a[part], part
+        for name in a[part]:
+            assert torch.equal(a[part][name], b[part][name]), f"{part}:{name}"
+
+
+def test_save_load_continue_equals_uninterrupted_training(tiny, tmp_path):
+    samples = tiny[3]
+    save_dir = str(tmp_path / "ckpt")
+    straight = make_trainer(tiny, **NFT_SETTINGS, save=save_dir)
+    straight.train(0, samples)
+    save_checkpoint(straight, 0, extra_state={"data_position": 4})
+    rng_at_save = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    metrics_straight = straight.train(1, samples)
+    assert read_latest_iteration(save_dir) == 0 and sorted(os.listdir(save_dir)) == ["iter_0000000", POINTER_FILE]
+
+    torch.manual_seed(999), np.random.seed(999), random.seed(999)  # a fresh process would have other RNG states
+    resumed = make_trainer(tiny, **NFT_SETTINGS, load=save_dir)
+    assert resumed.start_rollout_id == 1 and resumed.loaded_extra_state == {"data_position": 4}
+    assert torch.equal(torch.get_rng_state(), rng_at_save[0])
+    assert np.array_equal(np.random.get_state()[1], rng_at_save[1]) and random.getstate() == rng_at_save[2]
+    assert resumed.ema.num_updates == 1 and resumed.global_step == straight.global_step - 1
+    metrics_resumed = resumed.train(1, samples)
+    assert metrics_resumed["train/loss"] == metrics_straight["train/loss"]
+    assert metrics_resumed["train/lr"] == metrics_straight["train/lr"]
+    assert_bitwise(snapshot(straight), snapshot(resumed))
+
+
+def test_a_crash_mid_save_leaves_the_pointer_on_the_last_complete_checkpoint(tiny, tmp_path, monkeypatch):
+    save_dir = str(tmp_path / "ckpt")
+    trainer = make_trainer(tiny, use_lora=True, save=save_dir, micro_batch_size=4)
+    trainer.train(0, tiny[3])
+    save_checkpoint(trainer, 0)
+
+    def crash():
+        raise OSError("disk full")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint.deterministic, "rng_state", crash)
+        with pytest.raises(OSError, match="disk full"):
+            save_checkpoint(trainer, 1)
+    assert read_latest_iteration(save_dir) == 0
+    assert not os.path.exists(os.path.join(save_dir, "iter_0000001"))
+    assert os.path.exists(os.path.join(save_dir, "iter_0000001.tmp"))
+    resumed = make_trainer(tiny, use_lora=True, load=save_dir)
+    assert resumed.start_rollout_id == 1
+    save_checkpoint(trainer, 1)  # the stale temp dir of the crash is replaced
+    assert read_latest_iteration(save_dir) == 1
+    assert sorted(os.listdir(save_dir)) == ["iter_0000000", "iter_0000001", POINTER_FILE]
+
+
+def test_full_model_checkpoint_and_load_flags(tiny, tmp_path, caplog):
+    save_dir = str(tmp_path / "full")
+    trainer = make_trainer(tiny, save=save_dir, micro_batch_size=4, lr_decay_style="linear", num_rollout=4)
+    trainer.train(0, tiny[3])
+    save_checkpoint(trainer, 0)
+    trainer.train(1, tiny[3])
+    trainer.args.no_save_optim = True
+    save_checkpoint(trainer, 1)
+    state = trained_state(trainer)
+
+    at_step_0 = make_trainer(tiny, load=save_dir, ckpt_step=0, lr_decay_style="linear", num_rollout=4)
+    assert at_step_0.start_rollout_id == 1 and at_step_0.lr_scheduler.num_steps == 1
+    assert at_step_0.optimizer.state  # Adam moments came back
+
+    caplog.clear()
+    latest = make_trainer(tiny, load=save_dir, lr_decay_style="linear", num_rollout=4)
+    assert latest.start_rollout_id == 2 and "--no-save-optim" in caplog.text
+    assert not latest.optimizer.state and latest.lr_scheduler.num_steps == 0
+    assert all(torch.equal(state[n], t) for n, t in trained_state(latest).items())
+
+    skip = make_trainer(tiny, load=save_dir, ckpt_step=0, no_load_optim=True)
+    assert not skip.optimizer.state and skip.lr_scheduler.num_steps == 0
+
+    override = make_trainer(tiny, load=save_dir, ckpt_step=0, lr=5e-3, override_lr_scheduler=True)
+    assert override.lr_scheduler.max_lr == 5e-3 and override.lr_scheduler.num_steps == 1
+    kept = make_trainer(tiny, load=save_dir, ckpt_step=0, lr=5e-3)
+    assert kept.lr_scheduler.max_lr == 1e-2
+
+    assert make_trainer(tiny, load=str(tmp_path / "empty")).start_rollout_id == 0
+    with pytest.raises(MilesUserError, match="--ckpt-step 7: no complete checkpoint"):
+        make_trainer(tiny, load=save_dir, ckpt_step=7)
+    with pytest.raises(MilesUserError, match="use_lora=False"):
+        make_trainer(tiny, load=save_dir, use_lora=True)
+    with pytest.raises(MilesUserError, match="needs --save"):
+        save_checkpoint(make_trainer(tiny), 0)
+
+
+def test_exported_lora_loads_into_diffusers_and_reproduces_the_trainer(tiny, tmp_path):
+    checkpoint_path, family, _, samples = tiny
+    trainer = make_trainer(tiny, use_lora=True, lora_alpha=16, micro_batch_size=4)
+    trainer.train(0, samples)
+    trainer.train(1, samples)
+    export_lora(trainer, str(tmp_path / "adapter"))
+    assert os.path.exists(tmp_path / "adapter" / "pytorch_lora_weights.safetensors")
+
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(checkpoint_path, dtype=torch.float32)
+    pipe.load_lora_weights(str(tmp_path / "adapter"))
+    sample = samples[2]
+    latents = torch.stack([sample.latents[1], samples[0].latents[2]])
+    sigmas = torch.stack([sample.sigmas[1], samples[0].sigmas[2]])
+    conditioning = {k: torch.stack([sample.conditioning[k], samples[0].conditioning[k]]) for k in sample.conditioning}
+    guidance = GuidanceConfig(4.0)
+    with torch.no_grad():
+        ours = trainer.velocity(latents, sigmas, conditioning, guidance)
+        theirs = family.predict_velocity(
+            {"transformer": pipe.transformer}, latents, sigmas, conditioning, guidance, trainer.shape, torch.float32
+        )
+        base = family.predict_velocity(
+            {"transformer": tiny[2].transformer}, latents, sigmas, conditioning, guidance, trainer.shape, torch.float32
+        )
+    assert (ours - base).abs().max() > 1e-4  # the adapter changed the model
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-6)
+    with pytest.raises(MilesUserError, match="--use-lora"):
+        export_lora(make_trainer(tiny), str(tmp_path / "nothing"))
+
+
+def test_save_interval_rule():
+    args = tiny_trainer_args("unused", save="/ckpt", save_interval=3, num_rollout=8)
+    assert [r for r in range(8) if should_save(args, r)] == [2, 5, 7]  # every 3 rollouts and the last one
+    args.save = None
+    assert not any(should_save(args, r) for r in range(8))

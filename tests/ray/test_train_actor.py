@@ -1,0 +1,126 @@
+"""TrainActorGroup: two gloo ranks as Ray actors on CPU, against a one-rank trainer in this process.
+
+One Ray cluster and one actor group per file: DP = 2 equals DP = 1 (weights, metrics), a two-rank
+checkpoint resumes, the LoRA export loads, and a weight push reaches a live engine bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+import ray
+import torch
+import torch.distributed as dist
+
+from miles.backends.fsdp_utils.actor import DiffusionTrainer
+from miles.backends.fsdp_utils.checkpoint import read_latest_iteration
+from miles.backends.fsdp_utils.spawn import free_port, init_distributed
+from miles.backends.fsdp_utils.tiny_rollout import (
+    load_tiny_family,
+    make_rollout_samples,
+    tiny_trainer_args,
+    trained_state,
+)
+from miles.backends.fsdp_utils.weight_export import is_lora_param, strip_peft_name
+from miles.ray.train_actor import TrainActorGroup, parse_train_env_vars
+from miles.utils.errors import MilesUserError
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_checkpoint, tmp_path_factory):
+    torch.set_num_threads(1)
+    save_dir = str(tmp_path_factory.mktemp("ckpt"))
+    args = tiny_trainer_args(
+        tiny_checkpoint("sd3"),
+        use_lora=True,
+        num_rollout=2,
+        micro_batch_size=1,
+        save=save_dir,
+        train_env_vars='{"OMP_NUM_THREADS": "1", "MILES_TEST_MARKER": "set"}',
+    )
+    family, pipe = load_tiny_family(args)
+    samples = make_rollout_samples(family, pipe, args, ["a red cube", "two cats"], 2, [1, 2], seed=5)
+    ray.init(num_cpus=3, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    group = TrainActorGroup(args, None, "sd3", world_size=2)
+    assert group.init() == 0
+    init_distributed(0, 1, "gloo", free_port())
+    yield args, family, samples, group
+    group.shutdown()
+    ray.shutdown()
+    dist.destroy_process_group()
+
+
+def test_dp2_actor_group_equals_one_rank(setup):
+    args, family, samples, group = setup
+    single = DiffusionTrainer(args, family)
+    single.init()
+    for rollout_id in (0, 1):
+        want = single.train(rollout_id, samples)
+        got = group.train(rollout_id, samples)
+        for key in ("train/loss", "train/log_prob_mean_abs_diff", "train/grad_norm", "train/clipfrac"):
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-9), key
+    single_state = trained_state(single)
+    group_state = group.named_tensors(lora_only=True)
+    assert len(group_state) == len(single_state)
+    for name, tensor in single_state.items():
+        engine_name = name.replace(".default.", ".")
+        torch.testing.assert_close(group_state[engine_name], tensor, rtol=1e-5, atol=1e-7)
+
+
+def test_two_rank_checkpoint_and_lora_export(setup, tmp_path):
+    args, family, samples, group = setup
+    path = group.save(1, {"data_position": 17})
+    assert path.endswith("iter_0000001") and read_latest_iteration(args.save) == 1
+    resumed_args = tiny_trainer_args(args.hf_checkpoint, use_lora=True, num_rollout=2, load=args.save)
+    resumed = DiffusionTrainer(resumed_args, family)  # one rank loads what two ranks saved
+    assert resumed.init() == 2 and resumed.loaded_extra_state == {"data_position": 17}
+    group_state = group.named_tensors(lora_only=True)
+    for name, tensor in trained_state(resumed).items():
+        torch.testing.assert_close(group_state[name.replace(".default.", ".")], tensor, rtol=0, atol=0)
+
+    from diffusers import StableDiffusion3Pipeline
+
+    group.export_lora(str(tmp_path / "lora"))
+    pipe = StableDiffusion3Pipeline.from_pretrained(args.hf_checkpoint, dtype=torch.float32)
+    pipe.load_lora_weights(str(tmp_path / "lora"))
+    pipe.fuse_lora()
+    fused = {strip_peft_name(n): p for n, p in pipe.transformer.named_parameters() if not is_lora_param(n)}
+    for name, tensor in group.named_tensors().items():
+        torch.testing.assert_close(fused[name.split(".", 1)[1]], tensor, rtol=1e-6, atol=1e-6)
+
+
+def test_weight_push_reaches_a_live_engine(setup, tmp_path):
+    from miles.engine.launcher import launch_engine
+    from miles.engine.server_args import ServerArgs
+    from miles.engine.weight_sync import named_tensor_checksums
+
+    args, _, _, group = setup
+    engine = launch_engine(
+        ServerArgs(model_path=args.hf_checkpoint, model_family="sd3", device="cpu", dtype="fp32", generator_device="cpu"),
+        log_path=str(tmp_path / "engine.log"),
+        startup_timeout=120,
+    )
+    try:
+        report = group.update_weights([engine.url], weight_version=5)
+        assert report["num_tensors"] > 0
+        with urllib.request.urlopen(f"{engine.url}/weights_checksum?per_tensor=1", timeout=60) as response:
+            body = json.loads(response.read())
+        assert body["weight_version"] == 5
+        pushed = named_tensor_checksums(group.named_tensors().items(), per_tensor=True)["transformer"]
+        engine_side = body["checksums"]["transformer"]
+        assert pushed and all(engine_side[name] == digest for name, digest in pushed.items())
+    finally:
+        engine.stop()
+
+
+def test_train_env_vars_reach_the_ranks_and_bad_json_is_refused(setup):
+    group = setup[3]
+    assert ray.get(group.actors[1].__ray_call__.remote(lambda actor: __import__("os").environ["MILES_TEST_MARKER"])) == "set"
+    with pytest.raises(MilesUserError, match="--train-env-vars"):
+        parse_train_env_vars("{not json")
+    with pytest.raises(MilesUserError, match="JSON object"):
+        parse_train_env_vars("[1, 2]")
