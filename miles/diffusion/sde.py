@@ -165,11 +165,15 @@ class SdeStepBackend(ABC):
         sigma_1: float | torch.Tensor,
         generators: list[torch.Generator],
     ) -> StepOutput:
-        """SAMPLE mode (engine): x' = μ + s·ε with ε_b from `generators[b]`; ℓ from ε directly (§2)."""
+        """SAMPLE mode (engine): x' = μ + s·ε with ε_b from `generators[b]`.
+
+        ℓ is computed from (x' − μ) by the very function SCORE mode uses, not from ε (§2 allows either; they
+        agree to ~1e-7): the trainer, replaying the same velocity, then reproduces the rollout's ℓ to the last
+        bit, which is what makes the `--debug-skip-optimizer-step` alignment probe read exactly 0."""
         mean, std, diffusion_coef = self.mean_std(latents, velocity, sigma, sigma_next, sigma_1)
         noise = draw_step_noise(generators, mean.shape, mean.device)
         next_latents = mean + batch_view(std, mean) * noise
-        log_prob = gaussian_log_prob_from_noise(noise, std, self.log_prob_no_const)
+        log_prob = gaussian_log_prob(next_latents, mean, std, self.log_prob_no_const)
         return StepOutput(next_latents, log_prob, mean, std, diffusion_coef)
 
     def log_prob(

@@ -15,6 +15,7 @@ from miles.diffusion.sde import (
     SdeStepBackend,
     build_sde_backend,
     gaussian_log_prob,
+    gaussian_log_prob_from_noise,
     ode_step,
     per_sample,
     use_no_const_log_prob,
@@ -212,8 +213,15 @@ def test_engine_log_prob_equals_trainer_log_prob(kind, flag):
         engine = backend.sample(x, v, *_step(k), _gens(4, base=10 * k))
         trainer = backend.log_prob(x, v, engine.next_latents, *_step(k))
         assert trainer.next_latents is None
-        assert (engine.log_prob - trainer.log_prob).abs().max().item() <= 1e-6
+        # The engine scores its own x' with the trainer's function: same velocity => the same bits (§11.7) ...
+        assert torch.equal(engine.log_prob, trainer.log_prob)
         assert torch.equal(engine.mean, trainer.mean)
+        if (engine.std == 0).any():  # ode, and cps at its last step: no noise to compare with
+            continue
+        # ... and that equals the log-prob written from the drawn noise ε to fp32 rounding (§11.6).
+        noise = (engine.next_latents - engine.mean) / engine.std.view(-1, 1, 1, 1)
+        from_noise = gaussian_log_prob_from_noise(noise, engine.std, backend.log_prob_no_const)
+        assert (engine.log_prob - from_noise).abs().max().item() <= 1e-6
 
 
 def test_noise_comes_from_each_samples_generator():
