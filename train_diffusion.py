@@ -18,6 +18,7 @@ logger = logging.getLogger("miles")
 
 def train(args) -> None:
     # Heavy imports only after the command line is known to be good (a bad flag fails in a second).
+    from miles.backends.fsdp_utils.checkpoint import should_save
     from miles.logging.run_logger import RunLogger
     from miles.ray.placement import create_placement_groups, init_ray
     from miles.ray.rollout_manager import RolloutManager
@@ -31,12 +32,16 @@ def train(args) -> None:
     run_logger = RunLogger(args)
     placement = create_placement_groups(args)
     rollout_manager = RolloutManager(args, placement, run_logger)
-    actor = None if args.debug_rollout_only else TrainActorGroup(args, placement.train)
+    actor = None
+    if not args.debug_rollout_only:
+        slots = placement.train
+        actor = TrainActorGroup(args, slots.placement_group, args.diffusion_model_family_resolved,
+                                gpu_share=slots.gpu_share or None, cpu_share=slots.cpu_share)
 
     start_rollout_id = 0
     if actor is not None:
-        start_rollout_id, extra_state = actor.init()
-        rollout_manager.load_state_dict(extra_state.get("data_source"))
+        start_rollout_id = actor.init()
+        rollout_manager.load_state_dict((actor.loaded_extra_state or {}).get("data_source"))
     if args.start_rollout_id is not None:
         start_rollout_id = args.start_rollout_id
     rollout_manager.start_engines()
@@ -44,9 +49,11 @@ def train(args) -> None:
         # The engines start from the trainer's weights (LoRA-initialised or loaded from --load).
         with run_logger.phase("weight_sync"):
             actor.update_weights(rollout_manager.engine_urls(), weight_version=start_rollout_id)
-        rollout_manager.watch_engines(on_restart=lambda url: actor.update_weights([url], rollout_manager.weight_version))
-    if args.offload_rollout and actor is not None:
-        actor.offload()
+        # A restarted engine gets the current weights before it rejoins the router.
+        rollout_manager.watch_engines(lambda url: actor.update_weights([url], rollout_manager.weight_version))
+    rollout_manager.weight_version = start_rollout_id
+    if args.offload_train and actor is not None:
+        actor.offload()  # the engines generate first
 
     for rollout_id in range(start_rollout_id, args.num_rollout):
         if rollout_manager.should_eval(rollout_id):
@@ -68,7 +75,7 @@ def train(args) -> None:
             train_metrics = actor.train(rollout_id, samples)
         run_logger.log(rollout_id, train_metrics)
 
-        if args.save and args.save_interval and (rollout_id + 1) % args.save_interval == 0:
+        if should_save(args, rollout_id):
             with run_logger.phase("save"):
                 actor.save(rollout_id, extra_state={"data_source": rollout_manager.state_dict()})
 
@@ -84,8 +91,7 @@ def train(args) -> None:
 
     if rollout_manager.should_eval(args.num_rollout, final=True):
         rollout_manager.eval(args.num_rollout)
-    if actor is not None and args.save:
-        actor.save(args.num_rollout - 1, extra_state={"data_source": rollout_manager.state_dict()})
+        run_logger.flush(args.num_rollout)
     rollout_manager.shutdown()
     run_logger.finish()
 

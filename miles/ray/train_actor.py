@@ -152,7 +152,16 @@ class TrainActorGroup:
     run), or None to let Ray place the actors. On GPU each actor takes one GPU (0.7 under `--colocate`).
     """
 
-    def __init__(self, args, placement_group=None, family_name: str | None = None, world_size: int | None = None):
+    def __init__(
+        self,
+        args,
+        placement_group=None,
+        family_name: str | None = None,
+        world_size: int | None = None,
+        gpu_share: float | None = None,
+        cpu_share: float | None = None,
+    ):
+        """`gpu_share` / `cpu_share` override each actor's resources (the placement's colocation shares)."""
         import torch
 
         self.args = args
@@ -165,7 +174,10 @@ class TrainActorGroup:
         remote_cls = ray.remote(TrainRayActor)
         self.actors = []
         for rank in range(self.world_size):
-            options: dict[str, Any] = {"num_cpus": 1 if not use_gpu else 0.01, "num_gpus": num_gpus}
+            options: dict[str, Any] = {
+                "num_cpus": cpu_share if cpu_share is not None else (1 if not use_gpu else 0.01),
+                "num_gpus": gpu_share if gpu_share is not None else num_gpus,
+            }
             if env_vars:
                 options["runtime_env"] = {"env_vars": env_vars}
             if placement_group is not None:
