@@ -278,6 +278,9 @@ def main() -> None:
     parser.add_argument("--microgroup-size", type=int, default=4, help="samples per engine request")
     parser.add_argument("--max-batch-size", type=int, default=32, help="engine: samples per DiT forward")
     parser.add_argument("--compile", action="store_true", help="engine: torch.compile the DiT forward")
+    parser.add_argument("--compile-mode", default="default", help="engine: torch.compile mode")
+    parser.add_argument("--attention-backend", default=None,
+                        help="engine: diffusers attention backend, e.g. _native_cudnn / _native_flash")
     parser.add_argument("--dtype", default=None, help="bf16 / fp32; default bf16 on cuda, fp32 on cpu")
     parser.add_argument("--arch-layers", type=int, default=None, help="fewer transformer blocks (smoke tests)")
     parser.add_argument("--bucket-mb", type=int, default=512, help="weight-update bucket size")
@@ -318,7 +321,8 @@ def main() -> None:
     server_args = ServerArgs(model_path=model_path, model_family="sd3", device=opts.device,
                              dtype="bf16" if opts.dtype == torch.bfloat16 else "fp32", generator_device=opts.device,
                              max_batch_size=opts.max_batch_size, batch_wait_ms=20.0,
-                             enable_torch_compile=opts.compile)
+                             enable_torch_compile=opts.compile, torch_compile_mode=opts.compile_mode,
+                             attention_backend=opts.attention_backend)
     runner = ModelRunner(server_args, loaded=(family, pipe))
     print(f"setup {time.perf_counter() - setup_began:.1f}s; model {model_path}; device {device}; dtype {opts.dtype}; "
           f"{opts.num_images} images of {opts.height}x{opts.width}, {opts.steps} steps, CFG {opts.cfg}", flush=True)
@@ -346,8 +350,9 @@ def main() -> None:
         naive_step = time_step(family, modules, lat[:1], {k: v[:1] for k, v in cond.items()}, guidance, shape,
                                opts.dtype, device, 5)
         rows.append(("naive loop (per prompt)", naive_seconds, naive_step, 1))
-    rows.append((f"engine{' + compile' if opts.compile else ''} (HTTP, batched)", engine_seconds, engine_step,
-                 engine_batch))
+    label = "engine" + (f" + compile({opts.compile_mode})" if opts.compile else "")
+    label += f" + attn {opts.attention_backend}" if opts.attention_backend else ""
+    rows.append((f"{label} (HTTP, batched)", engine_seconds, engine_step, engine_batch))
 
     naive_ips = opts.num_images / rows[0][1] if not opts.skip_naive else None
     print()

@@ -40,6 +40,23 @@ class ServerArgs:
     )
     vae_decode_batch_size: int = field(default=8, metadata={"help": "Samples per VAE decode call."})
     log_level: str = field(default="info", metadata={"help": "Engine log level."})
+    # ---- appended by the engine engineer ---------------------------------------------------------------------
+    model_backend_path: str | None = field(
+        default=None, metadata={"help": "--model-backend-path: user fn(path, dtype) -> pipeline replacing the loader."}
+    )
+    pipeline_builder_path: str | None = field(
+        default=None,
+        metadata={"help": "Dotted path of fn(server_args) -> (family, pipeline); replaces loading (benchmarks, tests)."},
+    )
+    rollout_patch_group: str | None = field(
+        default=None, metadata={"help": "--rollout-patch-group: comma-separated numeric-parity patch groups."}
+    )
+    url_file: str | None = field(default=None, metadata={"help": "Write the bound URL to this file once serving."})
+    crash_after_requests: int = field(
+        default=0,
+        metadata={"help": "Fault-injection drill: the process dies abruptly when its N-th generate request arrives "
+                  "(0 = never)."},
+    )
 
 
 # Fields miles fills in itself for every engine; they are not re-registered with the --sglang- prefix.
@@ -58,3 +75,7 @@ SET_BY_MILES = frozenset(
         "generator_device",
     }
 )
+
+
+# appended by the engine engineer: the new fields miles sets itself
+SET_BY_MILES = SET_BY_MILES | {"model_backend_path", "pipeline_builder_path", "rollout_patch_group", "url_file"}

@@ -1,0 +1,371 @@
+"""The engine's model side: load the pipeline through the family, and run requests one denoising step at a time.
+
+A request becomes a `Trajectory` (`start`: encode the prompt, build the per-sample generators, draw the
+initial latents); `step` advances any list of trajectories by one step with ONE batched DiT forward
+(`family.predict_velocity`, CFG as a doubled batch inside the family), then applies each trajectory's own step
+kernel from the math core (`SdeStepBackend.sample` on its SDE steps S, Euler `ode_step` elsewhere,
+ALGORITHMS.md §2–§3); `finish` decodes and packs the response. Every sample keeps its own generator (seeded
+seed + b), used first for the initial noise and then for the step noises, so a sample's trajectory never
+depends on which other samples share its forward.
+
+All methods run on the engine's single GPU worker thread (see scheduler.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from miles.diffusion.sde import SdeStepBackend, build_sde_backend, ode_step
+from miles.engine.patches import apply_patch_groups
+from miles.engine.protocol import GenerateRequest, GenerateResponse, ProtocolError, SampleResult
+from miles.engine.server_args import ServerArgs
+from miles.models.base import GenerationShape, TrainPipelineConfig
+from miles.models.common import build_train_pipeline_config, generators_from_seeds, parse_dtype
+from miles.utils.errors import MilesUserError
+from miles.utils.imports import load_function
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_NEGATIVE_PROMPT = " "  # ALGORITHMS.md §1: the engine's negative prompt when CFG is on and none is given
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise MilesUserError(f"--device {name}: CUDA is not available on this machine")
+    return device
+
+
+@dataclass
+class Trajectory:
+    """One in-flight request: M samples moving through the n denoising steps together."""
+
+    request: GenerateRequest
+    shape: GenerationShape
+    conditioning: dict[str, torch.Tensor]  # batched [M, ...] on the device
+    sigmas: torch.Tensor  # [n + 1] fp32 on the device
+    timesteps: torch.Tensor  # [n]
+    latents: torch.Tensor  # [M, ...] fp32, x_k
+    generators: list[torch.Generator]
+    backend: SdeStepBackend
+    sde_steps: frozenset[int]
+    return_latents: frozenset[int]
+    step: int = 0
+    recorded: dict[int, torch.Tensor] = field(default_factory=dict)
+    log_probs: dict[int, torch.Tensor] = field(default_factory=dict)
+    debug_velocities: dict[int, torch.Tensor] = field(default_factory=dict)
+    weight_version_at_start: int = 0
+    started_at: float = field(default_factory=time.perf_counter)
+    denoise_seconds: float = 0.0
+
+    @property
+    def num_samples(self) -> int:
+        return self.latents.shape[0]
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.request.num_steps
+
+
+def _conditioning_signature(conditioning: Mapping[str, torch.Tensor]) -> tuple:
+    return tuple(sorted((key, tuple(value.shape[1:]), value.dtype) for key, value in conditioning.items()))
+
+
+class ModelRunner:
+    """Owns the pipeline, the denoiser modules and the weight version of one engine."""
+
+    def __init__(self, server_args: ServerArgs, loaded: tuple[TrainPipelineConfig, Any] | None = None):
+        """`loaded`: an already built (family, pipeline) to serve instead of loading `model_path`."""
+        self.server_args = server_args
+        self.device = resolve_device(server_args.device)
+        if server_args.tp_size > 1:
+            if self.device.type == "cuda":
+                raise MilesUserError(
+                    f"--rollout-num-gpus-per-engine {server_args.tp_size}: engines spanning several GPUs (tensor or "
+                    "sequence parallel) are not implemented yet; use 1 GPU per engine and more engines"
+                )
+            logger.info("tp_size %d on a CPU engine: one process serves the whole slot", server_args.tp_size)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", server_args.base_gpu_id)
+            torch.cuda.set_device(self.device)
+        self.dtype = parse_dtype(server_args.dtype)
+        self.generator_device = self._resolve_generator_device(server_args.generator_device)
+        self.family, self.pipe = loaded if loaded is not None else self._load(server_args)
+        self.module_names: tuple[str, ...] = tuple(self.family.trainable_modules)
+        self.modules: dict[str, nn.Module] = {}
+        for name in self.module_names:
+            module = getattr(self.pipe, name, None)
+            if module is None:
+                raise MilesUserError(f"the pipeline at {server_args.model_path!r} has no denoiser module {name!r}")
+            module.eval().requires_grad_(False)
+            self.modules[name] = module
+        self.patch_groups = apply_patch_groups(self.modules, server_args.rollout_patch_group)
+        if server_args.attention_backend:
+            for module in self.modules.values():
+                module.set_attention_backend(server_args.attention_backend)
+        self.forward_modules: dict[str, nn.Module] = dict(self.modules)
+        if server_args.enable_torch_compile:
+            # The compiled wrappers share the originals' parameters, so weight updates stay visible.
+            self.forward_modules = {
+                name: torch.compile(module, mode=server_args.torch_compile_mode, dynamic=False)
+                for name, module in self.modules.items()
+            }
+        self.pad_batches = bool(server_args.enable_torch_compile)  # see _forward
+        self.weight_version = 0
+        self._backends: dict[tuple, SdeStepBackend] = {}
+
+    # ---- loading ----------------------------------------------------------------------------------------
+    def _resolve_generator_device(self, name: str) -> torch.device:
+        device = torch.device(name)
+        if device.type == "cuda" and self.device.type != "cuda":
+            logger.info("generator device %s requested on a %s engine; using cpu generators", name, self.device)
+            return torch.device("cpu")
+        if device.type == "cuda" and device.index is None:
+            return self.device  # the engine's own GPU
+        return device
+
+    def _load(self, server_args: ServerArgs) -> tuple[TrainPipelineConfig, Any]:
+        if server_args.pipeline_builder_path:
+            builder = load_function(server_args.pipeline_builder_path, "--pipeline-builder-path", required_params=1)
+            family, pipe = builder(server_args)
+            return family, pipe
+        path = server_args.model_path
+        if not path:
+            raise MilesUserError("the engine needs --model-path (a diffusers pipeline folder or hub id)")
+        if (os.path.isabs(path) or path.startswith((".", "~"))) and not os.path.exists(os.path.expanduser(path)):
+            raise MilesUserError(f"--model-path {path!r} does not exist")
+        args = _FamilyArgs(
+            hf_checkpoint=server_args.model_path,
+            diffusion_model_family=server_args.model_family,
+            train_pipeline_config_path=server_args.train_pipeline_config_path,
+            model_backend_path=server_args.model_backend_path,
+        )
+        family = build_train_pipeline_config(args)
+        pipe = family.load_pipeline(server_args.model_path, self.dtype, self.device)
+        return family, pipe
+
+    # ---- one request ------------------------------------------------------------------------------------
+    def _backend(self, request: GenerateRequest) -> SdeStepBackend:
+        key = (request.sde_type, request.noise_level, request.log_prob_no_const, request.sde_backend_path)
+        if key not in self._backends:
+            try:
+                self._backends[key] = build_sde_backend(*key)
+            except MilesUserError as err:
+                raise ProtocolError(str(err)) from err
+        return self._backends[key]
+
+    @torch.no_grad()
+    def start(self, request: GenerateRequest) -> Trajectory:
+        """Encode the prompt, build the generators and the initial latents (x_0)."""
+        request.validate()
+        backend = self._backend(request)
+        shape = GenerationShape(request.height, request.width, request.num_frames, request.fps)
+        negative = request.negative_prompt
+        if negative is None and request.guidance.do_cfg:
+            negative = DEFAULT_NEGATIVE_PROMPT
+        encoded = self.family.encode_prompt(self.pipe, [request.prompt], negative, request.guidance, shape=shape)
+        m = request.num_samples
+        conditioning = {key: value.expand(m, *value.shape[1:]).contiguous() for key, value in encoded.items()}
+        sigmas = self.family.sigmas(self.pipe, request.num_steps, shape, request.flow_shift)
+        sigmas = sigmas.to(device=self.device, dtype=torch.float32)
+        timesteps = self.family.timesteps_from_sigmas(sigmas[:-1])
+        seeds = [request.seed + b for b in range(m)]
+        generators = generators_from_seeds(seeds, device=self.generator_device)
+        latents = self.family.prepare_latents(self.pipe, shape, generators, self.dtype)
+        latents = latents.to(device=self.device, dtype=torch.float32)
+        trajectory = Trajectory(
+            request=request,
+            shape=shape,
+            conditioning=conditioning,
+            sigmas=sigmas,
+            timesteps=timesteps,
+            latents=latents,
+            generators=generators,
+            backend=backend,
+            sde_steps=frozenset(request.sde_step_indices),
+            return_latents=frozenset(request.return_latent_indices),
+            weight_version_at_start=self.weight_version,
+        )
+        self._record(trajectory)
+        return trajectory
+
+    def batch_key(self, trajectory: Trajectory) -> tuple:
+        """Trajectories with equal keys may share one DiT forward at their current steps."""
+        request = trajectory.request
+        expert = self.family.expert_for(float(trajectory.sigmas[trajectory.step]))
+        return (
+            expert,
+            trajectory.shape,
+            request.guidance,
+            tuple(trajectory.latents.shape[1:]),
+            _conditioning_signature(trajectory.conditioning),
+        )
+
+    def _record(self, trajectory: Trajectory) -> None:
+        if trajectory.step in trajectory.return_latents:
+            trajectory.recorded[trajectory.step] = trajectory.latents
+
+    @torch.no_grad()
+    def step(self, trajectories: list[Trajectory]) -> None:
+        """Advance every trajectory by one step with one batched velocity forward (chunked at max_batch_size).
+
+        The caller guarantees equal `batch_key`s.
+        """
+        began = time.perf_counter()
+        first = trajectories[0]
+        latents = torch.cat([t.latents for t in trajectories])
+        sigmas = torch.cat([t.sigmas[t.step].expand(t.num_samples) for t in trajectories])
+        conditioning = {
+            key: torch.cat([t.conditioning[key] for t in trajectories]) for key in first.conditioning
+        }
+        chunk = max(1, self.server_args.max_batch_size)
+        velocities = []
+        for lo in range(0, latents.shape[0], chunk):
+            velocities.append(
+                self._forward(
+                    latents[lo : lo + chunk],
+                    sigmas[lo : lo + chunk],
+                    {key: value[lo : lo + chunk] for key, value in conditioning.items()},
+                    first,
+                )
+            )
+        velocity = torch.cat(velocities) if len(velocities) > 1 else velocities[0]
+        offset = 0
+        for t in trajectories:
+            v = velocity[offset : offset + t.num_samples]
+            offset += t.num_samples
+            self._apply_step(t, v)
+        elapsed = time.perf_counter() - began
+        for t in trajectories:
+            t.denoise_seconds += elapsed
+
+    def _forward(self, latents, sigmas, conditioning, first: Trajectory) -> torch.Tensor:
+        """One velocity forward. With torch.compile, the batch is padded (repeating its last sample) to the next
+        power of two, so a compiled engine sees a handful of shapes instead of recompiling for every batch size
+        that concurrent requests happen to form; samples never interact in a DiT, the padding is dropped."""
+        batch = latents.shape[0]
+        padded = batch
+        if self.pad_batches:
+            padded = min(max(self.server_args.max_batch_size, batch), 1 << (batch - 1).bit_length())
+        if padded > batch:
+            extra = padded - batch
+
+            def pad(tensor: torch.Tensor) -> torch.Tensor:
+                return torch.cat([tensor, tensor[-1:].expand(extra, *tensor.shape[1:])])
+
+            latents, sigmas = pad(latents), pad(sigmas)
+            conditioning = {key: pad(value) for key, value in conditioning.items()}
+        velocity = self.family.predict_velocity(
+            self.forward_modules, latents, sigmas, conditioning, first.request.guidance, first.shape, self.dtype
+        ).float()
+        return velocity[:batch] if padded > batch else velocity
+
+    def _apply_step(self, t: Trajectory, velocity: torch.Tensor) -> None:
+        k = t.step
+        m = t.num_samples
+        sigma = t.sigmas[k].expand(m)
+        sigma_next = t.sigmas[k + 1].expand(m)
+        if t.request.debug:
+            t.debug_velocities[k] = velocity
+        if k in t.sde_steps:
+            out = t.backend.sample(t.latents, velocity, sigma, sigma_next, t.sigmas[1].expand(m), t.generators)
+            t.latents = out.next_latents
+            t.log_probs[k] = out.log_prob
+        else:
+            t.latents = ode_step(t.latents, velocity, sigma, sigma_next)
+        t.step = k + 1
+        self._record(t)
+
+    @torch.no_grad()
+    def finish(self, t: Trajectory) -> GenerateResponse:
+        """Decode the final latents and pack every sample's result (tensors moved to the host)."""
+        request = t.request
+        began = time.perf_counter()
+        images: torch.Tensor | None = None
+        if request.return_images:
+            chunk = max(1, self.server_args.vae_decode_batch_size)
+            images = torch.cat(
+                [self.family.decode(self.pipe, t.latents[lo : lo + chunk], t.shape) for lo in range(0, t.num_samples, chunk)]
+            ).cpu()
+        decode_seconds = time.perf_counter() - began
+        training = not request.evaluation
+        sigmas_cpu = t.sigmas.cpu()
+        timesteps_cpu = t.timesteps.float().cpu()
+        recorded = {k: v.cpu() for k, v in t.recorded.items()} if training else {}
+        log_probs = (
+            torch.stack([t.log_probs[k] for k in request.sde_step_indices], dim=1).cpu()
+            if request.sde_step_indices
+            else torch.zeros(t.num_samples, 0)
+        )
+        conditioning = {key: value.cpu() for key, value in t.conditioning.items()} if training else {}
+        final = t.latents.cpu()
+        debug = {k: v.cpu() for k, v in t.debug_velocities.items()} if request.debug else None
+        samples = []
+        for b in range(t.num_samples):
+            samples.append(
+                SampleResult(
+                    seed=request.seed + b,
+                    image=None if images is None else images[b].clone(),
+                    latents={k: v[b].clone() for k, v in recorded.items()},
+                    timesteps=timesteps_cpu,
+                    sigmas=sigmas_cpu,
+                    rollout_log_probs=log_probs[b].clone(),
+                    conditioning={key: value[b].clone() for key, value in conditioning.items()},
+                    clean_latents=final[b].clone() if training else None,
+                    debug_model_outputs=None if debug is None else {k: v[b].clone() for k, v in debug.items()},
+                )
+            )
+        if self.weight_version != t.weight_version_at_start:
+            logger.warning(
+                "request %s spanned a weight update (version %d -> %d)",
+                request.request_id,
+                t.weight_version_at_start,
+                self.weight_version,
+            )
+        return GenerateResponse(
+            request_id=request.request_id,
+            weight_version=self.weight_version,
+            samples=samples,
+            timings={"denoise": t.denoise_seconds, "decode": decode_seconds, "total": time.perf_counter() - t.started_at},
+        )
+
+    # ---- memory -----------------------------------------------------------------------------------------
+    def pipeline_modules(self) -> dict[str, nn.Module]:
+        """Every nn.Module component of the pipeline (denoisers, encoders, VAE)."""
+        components = getattr(self.pipe, "components", None) or {}
+        return {name: value for name, value in components.items() if isinstance(value, nn.Module)}
+
+    def release_memory(self) -> None:
+        """Move every component to the host and return the cached device memory (colocated runs)."""
+        if self.device.type != "cuda":
+            return
+        for module in self.pipeline_modules().values():
+            module.to("cpu")
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+    def resume_memory(self) -> None:
+        if self.device.type != "cuda":
+            return
+        for module in self.pipeline_modules().values():
+            module.to(self.device)
+        torch.cuda.synchronize()
+
+
+@dataclass
+class _FamilyArgs:
+    """The four run flags `build_train_pipeline_config` reads, taken from the engine's ServerArgs."""
+
+    hf_checkpoint: str
+    diffusion_model_family: str | None
+    train_pipeline_config_path: str | None
+    model_backend_path: str | None

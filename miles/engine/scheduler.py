@@ -1,0 +1,191 @@
+"""The step-level batcher: concurrent requests whose samples can share a DiT forward run as one batch.
+
+The scheduler lives on the server's event loop; every model call runs on ONE worker thread (the device is a
+single stream of work), so HTTP stays responsive while the GPU is busy. Each loop iteration:
+
+1. admits new requests (`ModelRunner.start`: encode + initial latents), waiting `batch_wait_ms` first when
+   the engine was idle so that a burst of concurrent POSTs lands in the same batch;
+2. groups the active trajectories by `ModelRunner.batch_key` (same shape, guidance, conditioning layout and
+   expert phase; the step index may differ, the family takes one sigma per sample), picks the group holding
+   the oldest trajectory, and runs ONE `ModelRunner.step` on it (the runner chunks at `max_batch_size`
+   samples, CFG doubling happens inside the family's forward);
+3. decodes and answers the trajectories that reached step n.
+
+Exclusive work (weight updates, memory release) goes through `run_exclusive`, which runs on the same worker
+thread between two steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from miles.engine.model_runner import ModelRunner, Trajectory
+from miles.engine.protocol import GenerateRequest, GenerateResponse
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    request: GenerateRequest
+    future: asyncio.Future
+    trajectory: Trajectory | None = None
+    admitted_at: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class SchedulerCounters:
+    requests_total: int = 0
+    requests_failed: int = 0
+    samples_total: int = 0
+    forward_batches: int = 0
+    forward_samples: int = 0
+    max_forward_samples: int = 0
+    step_seconds: float = 0.0  # worker time inside ModelRunner.step (DiT forwards + step kernels)
+    decode_seconds: float = 0.0  # worker time inside ModelRunner.finish (VAE decode + packing)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class StepScheduler:
+    """Owns the worker thread, the queue of new requests and the active trajectories of one engine."""
+
+    def __init__(self, runner: ModelRunner, max_batch_size: int, batch_wait_ms: float):
+        self.runner = runner
+        self.max_batch_size = max(1, int(max_batch_size))
+        self.batch_wait_s = max(0.0, float(batch_wait_ms)) / 1000.0
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-engine-worker")
+        self.counters = SchedulerCounters()
+        self._pending: list[_Job] = []
+        self._active: list[_Job] = []
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._wakeup = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="miles-engine-scheduler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for job in self._pending + self._active:
+            if not job.future.done():
+                job.future.set_exception(RuntimeError("engine shutting down"))
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._pending) + len(self._active)
+
+    # ---- public API -----------------------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> GenerateResponse:
+        job = _Job(request, asyncio.get_running_loop().create_future())
+        self._pending.append(job)
+        self.counters.requests_total += 1
+        assert self._wakeup is not None, "scheduler not started"
+        self._wakeup.set()
+        return await job.future
+
+    async def run_exclusive(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(*args)` on the worker thread, between two denoising steps."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    # ---- the loop -------------------------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        assert self._wakeup is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._pending and not self._active:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                if self.batch_wait_s > 0:
+                    # let the other requests of a concurrent burst arrive before the first step
+                    await asyncio.sleep(self.batch_wait_s)
+            await self._admit(loop)
+            self._drop_cancelled()
+            if not self._active:
+                continue
+            batch = self._pick_batch()
+            began = time.perf_counter()
+            try:
+                await loop.run_in_executor(self.executor, self.runner.step, [job.trajectory for job in batch])
+            except Exception as err:  # a failed forward fails its requests, never the engine
+                logger.exception("denoising step failed for %d request(s)", len(batch))
+                for job in batch:
+                    self._fail(job, err)
+                continue
+            self.counters.step_seconds += time.perf_counter() - began
+            samples = sum(job.trajectory.num_samples for job in batch)
+            self.counters.forward_batches += 1
+            self.counters.forward_samples += samples
+            self.counters.max_forward_samples = max(self.counters.max_forward_samples, samples)
+            for job in batch:
+                if job.trajectory.done:
+                    await self._finish(loop, job)
+
+    async def _admit(self, loop: asyncio.AbstractEventLoop) -> None:
+        pending, self._pending = self._pending, []
+        for job in pending:
+            if job.future.done():
+                continue
+            try:
+                job.trajectory = await loop.run_in_executor(self.executor, self.runner.start, job.request)
+            except Exception as err:
+                self._fail(job, err)
+                continue
+            self._active.append(job)
+
+    def _drop_cancelled(self) -> None:
+        # a client that went away (timeout, disconnect) cancels its future: stop spending steps on it
+        self._active = [job for job in self._active if not job.future.done()]
+
+    def _pick_batch(self) -> list[_Job]:
+        groups: dict[tuple, list[_Job]] = {}
+        for job in self._active:  # admission order, so each group's first job is its oldest
+            groups.setdefault(self.runner.batch_key(job.trajectory), []).append(job)
+        oldest_group = min(groups.values(), key=lambda jobs: jobs[0].admitted_at)
+        batch: list[_Job] = []
+        samples = 0
+        for job in oldest_group:
+            if batch and samples + job.trajectory.num_samples > self.max_batch_size:
+                break
+            batch.append(job)
+            samples += job.trajectory.num_samples
+        # rotate so that a group too large for one forward shares the device fairly
+        picked = set(map(id, batch))
+        self._active = [job for job in self._active if id(job) not in picked] + batch
+        return batch
+
+    async def _finish(self, loop: asyncio.AbstractEventLoop, job: _Job) -> None:
+        self._active.remove(job)
+        began = time.perf_counter()
+        try:
+            response = await loop.run_in_executor(self.executor, self.runner.finish, job.trajectory)
+        except Exception as err:
+            logger.exception("decoding failed for request %s", job.request.request_id)
+            self._fail(job, err)
+            return
+        self.counters.decode_seconds += time.perf_counter() - began
+        response.timings["queue"] = job.trajectory.started_at - job.admitted_at
+        self.counters.samples_total += job.trajectory.num_samples
+        if not job.future.done():
+            job.future.set_result(response)
+        job.trajectory = None
+
+    def _fail(self, job: _Job, err: BaseException) -> None:
+        self.counters.requests_failed += 1
+        if job in self._active:
+            self._active.remove(job)
+        if not job.future.done():
+            job.future.set_exception(err)

@@ -1,0 +1,201 @@
+"""The engine's HTTP server (aiohttp): the endpoints of DESIGN.md §4 over one ModelRunner + StepScheduler.
+
+Endpoints (see docs/engine.md):
+- `POST /rollout/generate`            msgpack GenerateRequest -> msgpack GenerateResponse
+- `POST /update_weights_from_tensor`  msgpack bucket message (weight_sync.py) -> JSON
+- `GET  /server_info`                 JSON: weight_version, family, device, dtype, counters
+- `GET  /weights_checksum`            JSON: sha256 per module over its parameters (`?per_tensor=1`, `?modules=a,b`,
+                                      `?include_buffers=1`)
+- `POST /release_memory_occupation`, `POST /resume_memory_occupation`, `GET /health`
+
+Errors: 400 with {"error": ...} for a malformed or unservable request, 503 while the memory is released,
+409 when releasing memory with requests in flight, 500 for an internal failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from miles.engine.model_runner import ModelRunner
+from miles.engine.protocol import CONTENT_TYPE, ProtocolError, decode_request, encode_response
+from miles.engine.scheduler import StepScheduler
+from miles.engine.server_args import ServerArgs
+from miles.engine.weight_sync import WeightReceiver, decode_update_message, module_checksums
+from miles.utils.errors import MilesUserError
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 1 << 30
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+class EngineServer:
+    """One engine: owns the runner, the scheduler, the weight receiver and the HTTP app (tests can start two)."""
+
+    def __init__(self, server_args: ServerArgs, runner: ModelRunner | None = None):
+        self.server_args = server_args
+        self.runner = runner if runner is not None else ModelRunner(server_args)
+        self.scheduler = StepScheduler(self.runner, server_args.max_batch_size, server_args.batch_wait_ms)
+        self.receiver = WeightReceiver({name: getattr(self.runner.pipe, name) for name in self.runner.module_names})
+        self.memory_released = False
+        self.counters: dict[str, Any] = {
+            "generate_requests": 0, "weight_updates": 0, "weight_buckets": 0, "bad_requests": 0
+        }
+        self.app = web.Application(client_max_size=MAX_BODY_BYTES)
+        self.app.add_routes(
+            [
+                web.post("/rollout/generate", self.handle_generate),
+                web.post("/update_weights_from_tensor", self.handle_update_weights),
+                web.get("/server_info", self.handle_server_info),
+                web.get("/weights_checksum", self.handle_checksum),
+                web.post("/release_memory_occupation", self.handle_release),
+                web.post("/resume_memory_occupation", self.handle_resume),
+                web.get("/health", self.handle_health),
+            ]
+        )
+        self.app.on_startup.append(self._on_startup)
+        self.app.on_cleanup.append(self._on_cleanup)
+        self._runner: web.AppRunner | None = None
+        self.url: str | None = None
+
+    async def _on_startup(self, app: web.Application) -> None:
+        self.scheduler.start()
+
+    async def _on_cleanup(self, app: web.Application) -> None:
+        await self.scheduler.stop()
+
+    # ---- serving --------------------------------------------------------------------------------------------
+    async def start(self) -> str:
+        """Bind (port 0 picks a free port) and serve; returns the URL."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.server_args.host, self.server_args.port))
+        self._runner = web.AppRunner(self.app, access_log=None)
+        await self._runner.setup()
+        await web.SockSite(self._runner, sock).start()
+        host, port = sock.getsockname()[:2]
+        self.url = f"http://{host}:{port}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # ---- handlers -------------------------------------------------------------------------------------------
+    async def handle_generate(self, request: web.Request) -> web.StreamResponse:
+        self.counters["generate_requests"] += 1
+        crash_at = self.server_args.crash_after_requests
+        if crash_at and self.counters["generate_requests"] >= crash_at:
+            logger.error("crash drill: dying at generate request %d (--crash-after-requests)", crash_at)
+            os._exit(1)  # abrupt on purpose: no answer, no cleanup, like a real crash mid-request
+        if self.memory_released:
+            return _error(503, "engine memory is released; POST /resume_memory_occupation first")
+        body = await request.read()
+        try:
+            generate_request = decode_request(body)
+        except ProtocolError as err:
+            self.counters["bad_requests"] += 1
+            return _error(400, str(err))
+        try:
+            response = await self.scheduler.generate(generate_request)
+        except (ProtocolError, MilesUserError, ValueError) as err:
+            self.counters["bad_requests"] += 1
+            return _error(400, f"{type(err).__name__}: {err}")
+        except Exception as err:
+            logger.exception("generate failed")
+            return _error(500, f"{type(err).__name__}: {err}")
+        payload = await asyncio.get_running_loop().run_in_executor(None, encode_response, response)
+        return web.Response(body=payload, content_type=CONTENT_TYPE)
+
+    async def handle_update_weights(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        try:
+            message = decode_update_message(body)
+            result = await self.scheduler.run_exclusive(self.receiver.apply, message)
+        except ProtocolError as err:
+            return _error(400, str(err))
+        except Exception as err:
+            logger.exception("weight update failed")
+            return _error(500, f"{type(err).__name__}: {err}")
+        self.counters["weight_buckets"] += 1
+        if message.get("flush"):
+            self.runner.weight_version = int(message["weight_version"])
+            self.counters["weight_updates"] += 1
+        return web.json_response({"ok": True, "weight_version": self.runner.weight_version, **result})
+
+    async def handle_server_info(self, request: web.Request) -> web.Response:
+        runner = self.runner
+        return web.json_response(
+            {
+                "weight_version": runner.weight_version,
+                "family": runner.family.family,
+                "model_path": self.server_args.model_path,
+                "modules": list(runner.module_names),
+                "device": str(runner.device),
+                "dtype": str(runner.dtype).replace("torch.", ""),
+                "generator_device": str(runner.generator_device),
+                "max_batch_size": self.scheduler.max_batch_size,
+                "patch_groups": runner.patch_groups,
+                "compiled": bool(self.server_args.enable_torch_compile),
+                "memory_released": self.memory_released,
+                "running_requests": self.scheduler.num_running,
+                "counters": {**self.scheduler.counters.as_dict(), **self.counters},
+            }
+        )
+
+    async def handle_checksum(self, request: web.Request) -> web.Response:
+        names = request.query.get("modules")
+        selected = names.split(",") if names else list(self.runner.module_names)
+        unknown = [n for n in selected if n not in self.receiver.modules]
+        if unknown:
+            return _error(400, f"unknown modules {unknown}; this engine syncs {list(self.receiver.modules)}")
+        per_tensor = request.query.get("per_tensor") in ("1", "true")
+        include_buffers = request.query.get("include_buffers") in ("1", "true")
+        modules = {n: self.receiver.modules[n] for n in selected}
+        checksums = await self.scheduler.run_exclusive(module_checksums, modules, per_tensor, include_buffers)
+        return web.json_response({"weight_version": self.runner.weight_version, "checksums": checksums})
+
+    async def handle_release(self, request: web.Request) -> web.Response:
+        if self.scheduler.num_running:
+            return _error(409, f"{self.scheduler.num_running} request(s) in flight; release memory when idle")
+        if not self.memory_released:
+            await self.scheduler.run_exclusive(self.runner.release_memory)
+            self.memory_released = True
+        return web.json_response({"ok": True, "memory_released": True, **_cuda_memory()})
+
+    async def handle_resume(self, request: web.Request) -> web.Response:
+        if self.memory_released:
+            await self.scheduler.run_exclusive(self.runner.resume_memory)
+            self.memory_released = False
+        return web.json_response({"ok": True, "memory_released": False, **_cuda_memory()})
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "weight_version": self.runner.weight_version})
+
+
+def _cuda_memory() -> dict[str, int]:
+    if not torch.cuda.is_available():
+        return {}
+    return {"cuda_memory_allocated": torch.cuda.memory_allocated(), "cuda_memory_reserved": torch.cuda.memory_reserved()}
+
+
+async def serve_forever(server_args: ServerArgs, on_ready=None) -> None:
+    """Load the model, bind, call `on_ready(url)`, and serve until cancelled."""
+    server = EngineServer(server_args)
+    url = await server.start()
+    if on_ready is not None:
+        on_ready(url)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await server.stop()

@@ -1,0 +1,141 @@
+"""The engines of a run and their router: start, address, restart, stop.
+
+Each engine is an OS process supervised by a Ray actor (`miles.ray.engine_actor`) on its placement slot; the
+router (`python -m miles.router`) is a child process of the driver. Engines are added to the router as they
+come up, and removed and re-added when fault tolerance restarts one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import urllib.request
+from typing import Callable
+
+from miles.engine.server_args import SET_BY_MILES, ServerArgs
+from miles.utils.errors import MilesUserError
+
+logger = logging.getLogger(__name__)
+
+
+def build_server_args(args, device: str) -> ServerArgs:
+    """The engine's settings: what miles decides, plus every `--sglang-<field>` the user passed."""
+    passthrough = {
+        f.name: getattr(args, f"sglang_{f.name}")
+        for f in dataclasses.fields(ServerArgs)
+        if f.name not in SET_BY_MILES and getattr(args, f"sglang_{f.name}", None) is not None
+    }
+    return ServerArgs(
+        model_path=args.hf_checkpoint,
+        model_family=None if args.train_pipeline_config_path else args.diffusion_model_family_resolved,
+        train_pipeline_config_path=args.train_pipeline_config_path,
+        model_backend_path=args.model_backend_path,
+        rollout_patch_group=",".join(args.rollout_patch_group) if isinstance(args.rollout_patch_group, list) else args.rollout_patch_group,
+        tp_size=args.rollout_num_gpus_per_engine,
+        random_seed=args.rollout_seed,
+        dtype=args.diffusion_forward_dtype,
+        device=device,
+        generator_device=args.diffusion_generator_device if device == "cuda" else "cpu",
+        **passthrough,
+    )
+
+
+def _post_json(url: str, payload: dict | None = None, timeout: float = 600.0) -> dict:
+    data = json.dumps(payload or {}).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        body = response.read()
+    return json.loads(body) if body else {}
+
+
+class EngineFleet:
+    """The engine actors of a run and the router in front of them."""
+
+    def __init__(self, args, placement) -> None:
+        self.args = args
+        self.placement = placement
+        self.server_args = build_server_args(args, placement.device)
+        self.actors: list = []
+        self.urls: list[str] = []
+        self.router_process = None
+        self.router_url: str | None = None
+        self.on_restart: Callable[[str], None] | None = None
+        self.log_dir = os.path.join(args.output_dir, "engine_logs")
+
+    def start(self) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from miles.ray.engine_actor import engine_actor_class
+        from miles.router.router import RouterConfig, launch_router_process
+
+        os.makedirs(self.log_dir, exist_ok=True)
+        slots = self.placement.rollout
+        actor_class = engine_actor_class(num_gpus=slots.gpu_share, num_cpus=slots.cpu_share)
+        for engine_index, bundle_index in enumerate(slots.bundle_indices):
+            server_args = self.server_args
+            if self.placement.device == "cuda":
+                # The engine process sees exactly its GPUs; the actor sits on the first of them.
+                gpu_ids = slots.gpu_ids[bundle_index : bundle_index + self.placement.gpus_per_engine]
+                env = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpu_ids)}
+            else:
+                env = {}
+            actor = actor_class.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    slots.placement_group, placement_group_bundle_index=bundle_index
+                )
+            ).remote(server_args, log_path=os.path.join(self.log_dir, f"engine{engine_index}.log"), env=env)
+            self.actors.append(actor)
+        try:
+            self.urls = ray.get([actor.start.remote() for actor in self.actors])
+        except Exception as err:
+            raise MilesUserError(
+                f"a rollout engine failed to start ({err.__class__.__name__}: {str(err).splitlines()[-1]}); "
+                f"its log is in {self.log_dir}/"
+            ) from err
+        self.router_process, self.router_url = launch_router_process(RouterConfig.from_args(self.args), self.urls)
+        logger.info("engines up: %s, router %s", self.urls, self.router_url)
+
+    def engine_urls(self) -> list[str]:
+        return list(self.urls)
+
+    def post_all(self, path: str) -> None:
+        for url in self.urls:
+            _post_json(f"{url}{path}")
+
+    def restart_dead_engines(self) -> list[str]:
+        """Restart every engine whose process died; the new one gets the current weights before serving."""
+        import ray
+
+        restarted = []
+        alive = ray.get([actor.is_alive.remote() for actor in self.actors])
+        for index, is_alive in enumerate(alive):
+            if is_alive:
+                continue
+            old_url = self.urls[index]
+            logger.warning("engine %d (%s) died; restarting it", index, old_url)
+            _post_json(f"{self.router_url}/remove_worker", {"url": old_url})
+            new_url = ray.get(self.actors[index].restart.remote())
+            if self.on_restart is not None:
+                self.on_restart(new_url)
+            self.urls[index] = new_url
+            _post_json(f"{self.router_url}/add_worker", {"url": new_url})
+            restarted.append(new_url)
+        return restarted
+
+    def kill_engine(self, index: int) -> None:
+        """Crash one engine (fault-tolerance drills and tests)."""
+        import ray
+
+        ray.get(self.actors[index].kill.remote())
+
+    def shutdown(self) -> None:
+        import ray
+
+        if self.actors:
+            ray.get([actor.stop.remote() for actor in self.actors])
+        if self.router_process is not None:
+            self.router_process.terminate()
+            self.router_process.wait(timeout=30)

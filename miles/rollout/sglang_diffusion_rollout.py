@@ -1,0 +1,300 @@
+"""The diffusion rollout: prompt groups -> microgroup requests through the router -> scored samples.
+
+`generate_rollout(args, rollout_id, data_source, evaluation=False) -> list[list[Sample]]`
+
+Training (`evaluation=False`): `data_source` is a RolloutDataSource (`get_samples(num_groups)`). The rollout
+takes `--rollout-batch-size` groups, splits each group of `--n-samples-per-prompt` samples into microgroups of
+`--rollout-microgroup-size` (the last one may be smaller), and sends every microgroup as one request:
+- seed: `request_seed(--rollout-seed, group_index, G, offset)` (ALGORITHMS.md §3); sample b of the
+  microgroup gets seed + b on the engine;
+- SDE steps and returned latents: the step strategy (`resolve_step_strategy(args)`), evaluated on the
+  microgroup's first sample with that seed;
+- each microgroup is scored by `batched_async_rm` as soon as it returns (a whole group at once with
+  `--group-rm`);
+- a finished group goes through `--dynamic-sampling-filter-path`; a dropped group is replaced by a new one from
+  the data source until `--rollout-batch-size` groups are kept (at most `MAX_GROUPS_FACTOR` × that many groups
+  are generated: a filter that keeps (almost) nothing ends the rollout with a MilesUserError);
+The result is group-contiguous, ordered by group_index, with `sample.index` renumbered 0..P·G−1, and carries
+the rollout's metrics as `.metrics` (a `RolloutGroups` list). `--rollout-sample-filter-path` is applied by the
+caller (the RolloutManager), once, after the rollout.
+
+Evaluation (`evaluation=True`): plain generation — every step is an ODE step, no latents or conditioning come
+back, rewards are scored with `evaluation=True`, and no filter runs. `data_source` is then either
+- an `EvalDataset` (`miles.rollout.eval_config`): its prompts, `n_samples_per_eval_prompt`, `num_steps` and
+  `rm_type` are used (a row's `metadata.rm_type` wins), or
+- a list of groups (`list[list[Sample]]`, each the samples of one prompt), generated with
+  `--diffusion-eval-num-steps` (default `--diffusion-num-steps`).
+Eval seeds use the group's position in the eval set as group_index, so every evaluation sees the same noise.
+
+`--custom-generate-function-path`: `async fn(args, group, sampling_params) -> list[Sample]` replaces the HTTP
+call for each microgroup (`group` = the microgroup's samples; `sampling_params` = the request's fields as a dict
+plus `router_url`). Samples it returns with `reward` already set are not scored again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import logging
+import threading
+import time
+import uuid
+from typing import Any, Coroutine, Sequence
+
+from miles.engine.protocol import GenerateRequest
+from miles.rollout.engine_client import EngineClient, EngineRequestError
+from miles.rollout.hooks import RolloutHooks, apply_dynamic_sampling_filter, load_rollout_hooks
+from miles.rollout.rm_hub import batched_async_rm
+from miles.rollout.step_strategy_hub import request_seed, resolve_step_strategy
+from miles.types import GuidanceConfig, Sample
+from miles.utils.errors import MilesUserError
+
+logger = logging.getLogger(__name__)
+
+MAX_GROUPS_FACTOR = 10
+
+__all__ = ["generate_rollout", "generate_rollout_async", "RolloutGroups", "EngineRequestError", "build_request"]
+
+
+class RolloutGroups(list):
+    """The list of groups `generate_rollout` returns, carrying the rollout's metrics (`.metrics`:
+    rollout/num_groups_dropped, rollout/num_retries, ...) for the caller to log."""
+
+    def __init__(self, groups: list[list[Sample]], metrics: dict[str, float]):
+        super().__init__(groups)
+        self.metrics = metrics
+
+
+def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False) -> list[list[Sample]]:
+    """See the module docstring. Synchronous; runs its own event loop (on a helper thread if one is running).
+    The result is a `RolloutGroups` (a list of groups) whose `.metrics` holds the rollout's counters."""
+    groups, metrics = run_sync(generate_rollout_async(args, rollout_id, data_source, evaluation))
+    return RolloutGroups(groups, metrics)
+
+
+def run_sync(coroutine: Coroutine) -> Any:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = asyncio.run(coroutine)
+        except BaseException as err:  # re-raised in the caller's thread
+            box["error"] = err
+
+    thread = threading.Thread(target=target, name="miles-rollout")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+# ---- requests ------------------------------------------------------------------------------------------------
+
+
+def build_request(
+    args,
+    prompt: str,
+    num_samples: int,
+    seed: int,
+    num_steps: int,
+    sde_step_indices: Sequence[int],
+    return_latent_indices: Sequence[int],
+    evaluation: bool,
+) -> GenerateRequest:
+    """A GenerateRequest from the run's `--diffusion-*` flags."""
+    return GenerateRequest(
+        prompt=prompt,
+        num_samples=num_samples,
+        seed=seed,
+        num_steps=num_steps,
+        negative_prompt=getattr(args, "diffusion_negative_prompt", None),
+        guidance=GuidanceConfig(
+            guidance_scale=float(getattr(args, "diffusion_guidance_scale", 4.0)),
+            guidance_scale_2=getattr(args, "diffusion_guidance_scale_2", None),
+            true_cfg_scale=getattr(args, "diffusion_true_cfg_scale", None),
+        ),
+        noise_level=float(getattr(args, "diffusion_noise_level", 0.7)),
+        sde_type=getattr(args, "diffusion_sde_type", "sde"),
+        log_prob_no_const=bool(getattr(args, "diffusion_log_prob_no_const", False)),
+        sde_backend_path=getattr(args, "sde_step_backend_path", None),
+        sde_step_indices=list(sde_step_indices),
+        return_latent_indices=list(return_latent_indices),
+        height=int(getattr(args, "diffusion_height", 512)),
+        width=int(getattr(args, "diffusion_width", 512)),
+        num_frames=int(getattr(args, "diffusion_output_num_frames", 1) or 1),
+        fps=getattr(args, "diffusion_fps", None),
+        flow_shift=getattr(args, "diffusion_flow_shift", None),
+        debug=bool(getattr(args, "diffusion_debug_mode", False)) and not evaluation,
+        evaluation=evaluation,
+        request_id=uuid.uuid4().hex[:16],
+    )
+
+
+class _Rollout:
+    """State of one generate_rollout call."""
+
+    def __init__(self, args, rollout_id: int, hooks: RolloutHooks, client: EngineClient, evaluation: bool):
+        self.args = args
+        self.rollout_id = rollout_id
+        self.hooks = hooks
+        self.client = client
+        self.evaluation = evaluation
+        self.strategy = None if evaluation else resolve_step_strategy(args)
+        self.microgroup_size = max(1, int(getattr(args, "rollout_microgroup_size", 1) or 1))
+        self.num_steps = int(getattr(args, "diffusion_num_steps", 10))
+        self.group_rm = bool(getattr(args, "group_rm", False))
+
+    async def generate_group(self, group: list[Sample], group_index: int, group_size: int) -> list[Sample]:
+        """Generate and score one prompt group (its microgroups run concurrently)."""
+        offsets = range(0, len(group), self.microgroup_size)
+        await asyncio.gather(*(self.generate_microgroup(group, offset, group_index, group_size) for offset in offsets))
+        if self.group_rm:
+            await self.score(group)
+        return group
+
+    async def generate_microgroup(self, group: list[Sample], offset: int, group_index: int, group_size: int) -> None:
+        """Fill `group[offset : offset + microgroup_size]` from one request (or the custom generate hook)."""
+        samples = group[offset : offset + self.microgroup_size]
+        seed = request_seed(int(getattr(self.args, "rollout_seed", 42)), group_index, group_size, offset)
+        if self.evaluation:
+            sde_steps, return_latents = [], []
+        else:
+            sde_steps, return_latents = self.strategy(self.args, samples[0], self.num_steps, seed)
+        request = build_request(self.args, samples[0].prompt, len(samples), seed, self.num_steps, sde_steps,
+                                return_latents, self.evaluation)
+        if self.hooks.custom_generate is not None:
+            params = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}
+            params["router_url"] = self.client.router_url
+            returned = await self.hooks.custom_generate(self.args, samples, params)
+            if not isinstance(returned, list) or len(returned) != len(samples) or not all(
+                isinstance(s, Sample) for s in returned
+            ):
+                raise MilesUserError(
+                    f"--custom-generate-function-path must return a list of {len(samples)} Samples, got "
+                    f"{len(returned) if isinstance(returned, list) else type(returned).__name__}"
+                )
+            group[offset : offset + len(samples)] = returned  # the hook may return new Sample objects
+            samples = returned
+        else:
+            response, engine_url = await self.client.generate(request)
+            if len(response.samples) != len(samples):
+                raise EngineRequestError(f"engine {engine_url} returned {len(response.samples)} samples for {len(samples)}")
+            for sample, result in zip(samples, response.samples):
+                result.fill_sample(sample, request, response.weight_version, engine_url)
+        if not self.group_rm:
+            await self.score(samples)
+
+    async def score(self, samples: list[Sample]) -> None:
+        unscored = [s for s in samples if s.reward is None]
+        if not unscored:
+            return
+        rewards = await batched_async_rm(self.args, unscored, evaluation=self.evaluation)
+        for sample, reward in zip(unscored, rewards):
+            sample.reward = reward
+
+
+def _get_groups(data_source, num_groups: int, rollout_id: int) -> list[list[Sample]]:
+    get = data_source.get_samples
+    if "rollout_id" in inspect.signature(get).parameters:
+        return get(num_groups, rollout_id=rollout_id)
+    return get(num_groups)
+
+
+def _eval_groups(args, data_source) -> tuple[list[list[Sample]], int | None]:
+    """(groups, num_steps override) for an EvalDataset or a plain list of groups."""
+    if hasattr(data_source, "load_prompts"):
+        n = int(getattr(data_source, "n_samples_per_eval_prompt", 1) or 1)
+        rm_type = getattr(data_source, "rm_type", None)
+        groups = []
+        for group_index, row in enumerate(data_source.load_prompts()):
+            metadata = dict(row.metadata or {})
+            if rm_type:
+                metadata.setdefault("rm_type", rm_type)
+            groups.append([Sample(prompt=row.prompt, group_index=group_index, metadata=dict(metadata)) for _ in range(n)])
+        return groups, int(getattr(data_source, "num_steps", 0) or 0) or None
+    groups = list(data_source)
+    if not all(isinstance(g, list) and g and all(isinstance(s, Sample) for s in g) for g in groups):
+        raise MilesUserError("evaluation=True takes an EvalDataset or a list of groups (non-empty lists of Samples)")
+    return groups, None
+
+
+def _reindex(groups: list[list[Sample]]) -> None:
+    position = 0
+    for group in groups:
+        for sample in group:
+            sample.index = position
+            position += 1
+
+
+async def generate_rollout_async(
+    args, rollout_id: int, data_source, evaluation: bool = False
+) -> tuple[list[list[Sample]], dict[str, float]]:
+    """The rollout as a coroutine; returns (groups, metrics)."""
+    hooks = load_rollout_hooks(args)
+    began = time.perf_counter()
+    async with EngineClient(args) as client:
+        rollout = _Rollout(args, rollout_id, hooks, client, evaluation)
+        if evaluation:
+            groups, num_steps = _eval_groups(args, data_source)
+            rollout.num_steps = num_steps or int(
+                getattr(args, "diffusion_eval_num_steps", None) or getattr(args, "diffusion_num_steps", 10)
+            )
+            await asyncio.gather(*(rollout.generate_group(g, i, len(g)) for i, g in enumerate(groups)))
+            _reindex(groups)
+            metrics = {"eval/rollout_seconds": time.perf_counter() - began, "eval/num_samples": sum(map(len, groups))}
+            return groups, metrics
+        kept, generated, dropped = await _generate_train_groups(args, rollout_id, data_source, rollout)
+        stats = dict(client.stats)
+    kept.sort(key=lambda g: g[0].group_index)
+    _reindex(kept)
+    metrics = {
+        "rollout/seconds": time.perf_counter() - began,
+        "rollout/num_groups_generated": generated,
+        "rollout/num_groups_dropped": dropped,
+        "rollout/num_requests": stats["requests"],
+        "rollout/num_retries": stats["retries"],
+    }
+    logger.info("rollout %d: %s", rollout_id, metrics)
+    return kept, metrics
+
+
+async def _generate_train_groups(args, rollout_id: int, data_source, rollout: _Rollout):
+    target = int(getattr(args, "rollout_batch_size", 0) or 0)
+    if target <= 0:
+        raise MilesUserError(f"--rollout-batch-size must be > 0, got {target}")
+    group_size = int(getattr(args, "n_samples_per_prompt", 1) or 1)
+    kept: list[list[Sample]] = []
+    in_flight: set[asyncio.Task] = set()
+    generated = dropped = 0
+    try:
+        while len(kept) < target:
+            need = target - len(kept) - len(in_flight)
+            if need > 0:
+                if generated >= MAX_GROUPS_FACTOR * target:
+                    raise MilesUserError(
+                        f"--dynamic-sampling-filter-path kept {len(kept)} of {generated} groups, fewer than "
+                        f"--rollout-batch-size {target} after {MAX_GROUPS_FACTOR}x that many; check the filter"
+                    )
+                new_groups = _get_groups(data_source, need, rollout_id)
+                if not new_groups and not in_flight:
+                    raise MilesUserError(f"the data source ran out of prompts with {len(kept)}/{target} groups kept")
+                for group in new_groups:
+                    generated += 1
+                    in_flight.add(asyncio.ensure_future(rollout.generate_group(group, group[0].group_index, group_size)))
+            done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+            finished = [task.result() for task in done]  # re-raises a failed group's error
+            keep, drop = apply_dynamic_sampling_filter(rollout.hooks, args, finished)
+            kept.extend(keep)
+            dropped += len(drop)
+    finally:
+        for task in in_flight:
+            task.cancel()
+        if in_flight:
+            await asyncio.gather(*in_flight, return_exceptions=True)
+    return kept, generated, dropped

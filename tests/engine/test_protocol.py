@@ -1,0 +1,164 @@
+"""The /rollout/generate wire format: round trips, tensor payloads, and every rejection path."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import torch
+
+from miles.engine.protocol import (
+    GenerateRequest,
+    GenerateResponse,
+    ProtocolError,
+    SampleResult,
+    decode_request,
+    decode_response,
+    encode_request,
+    encode_response,
+    packb,
+    tensor_from_bytes,
+    unpackb,
+)
+from miles.types import GuidanceConfig, Sample
+
+
+def _request(**overrides) -> GenerateRequest:
+    fields = dict(
+        prompt="a red cube",
+        num_samples=3,
+        seed=17,
+        num_steps=6,
+        negative_prompt="blurry",
+        guidance=GuidanceConfig(guidance_scale=4.5, guidance_scale_2=3.0, true_cfg_scale=None),
+        noise_level=0.5,
+        sde_type="cps",
+        log_prob_no_const=True,
+        sde_step_indices=[1, 2],
+        return_latent_indices=[1, 2, 3],
+        height=32,
+        width=48,
+        num_frames=5,
+        fps=16.0,
+        flow_shift=3.0,
+        debug=True,
+        evaluation=False,
+        request_id="abc",
+    )
+    fields.update(overrides)
+    return GenerateRequest(**fields)
+
+
+def test_request_round_trip_keeps_every_field():
+    request = _request()
+    assert decode_request(encode_request(request)) == request
+
+
+def test_request_body_is_msgpack_without_pickle():
+    body = encode_request(_request())
+    decoded = msgpack.unpackb(body, raw=False)
+    assert decoded["prompt"] == "a red cube" and decoded["guidance"]["guidance_scale"] == 4.5
+    assert b"\x80\x04" not in body[:2]  # not a pickle stream
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.int64, torch.bool]
+)
+def test_tensors_round_trip_bitwise(dtype):
+    generator = torch.Generator().manual_seed(0)
+    source = torch.randn(2, 3, 4, generator=generator) * 10
+    tensor = source.to(dtype) if dtype != torch.bool else source > 0
+    back = unpackb(packb({"t": tensor, "empty": tensor[:0], "scalar": tensor[0, 0, 0]}))
+    assert back["t"].dtype == dtype and torch.equal(back["t"], tensor)
+    assert back["empty"].shape == (0, 3, 4)
+    assert back["scalar"].shape == () and torch.equal(back["scalar"], tensor[0, 0, 0])
+    if dtype != torch.bool:
+        back["t"].add_(1)  # decoded tensors own writable memory (no read-only buffer warning or error)
+
+
+def test_non_contiguous_tensor_round_trips():
+    tensor = torch.arange(24, dtype=torch.float32).reshape(4, 6).t()
+    assert torch.equal(unpackb(packb(tensor)), tensor)
+
+
+def _response() -> GenerateResponse:
+    g = torch.Generator().manual_seed(1)
+    samples = []
+    for b in range(2):
+        samples.append(
+            SampleResult(
+                seed=17 + b,
+                image=torch.randint(0, 255, (1, 8, 8, 3), dtype=torch.uint8, generator=g),
+                latents={1: torch.randn(4, 2, 2, generator=g), 2: torch.randn(4, 2, 2, generator=g)},
+                timesteps=torch.tensor([1000.0, 500.0]),
+                sigmas=torch.tensor([1.0, 0.5, 0.0]),
+                rollout_log_probs=torch.tensor([-1.5]),
+                conditioning={"prompt_embeds": torch.randn(5, 3, generator=g).bfloat16()},
+                clean_latents=torch.randn(4, 2, 2, generator=g),
+                debug_model_outputs={0: torch.randn(4, 2, 2, generator=g)} if b == 0 else None,
+            )
+        )
+    return GenerateResponse(request_id="abc", weight_version=7, samples=samples, timings={"denoise": 0.1})
+
+
+def test_response_round_trip_and_fill_sample():
+    response = _response()
+    back = decode_response(encode_response(response))
+    assert back.request_id == "abc" and back.weight_version == 7 and back.timings == {"denoise": 0.1}
+    for ours, theirs in zip(response.samples, back.samples):
+        assert ours.seed == theirs.seed
+        assert torch.equal(ours.image, theirs.image)
+        assert set(theirs.latents) == {1, 2}  # integer step keys survive
+        for k in ours.latents:
+            assert torch.equal(ours.latents[k], theirs.latents[k])
+        assert torch.equal(ours.conditioning["prompt_embeds"], theirs.conditioning["prompt_embeds"])
+        assert theirs.conditioning["prompt_embeds"].dtype == torch.bfloat16
+    assert back.samples[1].debug_model_outputs is None
+
+    request = _request(sde_step_indices=[1], return_latent_indices=[1, 2])
+    sample = back.samples[0].fill_sample(Sample(prompt="a red cube"), request, back.weight_version, "http://e:1")
+    assert sample.sde_step_indices == [1] and sample.weight_version == 7 and sample.engine_url == "http://e:1"
+    assert sample.num_steps == 2 and torch.equal(sample.clean_latents, response.samples[0].clean_latents)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"num_samples": 0}, "num_samples"),
+        ({"num_steps": 0}, "num_steps"),
+        ({"sde_step_indices": [6]}, "sde_step_indices"),
+        ({"return_latent_indices": [7]}, "return_latent_indices"),
+        ({"sde_step_indices": [1, 1]}, "duplicates"),
+        ({"height": 0}, "output size"),
+    ],
+)
+def test_invalid_requests_are_rejected_with_the_field_named(overrides, message):
+    with pytest.raises(ProtocolError, match=message):
+        decode_request(encode_request(_request(**overrides)))
+
+
+def test_version_unknown_fields_and_garbage_are_rejected():
+    body = msgpack.unpackb(encode_request(_request()), raw=False)
+    with pytest.raises(ProtocolError, match="protocol_version"):
+        decode_request(packb({**body, "protocol_version": 99}))
+    with pytest.raises(ProtocolError, match="unknown fields"):
+        decode_request(packb({**body, "temperature": 1.0}))
+    no_prompt = dict(body)
+    del no_prompt["prompt"]
+    with pytest.raises(ProtocolError, match="prompt"):
+        decode_request(packb(no_prompt))
+    with pytest.raises(ProtocolError, match="msgpack"):
+        decode_request(b"\xc1not msgpack")
+    with pytest.raises(ProtocolError, match="map"):
+        decode_response(packb([1, 2]))
+
+
+def test_bad_tensor_payloads_are_rejected():
+    with pytest.raises(ProtocolError, match="does not match"):
+        tensor_from_bytes("float32", [2, 2], b"\x00" * 15)
+    with pytest.raises(ProtocolError, match="dtype"):
+        tensor_from_bytes("complex64", [1], b"\x00" * 8)
+    with pytest.raises(ProtocolError, match="cannot travel"):
+        packb(torch.zeros(2, dtype=torch.complex64))
+    bad_ext = msgpack.packb(msgpack.ExtType(7, b"xx"), use_bin_type=True)
+    with pytest.raises(ProtocolError, match="extension"):
+        unpackb(bad_ext)

@@ -1,0 +1,179 @@
+"""generate_rollout end to end against a real engine and router (in-process, on a background loop):
+microgroups, seeds and step indices per ALGORITHMS.md §3, rewards per microgroup, the dynamic sampling filter,
+the custom generate hook, group rewards, evaluation (list of groups and EvalDataset), and error paths."""
+
+from __future__ import annotations
+
+import json
+from argparse import Namespace
+
+import pytest
+import torch
+
+from miles.engine.launcher import BackgroundLoop
+from miles.engine.server import EngineServer
+from miles.engine.server_args import ServerArgs
+from miles.rollout.data_source import RolloutDataSourceWithBuffer
+from miles.rollout.eval_config import EvalDataset
+from miles.rollout.sglang_diffusion_rollout import generate_rollout, generate_rollout_async, run_sync
+from miles.rollout.step_strategy_hub import request_seed
+from miles.router.router import Router, RouterConfig
+from miles.types import Sample
+from miles.utils.errors import MilesUserError
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPTS = ["a red apple", "a blue car", "a green tree", "a yellow sun", "a white cloud", "a black cat"]
+CALLS: list[dict] = []  # what the custom generate hook saw
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_checkpoint):
+    """One engine and one router serving on a background event loop of this process."""
+    loop = BackgroundLoop()
+    server_args = ServerArgs(model_path=tiny_checkpoint("sd3"), model_family="sd3", device="cpu", dtype="fp32",
+                             generator_device="cpu", batch_wait_ms=5.0)
+    engine = EngineServer(server_args)
+    engine_url = loop.run(engine.start())
+    router = Router(RouterConfig(health_check_interval=3600, health_check_first_wait=3600), [engine_url])
+    router_url = loop.run(router.start())
+    yield Namespace(engine=engine, engine_url=engine_url, router=router, router_url=router_url)
+    loop.run(router.stop())
+    loop.run(engine.stop())
+    loop.close()
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"input": p}) + "\n" for p in PROMPTS))
+    return str(path)
+
+
+def _args(stack, prompt_file, **overrides) -> Namespace:
+    fields = dict(
+        miles_router_url=stack.router_url, prompt_data=prompt_file, no_rollout_shuffle=True, rollout_seed=42,
+        rollout_batch_size=2, n_samples_per_prompt=4, rollout_microgroup_size=2, rm_type="brightness",
+        diffusion_num_steps=3, diffusion_num_sde_steps=1, diffusion_sde_window_range=None,
+        diffusion_step_strategy_path=None, diffusion_height=32, diffusion_width=32, diffusion_output_num_frames=1,
+        diffusion_guidance_scale=4.0, diffusion_noise_level=0.7, diffusion_sde_type="sde",
+        diffusion_log_prob_no_const=False, sglang_server_concurrency=4, rollout_parser_num_workers=2,
+        use_fault_tolerance=False, use_distributed_post=False, group_rm=False, loss_type="policy_loss",
+    )
+    fields.update(overrides)
+    return Namespace(**fields)
+
+
+def test_rollout_returns_scored_group_contiguous_samples(stack, prompt_file):
+    args = _args(stack, prompt_file)
+    groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    assert [len(g) for g in groups] == [4, 4]
+    assert groups.metrics["rollout/num_requests"] == 4 and groups.metrics["rollout/num_retries"] == 0
+    assert [s.index for g in groups for s in g] == list(range(8))
+    for group in groups:
+        assert len({s.prompt for s in group}) == 1 and len({s.group_index for s in group}) == 1
+        base = request_seed(42, group[0].group_index, 4, 0)
+        assert [s.seed for s in group] == [base, base + 1, base + 2, base + 3]
+        for first, second in (group[0:2], group[2:4]):  # one microgroup shares its SDE window
+            assert first.sde_step_indices == second.sde_step_indices and len(first.sde_step_indices) == 1
+        for sample in group:
+            k = sample.sde_step_indices[0]
+            assert sorted(sample.latents) == [k, k + 1]
+            assert isinstance(sample.reward, float) and 0.0 <= sample.reward <= 1.0
+            assert sample.image.shape == (1, 32, 32, 3) and sample.engine_url == stack.engine_url
+            assert sample.rollout_log_probs.shape == (1,) and sample.conditioning
+
+
+def test_microgroup_size_does_not_change_samples(stack, prompt_file):
+    # with every step an SDE step (K = 0) the windows agree, and each sample's noise depends only on its seed
+    common = dict(diffusion_num_sde_steps=0, rollout_batch_size=1)
+    one = generate_rollout(_args(stack, prompt_file, rollout_microgroup_size=1, **common), 0,
+                           RolloutDataSourceWithBuffer(_args(stack, prompt_file, **common)))
+    four = generate_rollout(_args(stack, prompt_file, rollout_microgroup_size=4, **common), 0,
+                            RolloutDataSourceWithBuffer(_args(stack, prompt_file, **common)))
+    for a, b in zip(one[0], four[0]):
+        assert a.seed == b.seed and a.sde_step_indices == b.sde_step_indices == [0, 1, 2]
+        torch.testing.assert_close(a.clean_latents, b.clean_latents, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.rollout_log_probs, b.rollout_log_probs, atol=1e-5, rtol=1e-5)
+
+
+def keep_odd_groups(args, group: list[Sample]) -> bool:
+    return group[0].group_index % 2 == 1
+
+
+def test_dynamic_sampling_filter_keeps_generating_until_enough_groups(stack, prompt_file):
+    args = _args(stack, prompt_file, dynamic_sampling_filter_path="test_sglang_diffusion_rollout.keep_odd_groups")
+    groups, metrics = run_sync(generate_rollout_async(args, 0, RolloutDataSourceWithBuffer(args)))
+    assert [g[0].group_index for g in groups] == [1, 3]
+    assert metrics["rollout/num_groups_dropped"] >= 2 and metrics["rollout/num_groups_generated"] >= 4
+    assert [s.index for g in groups for s in g] == list(range(8))
+
+
+def drop_every_group(args, group: list[Sample]) -> bool:
+    return False
+
+
+def test_a_filter_that_keeps_nothing_ends_with_a_clear_error(stack, prompt_file):
+    args = _args(stack, prompt_file, rollout_batch_size=1, n_samples_per_prompt=1, rollout_microgroup_size=1,
+                 dynamic_sampling_filter_path="test_sglang_diffusion_rollout.drop_every_group")
+    with pytest.raises(MilesUserError, match="dynamic-sampling-filter-path kept 0 of 10 groups"):
+        generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+
+
+async def fake_generate(args, group: list[Sample], sampling_params: dict) -> list[Sample]:
+    CALLS.append(dict(sampling_params, size=len(group)))
+    # new Sample objects on purpose: the rollout must keep what the hook returns
+    return [
+        Sample(prompt=s.prompt, group_index=s.group_index, seed=sampling_params["seed"] + b,
+               image=torch.full((1, 8, 8, 3), 255, dtype=torch.uint8))
+        for b, s in enumerate(group)
+    ]
+
+
+def test_custom_generate_hook_replaces_the_http_call(stack, prompt_file):
+    CALLS.clear()
+    args = _args(stack, prompt_file, custom_generate_function_path="test_sglang_diffusion_rollout.fake_generate")
+    groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    assert len(CALLS) == 4 and all(call["size"] == 2 for call in CALLS)  # 2 groups x 2 microgroups
+    assert all(call["router_url"] == stack.router_url and call["num_steps"] == 3 for call in CALLS)
+    assert {call["seed"] for call in CALLS} == {request_seed(42, g, 4, o) for g in (0, 1) for o in (0, 2)}
+    assert all(s.reward == 1.0 for g in groups for s in g)  # brightness of an all-white image
+    assert [s.seed for s in groups[0]] == [request_seed(42, 0, 4, 0) + b for b in range(4)]
+
+
+async def count_group_rm(args, samples: list[Sample]) -> list[float]:
+    return [float(len(samples))] * len(samples)
+
+
+def test_group_rm_scores_whole_groups(stack, prompt_file):
+    args = _args(stack, prompt_file, group_rm=True, rm_type=None,
+                 custom_rm_path="test_sglang_diffusion_rollout.count_group_rm")
+    groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    assert all(s.reward == 4.0 for g in groups for s in g)
+
+
+def test_evaluation_is_plain_generation_from_groups_or_an_eval_dataset(stack, prompt_file):
+    args = _args(stack, prompt_file, diffusion_eval_num_steps=2)
+    groups = [[Sample(prompt="an orange", group_index=0) for _ in range(2)]]
+    result = generate_rollout(args, 0, groups, evaluation=True)
+    for sample in result[0]:
+        assert sample.image is not None and sample.latents == {} and sample.conditioning == {}
+        assert sample.sde_step_indices == [] and sample.num_steps == 2 and isinstance(sample.reward, float)
+    again = generate_rollout(args, 1, [[Sample(prompt="an orange", group_index=0) for _ in range(2)]], evaluation=True)
+    assert torch.equal(again[0][0].image, result[0][0].image)  # eval noise is fixed across evaluations
+
+    dataset = EvalDataset(name="colors", path=prompt_file, n_samples_per_eval_prompt=1, num_steps=1,
+                          rm_type="jpeg_compressibility")
+    by_dataset = generate_rollout(args, 0, dataset, evaluation=True)
+    assert len(by_dataset) == len(PROMPTS) and all(g[0].num_steps == 1 for g in by_dataset)
+    assert all(g[0].metadata["rm_type"] == "jpeg_compressibility" and g[0].reward < 0 for g in by_dataset)
+    with pytest.raises(MilesUserError, match="EvalDataset or a list of groups"):
+        generate_rollout(args, 0, ["not a group"], evaluation=True)
+
+
+def test_engine_rejections_and_missing_router_are_clear_errors(stack, prompt_file):
+    args = _args(stack, prompt_file, diffusion_height=30)
+    with pytest.raises(MilesUserError, match="engine rejected.*height"):
+        generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    with pytest.raises(MilesUserError, match="miles_router_url"):
+        generate_rollout(_args(stack, prompt_file, miles_router_url=None), 0, RolloutDataSourceWithBuffer(args))
