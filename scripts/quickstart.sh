@@ -16,7 +16,7 @@ exec .venv/bin/python train_diffusion.py \
   --prompt-data "$OUT/prompts.jsonl" --rm-type brightness \
   --actor-num-nodes 1 --actor-num-gpus-per-node 1 --num-gpus-per-node 1 --colocate \
   --rollout-batch-size 4 --n-samples-per-prompt 4 --global-batch-size 16 \
-  --num-rollout 20 --diffusion-num-steps 6 --diffusion-height 32 --diffusion-width 32 \
+  --num-rollout 30 --diffusion-num-steps 4 --diffusion-height 32 --diffusion-width 32 \
   --diffusion-guidance-scale 1.0 --diffusion-noise-level 0.9 --diffusion-forward-dtype fp32 \
-  --loss-type policy_loss --diffusion-clip-range 1e-2 --lr 3e-4 --micro-batch-size 8 \
+  --loss-type policy_loss --diffusion-clip-range 1e-2 --lr 2e-2 --micro-batch-size 8 \
   --output-dir "$OUT" "$@"

@@ -7,7 +7,6 @@ from the SFT dataset or from a saved rollout.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import random
@@ -87,14 +86,12 @@ class RolloutManager:
     # ---- rollouts -----------------------------------------------------------------------------------
     def generate(self, rollout_id: int) -> list[Sample]:
         start = time.perf_counter()
-        samples = self._produce_samples(rollout_id)
+        samples, metrics = self._produce_samples(rollout_id)
         rollout_time = time.perf_counter() - start
-        masked = apply_rollout_sample_filter(self.hooks, self.args, samples)
-        metrics: dict[str, float] = {}
+        apply_rollout_sample_filter(self.hooks, self.args, samples)  # masked samples still count for advantages
         if self.args.loss_type != "sft_loss":
             metrics.update(assign_advantages(self.args, samples))
         metrics["rollout/num_samples"] = len(samples)
-        metrics["rollout/num_masked_samples"] = masked
         num_images = sum(1 if s.image is None else s.image.shape[0] for s in samples)
         if rollout_time > 0 and self.sft_dataset is None and not self.args.load_debug_rollout_data:
             metrics["perf/images_per_second"] = num_images / rollout_time
@@ -103,24 +100,25 @@ class RolloutManager:
             self.run_logger.log(rollout_id, metrics)
             self.run_logger.log_samples(rollout_id, samples)
         if self.args.save_debug_rollout_data:
-            path = self.args.save_debug_rollout_data.format(rollout_id)
+            path = self.args.save_debug_rollout_data.format(rollout_id, rollout_id=rollout_id)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             torch.save({"rollout_id": rollout_id, "samples": samples}, path)
         return samples
 
-    def _produce_samples(self, rollout_id: int) -> list[Sample]:
+    def _produce_samples(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
+        """The rollout's samples and the rollout function's own counters (retries, dropped groups, ...)."""
         if self.sft_dataset is not None:
-            return self.sft_dataset.next_batch(rollout_id)
+            return self.sft_dataset.next_batch(rollout_id), {}
         if self.args.load_debug_rollout_data:
-            return self._load_debug_rollout(rollout_id)
+            return self._load_debug_rollout(rollout_id), {}
         groups = self.hooks.rollout_function(self.args, rollout_id, self.data_source, evaluation=False)
         samples = [sample for group in groups for sample in group]
         for position, sample in enumerate(samples):
             sample.index = position
-        return samples
+        return samples, dict(getattr(groups, "metrics", {}))
 
     def _load_debug_rollout(self, rollout_id: int) -> list[Sample]:
-        path = self.args.load_debug_rollout_data.format(rollout_id)
+        path = self.args.load_debug_rollout_data.format(rollout_id, rollout_id=rollout_id)
         if not os.path.exists(path):
             raise MilesUserError(f"--load-debug-rollout-data: {path!r} does not exist (rollout {rollout_id})")
         samples: list[Sample] = torch.load(path, weights_only=False)["samples"]
@@ -177,7 +175,3 @@ class RolloutManager:
         if self.fleet is not None:
             self.fleet.shutdown()
 
-
-def run_coroutine(coro):
-    """Run a coroutine from synchronous code (the loop is synchronous; the rollout client is async)."""
-    return asyncio.run(coro)

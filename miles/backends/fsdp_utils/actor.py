@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 import time
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -422,6 +424,8 @@ class DiffusionTrainer:
             logger.warning("rollout %d: no train pairs (all samples removed); skipping its optimizer steps", rollout_id)
             return {"train/num_pairs": 0.0, "perf/train_time_s": time.perf_counter() - started}
         plan = plan_rank_train_data(args, pairs, self.dp_rank, self.dims.dp_size, self.family)
+        if getattr(args, "save_debug_train_data", None):
+            self._save_debug_train_data(rollout_id, plan)
         if getattr(args, "diffusion_recompute_old_log_prob", False):
             self.recompute_old_log_probs(plan.windows)
         metrics = _MetricSums()
@@ -457,6 +461,13 @@ class DiffusionTrainer:
             result["train/ema_num_updates"] = float(self.ema.num_updates)
         result.update(self._perf_metrics(plan, time.perf_counter() - started))
         return result
+
+    def _save_debug_train_data(self, rollout_id: int, plan) -> None:
+        """`--save-debug-train-data`: this rank's windows of micro-batches of train pairs, before training."""
+        template = self.args.save_debug_train_data
+        path = template.format(rollout_id, self.dp_rank, rollout_id=rollout_id, rank=self.dp_rank)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        torch.save({"rollout_id": rollout_id, "dp_rank": self.dp_rank, "windows": plan.windows}, path)
 
     def _optimizer_step(self) -> float:
         self.scaler.unscale_(self.optimizer)
