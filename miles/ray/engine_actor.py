@@ -116,8 +116,8 @@ class EngineSupervisor:
     def __del__(self):  # an actor that dies takes its engine with it
         try:
             self.stop()
-        except Exception:
-            pass
+        except Exception as err:  # interpreter shutdown: modules may be gone; say so rather than stay silent
+            logger.debug("engine supervisor cleanup failed: %s", err)
 
 
 def engine_actor_class(num_gpus: float = 0, num_cpus: float = 1, **options):

@@ -159,7 +159,10 @@ class RolloutDataSource:
         return _reindex(groups)
 
     def add_samples(self, groups: list[Group]) -> None:
-        raise NotImplementedError("RolloutDataSource keeps no buffer; use RolloutDataSourceWithBuffer")
+        raise MilesUserError(
+            "RolloutDataSource keeps no buffer, so groups cannot be put back; use RolloutDataSourceWithBuffer "
+            "(the default of --data-source-path)"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {
