@@ -50,6 +50,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from miles.testing.real_size import SD35_MEDIUM_TEXT_TOKENS, SD35_MEDIUM_TRANSFORMER, synchronize  # noqa: E402
+
 T0 = time.perf_counter()
 
 
@@ -63,22 +65,8 @@ def log(msg: str) -> None:
 # parameter count is the check. Only architecture keys; diffusers' bookkeeping keys are left out.
 # ---------------------------------------------------------------------------------------------------------
 
-# stabilityai/stable-diffusion-3.5-medium — published ~2.5 B (MMDiT-X: dual attention in the first 13 blocks).
-SD35_MEDIUM = dict(
-    sample_size=128,
-    patch_size=2,
-    in_channels=16,
-    num_layers=24,
-    attention_head_dim=64,
-    num_attention_heads=24,
-    joint_attention_dim=4096,
-    caption_projection_dim=1536,
-    pooled_projection_dim=2048,
-    out_channels=16,
-    pos_embed_max_size=384,
-    dual_attention_layers=tuple(range(13)),
-    qk_norm="rms_norm",
-)
+# stabilityai/stable-diffusion-3.5-medium — published ~2.5 B (MMDiT-X): SD35_MEDIUM_TRANSFORMER, shared with the
+# other bench scripts in miles/testing/real_size.py.
 
 # black-forest-labs/FLUX.1-dev — published 12 B.
 FLUX1_DEV = dict(
@@ -349,10 +337,10 @@ class Spec:
     tiny_shape: dict = field(default_factory=dict)  # overrides applied to every run's shape under --tiny
 
 
-SD3_SHAPE = dict(height=512, width=512, vae_spatial=8, text_tokens=333)  # 77 CLIP + 256 T5 tokens
+SD3_SHAPE = dict(height=512, width=512, vae_spatial=8, text_tokens=SD35_MEDIUM_TEXT_TOKENS)  # 77 CLIP + 256 T5
 SPECS = [
     Spec(
-        "sd3", "SD3.5-Medium", "SD3Transformer2DModel", SD35_MEDIUM, inputs_sd3,
+        "sd3", "SD3.5-Medium", "SD3Transformer2DModel", SD35_MEDIUM_TRANSFORMER, inputs_sd3,
         [Run(SD3_SHAPE), Run(SD3_SHAPE, batch=2, label=" (CFG batch 2)")],
         tiny_config=dict(num_layers=2, attention_head_dim=8, num_attention_heads=2, joint_attention_dim=32,
                          caption_projection_dim=16, pooled_projection_dim=16, sample_size=8, pos_embed_max_size=16,
@@ -485,7 +473,6 @@ def _flop_counter():
 def measure(model, kwargs, device: torch.device, warmup: int, repeats: int) -> dict:
 
     cuda = device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     with torch.no_grad():
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -498,13 +485,13 @@ def measure(model, kwargs, device: torch.device, warmup: int, repeats: int) -> d
         del out, sample
         for _ in range(warmup):
             model(**kwargs)
-        sync()
+        synchronize(device)
         times = []
         for _ in range(repeats):
-            sync()
+            synchronize(device)
             start = time.perf_counter()
             model(**kwargs)
-            sync()
+            synchronize(device)
             times.append((time.perf_counter() - start) * 1e3)
     flops = counter.get_total_flops()
     ms = statistics.median(times)
@@ -534,8 +521,7 @@ def bench_spec(spec: Spec, args, device: torch.device, dtype: torch.dtype) -> li
     try:
         t_build = time.perf_counter()
         model = build_model(spec, config, device, dtype)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(device)
         build_s = time.perf_counter() - t_build
         params, params_no_embed = count_params(model)
         log(f"{spec.family}: built in {build_s:.1f}s, {_num(params / 1e9, 3)} B params")

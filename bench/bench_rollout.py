@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import os
 import statistics
 import sys
@@ -35,23 +34,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
 from miles.engine.server_args import ServerArgs  # noqa: E402
+from miles.models.common import encode_with_negative  # noqa: E402
 from miles.models.sd3 import SD3TrainPipelineConfig  # noqa: E402
+from miles.testing.real_size import (  # noqa: E402
+    random_sd35_medium_transformer,
+    random_sd35_medium_vae,
+    random_text_embeddings,
+    synchronize,
+)
 from miles.types import GuidanceConfig  # noqa: E402
-
-SD35_MEDIUM_TRANSFORMER = dict(
-    sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64, num_attention_heads=24,
-    joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048, out_channels=16,
-    pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm",
-)
-SD3_VAE = dict(
-    in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
-    down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4, norm_num_groups=32,
-    sample_size=1024, scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False,
-)
-TEXT_TOKENS = 333  # 77 CLIP + 256 T5
-TEXT_DIM = 4096
-POOLED_DIM = 2048
-
 
 # ---- the random SD3.5-Medium pipeline ----------------------------------------------------------------------
 
@@ -79,39 +70,25 @@ class RandomTextSD3(SD3TrainPipelineConfig):
     def encode_prompt(self, pipe, prompts: Sequence[str], negative_prompt, guidance: GuidanceConfig, *, shape=None):
         device, dtype = pipe.transformer.device, pipe.transformer.dtype
 
-        def embed(text: str) -> tuple[torch.Tensor, torch.Tensor]:
-            seed = int(hashlib.sha256(text.encode()).hexdigest()[:8], 16)
-            generator = torch.Generator(device="cpu").manual_seed(seed)
-            tokens = torch.randn(1, TEXT_TOKENS, TEXT_DIM, generator=generator)
-            pooled = torch.randn(1, POOLED_DIM, generator=generator)
-            return tokens.to(device, dtype), pooled.to(device, dtype)
+        def encode(batch: list[str]) -> dict[str, torch.Tensor]:
+            pairs = [random_text_embeddings(text, device, dtype) for text in batch]
+            return {
+                "prompt_embeds": torch.cat([p[0] for p in pairs]),
+                "pooled_prompt_embeds": torch.cat([p[1] for p in pairs]),
+            }
 
-        pairs = [embed(p) for p in prompts]
-        conditioning = {
-            "prompt_embeds": torch.cat([p[0] for p in pairs]),
-            "pooled_prompt_embeds": torch.cat([p[1] for p in pairs]),
-        }
-        if self.uses_cfg(guidance):
-            tokens, pooled = embed(negative_prompt or "")
-            conditioning["negative_prompt_embeds"] = tokens.expand(len(prompts), -1, -1).contiguous()
-            conditioning["negative_pooled_prompt_embeds"] = pooled.expand(len(prompts), -1).contiguous()
-        return conditioning
+        return encode_with_negative(encode, prompts, negative_prompt or "", self.uses_cfg(guidance))
 
 
 def build_sd35_medium(
     device: str, dtype: torch.dtype, seed: int = 0, num_layers: int | None = None
 ) -> tuple[RandomTextSD3, BenchPipeline]:
     """`num_layers` < 24 keeps the real widths with fewer blocks (a quick CPU smoke test of this path)."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
-    config = dict(SD35_MEDIUM_TRANSFORMER)
-    if num_layers is not None:
-        config["num_layers"] = num_layers
-        config["dual_attention_layers"] = tuple(i for i in config["dual_attention_layers"] if i < num_layers)
     torch.manual_seed(seed)
-    with torch.device(device):  # initialise on the device: 2.24 B parameters on a CPU would take minutes
-        transformer = SD3Transformer2DModel(**config).to(dtype)
-        vae = AutoencoderKL(**SD3_VAE).to(dtype)
+    transformer = random_sd35_medium_transformer(device, dtype, num_layers)
+    vae = random_sd35_medium_vae(device, dtype)
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
     transformer.eval().requires_grad_(False)
     vae.eval().requires_grad_(False)
@@ -141,11 +118,6 @@ def build_tiny(device: str, dtype: torch.dtype):
 # ---- measurements ------------------------------------------------------------------------------------------
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_naive(family, pipe, prompts, seeds, opts, device) -> float:
     """Seconds for all images, one prompt at a time."""
     from miles.diffusion.sde import build_sde_backend
@@ -159,7 +131,7 @@ def run_naive(family, pipe, prompts, seeds, opts, device) -> float:
         sample_reference(family, pipe, [prompt], seeds=[seed], num_steps=opts.steps, shape=shape,
                          guidance=GuidanceConfig(opts.cfg), negative_prompt=" ", dtype=opts.dtype,
                          sde_backend=backend, generator_device=str(device))
-    sync(device)
+    synchronize(device)
     return time.perf_counter() - began
 
 
@@ -174,12 +146,12 @@ def time_step(family, modules, latents, conditioning, guidance, shape, dtype, de
     generators = [torch.Generator(device=device).manual_seed(i) for i in range(batch)]
     times = []
     for _ in range(repeats + 1):
-        sync(device)
+        synchronize(device)
         began = time.perf_counter()
         with torch.no_grad():
             velocity = family.predict_velocity(modules, latents, sigma, conditioning, guidance, shape, dtype)
             backend.sample(latents, velocity, sigma, sigma - 0.1, 0.9, generators)
-        sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - began)
     return min(times[1:])
 
@@ -242,7 +214,7 @@ def time_weight_update(opts) -> dict[str, float]:
         total = sum(p.numel() * p.element_size() for _, p in named)
         times = []
         for version in range(1, opts.update_repeats + 2):
-            sync(torch.device(device))
+            synchronize(device)
             stats = push_weights([engine.url], named, bucket_bytes=opts.bucket_mb << 20, weight_version=version)
             times.append(stats["seconds"])
         # proof that the engine now holds exactly these weights (one module digest; slow for 4.5 GB on CPU)

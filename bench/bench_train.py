@@ -31,37 +31,31 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-SD35_MEDIUM = dict(
-    sample_size=128,
-    patch_size=2,
-    in_channels=16,
-    num_layers=24,
-    attention_head_dim=64,
-    num_attention_heads=24,
-    joint_attention_dim=4096,
-    caption_projection_dim=1536,
-    pooled_projection_dim=2048,
-    out_channels=16,
-    pos_embed_max_size=384,
-    dual_attention_layers=tuple(range(13)),
-    qk_norm="rms_norm",
+from miles.testing.real_size import (  # noqa: E402
+    SD35_MEDIUM_TEXT_TOKENS,
+    SD35_MEDIUM_TRANSFORMER,
+    random_sd35_medium_transformer,
+    synchronize,
 )
+
 # flops_per_pair: forward + backward of one CFG pair (two 2.5 TFLOP forwards, backward twice that), counted with
 # torch.utils.flop_counter on an H200; used for the MFU column when no row counted it (compiled blocks).
 ARCH_SHAPES = {
-    "sd3.5-medium": dict(config=SD35_MEDIUM, latent=(16, 64, 64), text_tokens=333, pixels=512, flops_per_pair=15.002e12)
+    "sd3.5-medium": dict(
+        config=SD35_MEDIUM_TRANSFORMER,
+        latent=(16, 64, 64),
+        text_tokens=SD35_MEDIUM_TEXT_TOKENS,
+        pixels=512,
+        flops_per_pair=15.002e12,
+    )
 }
 
 
 def random_sd3_backend(path: str, dtype: torch.dtype):
     """`--model-backend-path` hook: an SD3.5-Medium transformer from its config with random weights."""
-    from diffusers import SD3Transformer2DModel
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    with torch.device(device):
-        transformer = SD3Transformer2DModel(**SD35_MEDIUM).to(dtype)
-    return SimpleNamespace(transformer=transformer)
+    return SimpleNamespace(transformer=random_sd35_medium_transformer(device, dtype))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -125,7 +119,7 @@ def model_setup(opts):
     """(checkpoint folder, transformer config, latent shape, text tokens) for the chosen size."""
     if opts.arch:
         shape = ARCH_SHAPES[opts.arch]
-        return "random-sd3.5-medium", SD35_MEDIUM, shape["latent"], shape["text_tokens"]
+        return "random-sd3.5-medium", shape["config"], shape["latent"], shape["text_tokens"]
     import json
 
     from miles.testing.make_tiny import build_tiny_pipeline
@@ -160,11 +154,11 @@ def run_miles(rank: int, opts) -> dict:
     samples = synthetic_samples(opts, config, latent, text_tokens)
     for rollout_id in range(opts.warmup):
         trainer.train(rollout_id, samples)
-    _sync(device)
+    synchronize(device)
     started = time.perf_counter()
     for rollout_id in range(opts.steps):
         trainer.train(opts.warmup + rollout_id, samples)
-    _sync(device)
+    synchronize(device)
     seconds = (time.perf_counter() - started) / opts.steps
     result = {"pairs_per_s": opts.pairs / seconds, "flops_per_pair": trainer.flops_per_pair, "seconds": seconds}
     if opts.profile and rank == 0:
@@ -173,7 +167,7 @@ def run_miles(rank: int, opts) -> dict:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
         with profile(activities=activities) as prof:
             trainer.train(opts.warmup + opts.steps, samples)
-            _sync(device)
+            synchronize(device)
         sort = "cuda_time_total" if device == "cuda" else "cpu_time_total"
         result["profile"] = prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=48)
     return result
@@ -229,18 +223,13 @@ def run_naive(rank: int, opts) -> dict:
 
     for _ in range(opts.warmup):
         step()
-    _sync(device)
+    synchronize(device)
     started = time.perf_counter()
     for _ in range(opts.steps):
         step()
-    _sync(device)
+    synchronize(device)
     seconds = (time.perf_counter() - started) / opts.steps
     return {"pairs_per_s": len(pairs) / seconds, "flops_per_pair": flops.get("per_pair"), "seconds": seconds}
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 class _null:

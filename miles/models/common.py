@@ -12,6 +12,7 @@ import inspect
 import json
 import logging
 import os
+from abc import abstractmethod
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import numpy as np
@@ -19,7 +20,8 @@ import torch
 from torch import nn
 
 from miles.models import get_family_class, resolve_family_name
-from miles.models.base import TrainPipelineConfig
+from miles.models.base import GenerationShape, TrainPipelineConfig
+from miles.types import GuidanceConfig
 from miles.utils.errors import MilesUserError
 from miles.utils.imports import load_function, load_object
 
@@ -156,6 +158,93 @@ def _pipeline_component(pipe: Any, name: str, path: str) -> nn.Module:
     return module
 
 
+# ---- 2×2 packed latents (the DiT takes 2×2 latent patches as tokens) ---------------------------------
+
+
+def pack_2x2_latents(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, h, w] -> [B, (h/2)(w/2), 4C]: 2×2 patches as tokens (the pipelines' `_pack_latents`)."""
+    b, c, h, w = latents.shape
+    patches = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return patches.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_2x2_latents(latents: torch.Tensor, latent_h: int, latent_w: int) -> torch.Tensor:
+    """The inverse of `pack_2x2_latents`: [B, N, 4C] -> [B, C, h, w]."""
+    b, _, channels = latents.shape
+    patches = latents.view(b, latent_h // 2, latent_w // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return patches.reshape(b, channels // 4, latent_h, latent_w)
+
+
+class Packed2x2TrainPipelineConfig(DiffusersTrainPipelineConfig):
+    """A family whose DiT reads packed 2×2 latent patches [N, 4C] and takes σ as its time input.
+
+    Shared here: the VAE scale factor (from the loaded pipeline, or from `vae/config.json` when only the
+    denoiser modules are loaded), the noise and its packing, and the pieces of the transformer call that
+    such pipelines build alike. A subclass gives `latent_grid` (its size rules) and
+    `scale_factor_from_vae_config` (its VAE's formula).
+    """
+
+    def __init__(self, model_backend: ModelBackend | None = None) -> None:
+        super().__init__(model_backend)
+        self.vae_scale_factor: int | None = None  # learnt at load time; packing needs it without the VAE
+
+    @staticmethod
+    @abstractmethod
+    def scale_factor_from_vae_config(vae_config: Mapping[str, Any]) -> int:
+        """The VAE scale factor the pipeline derives from its VAE's config."""
+
+    @abstractmethod
+    def latent_grid(self, shape: GenerationShape) -> tuple[int, int]:
+        """The unpacked latent height and width for an output size (refusing sizes the family cannot make)."""
+
+    def configure_pipeline(self, pipe: Any) -> None:
+        self.vae_scale_factor = pipe.vae_scale_factor
+
+    def load_modules(self, path: str, names: Sequence[str], dtype: torch.dtype) -> dict[str, nn.Module]:
+        modules = super().load_modules(path, names, dtype)
+        if self.vae_scale_factor is None:
+            config_path = os.path.join(path, "vae", "config.json")
+            if os.path.isfile(config_path):
+                with open(config_path) as f:
+                    self.vae_scale_factor = self.scale_factor_from_vae_config(json.load(f))
+            else:
+                self.vae_scale_factor = 8
+        return modules
+
+    def num_image_tokens(self, shape: GenerationShape) -> int:
+        latent_h, latent_w = self.latent_grid(shape)
+        return (latent_h // 2) * (latent_w // 2)
+
+    def timesteps_from_sigmas(self, sigmas: torch.Tensor) -> torch.Tensor:
+        """The DiT takes σ (the pipeline divides its 1000·σ timesteps by 1000; ALGORITHMS.md §1)."""
+        return sigmas * self.num_train_timesteps / self.num_train_timesteps
+
+    def dit_timesteps(self, sigmas: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """Exactly the pipeline's expression: scheduler timesteps (fp32 1000·σ) cast to the latents' dtype, / 1000."""
+        return (sigmas.to(device=device, dtype=torch.float32) * self.num_train_timesteps).to(dtype) / 1000
+
+    @staticmethod
+    def distilled_guidance(
+        transformer: nn.Module, batch_size: int, guidance: GuidanceConfig, device: torch.device
+    ) -> torch.Tensor | None:
+        """The guidance-embedding input of a guidance-distilled transformer (`guidance_embeds`), else None."""
+        if not transformer.config.guidance_embeds:
+            return None
+        return torch.full((batch_size,), guidance.guidance_scale, device=device)
+
+    def prepare_latents(
+        self, pipe: Any, shape: GenerationShape, generators: Sequence[torch.Generator], dtype: torch.dtype
+    ) -> torch.Tensor:
+        latent_h, latent_w = self.latent_grid(shape)
+        channels = pipe.transformer.config.in_channels // 4
+        noise = randn_per_sample((channels, latent_h, latent_w), generators, device=pipe.transformer.device)
+        return pack_2x2_latents(noise)
+
+    def unpack(self, latents: torch.Tensor, shape: GenerationShape) -> torch.Tensor:
+        """Packed latents [B, N, 4C] back to [B, C, h, w] for this output size."""
+        return unpack_2x2_latents(latents, *self.latent_grid(shape))
+
+
 # ---- noise -------------------------------------------------------------------------------------------
 
 
@@ -266,6 +355,49 @@ def cfg_pair(negative: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
     return torch.cat([negative, positive], dim=0)
 
 
+def encode_with_negative(
+    encode: Callable[[list[str]], Mapping[str, torch.Tensor]],
+    prompts: Sequence[str],
+    negative_prompt: str | None,
+    cfg: bool,
+    default_negative: str = "",
+) -> dict[str, torch.Tensor]:
+    """Conditioning for a batch of prompts and, when `cfg`, the negative prompt under `negative_<key>`.
+
+    `encode(prompts)` returns batched tensors by key. The negative prompt (`default_negative` when None) is
+    encoded once and repeated to the batch, so the conditioning pairs key by key for `cfg_batch_inputs`.
+    """
+    prompts = list(prompts)
+    with torch.no_grad():
+        conditioning = dict(encode(prompts))
+        if cfg:
+            negative = encode([negative_prompt if negative_prompt is not None else default_negative])
+            for key, value in negative.items():
+                conditioning[f"negative_{key}"] = repeat_batch(value, len(prompts))
+    return conditioning
+
+
+def cfg_batch_inputs(
+    latents: torch.Tensor,
+    timesteps: torch.Tensor,
+    conditioning: Mapping[str, torch.Tensor],
+    keys: Sequence[str],
+    cfg: bool,
+    cfg_name: str = "CFG",
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """The DiT inputs of one forward: with `cfg`, the [negative; positive] doubled batch (latents and timesteps
+    repeated, each conditioning `key` paired with its `negative_<key>`, as `encode_with_negative` stores it);
+    without, the inputs as they are."""
+    if not cfg:
+        return latents, timesteps, {key: conditioning[key] for key in keys}
+    if f"negative_{keys[0]}" not in conditioning:
+        raise ValueError(
+            f"{cfg_name} is on but the conditioning holds no negative_{keys[0]}; encode with {cfg_name} on"
+        )
+    paired = {key: cfg_pair(conditioning[f"negative_{key}"], conditioning[key]) for key in keys}
+    return cfg_doubled(latents), cfg_doubled(timesteps), paired
+
+
 def combine_cfg(doubled_output: torch.Tensor, scale: float, renormalize: bool = False) -> torch.Tensor:
     """Split a [negative; positive] doubled output and combine it (ALGORITHMS.md §1, CFG), in fp32.
 
@@ -313,6 +445,14 @@ def vae_output_to_uint8(images: torch.Tensor) -> torch.Tensor:
     if images.ndim != 5:
         raise ValueError(f"expected VAE output [B, 3, H, W] or [B, 3, F, H, W], got {tuple(images.shape)}")
     return (images * 255).round().to(torch.uint8).permute(0, 2, 3, 4, 1).contiguous()
+
+
+def decode_scaled_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:
+    """Decode `x / scaling_factor + shift_factor` with the VAE (in its dtype), to uint8 pixels."""
+    scaled = latents / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+    with torch.no_grad():
+        images = vae.decode(scaled.to(vae.dtype), return_dict=False)[0]
+    return vae_output_to_uint8(images)
 
 
 # ---- building the family object ----------------------------------------------------------------------

@@ -14,8 +14,6 @@ Mirrors `FluxPipeline.__call__` (diffusers 0.42):
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
@@ -23,15 +21,15 @@ from torch import nn
 
 from miles.models.base import GenerationShape, register_family
 from miles.models.common import (
-    DiffusersTrainPipelineConfig,
-    cfg_doubled,
-    cfg_pair,
+    Packed2x2TrainPipelineConfig,
+    cfg_batch_inputs,
     combine_cfg,
+    decode_scaled_latents,
+    encode_with_negative,
     flux_style_base_grid,
-    randn_per_sample,
-    repeat_batch,
+    pack_2x2_latents,
     scheduler_sigmas,
-    vae_output_to_uint8,
+    unpack_2x2_latents,
 )
 from miles.types import GuidanceConfig
 from miles.utils.errors import MilesUserError
@@ -48,28 +46,9 @@ FLUX_LORA_TARGETS = (
     "attn.to_add_out",
 )
 
-
-def vae_scale_factor_from_folder(path: str, default: int = 8) -> int:
-    """2^(levels − 1) from `vae/config.json` of a local pipeline folder (the pipelines' own formula)."""
-    config_path = os.path.join(path, "vae", "config.json")
-    if not os.path.isfile(config_path):
-        return default
-    with open(config_path) as f:
-        return 2 ** (len(json.load(f)["block_out_channels"]) - 1)
-
-
-def pack_latents(latents: torch.Tensor) -> torch.Tensor:
-    """[B, C, h, w] -> [B, (h/2)(w/2), 4C]: 2×2 patches as tokens (the pipeline's `_pack_latents`)."""
-    b, c, h, w = latents.shape
-    patches = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return patches.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack_latents(latents: torch.Tensor, latent_h: int, latent_w: int) -> torch.Tensor:
-    """The inverse of `pack_latents`: [B, N, 4C] -> [B, C, h, w]."""
-    b, _, channels = latents.shape
-    patches = latents.view(b, latent_h // 2, latent_w // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return patches.reshape(b, channels // 4, latent_h, latent_w)
+# The pipeline's `_pack_latents` / `_unpack_latents` (shared with Qwen-Image, defined once in common).
+pack_latents = pack_2x2_latents
+unpack_latents = unpack_2x2_latents
 
 
 def image_position_ids(grid_h: int, grid_w: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -81,7 +60,7 @@ def image_position_ids(grid_h: int, grid_w: int, device: torch.device, dtype: to
 
 
 @register_family
-class FluxTrainPipelineConfig(DiffusersTrainPipelineConfig):
+class FluxTrainPipelineConfig(Packed2x2TrainPipelineConfig):
     family: ClassVar[str] = "flux"
     name_hints: ClassVar[tuple[str, ...]] = ("flux",)
     pipeline_class_name: ClassVar[str] = "FluxPipeline"
@@ -98,18 +77,10 @@ class FluxTrainPipelineConfig(DiffusersTrainPipelineConfig):
     )
     max_sequence_length: ClassVar[int] = 512  # the pipeline's default T5 length
 
-    def __init__(self, model_backend=None) -> None:
-        super().__init__(model_backend)
-        self.vae_scale_factor: int | None = None  # learnt at load time; packing needs it without the VAE
-
-    def configure_pipeline(self, pipe: Any) -> None:
-        self.vae_scale_factor = pipe.vae_scale_factor
-
-    def load_modules(self, path: str, names: Sequence[str], dtype: torch.dtype) -> dict[str, nn.Module]:
-        modules = super().load_modules(path, names, dtype)
-        if self.vae_scale_factor is None:
-            self.vae_scale_factor = vae_scale_factor_from_folder(path)
-        return modules
+    @staticmethod
+    def scale_factor_from_vae_config(vae_config: Mapping[str, Any]) -> int:
+        """2^(levels − 1) of the AutoencoderKL (the pipeline's own formula)."""
+        return 2 ** (len(vae_config["block_out_channels"]) - 1)
 
     # ---- conditioning -------------------------------------------------------------------------------
     @staticmethod
@@ -127,21 +98,15 @@ class FluxTrainPipelineConfig(DiffusersTrainPipelineConfig):
     ) -> dict[str, torch.Tensor]:
         """`prompt_embeds` [B, T5 length, D] (T5), `pooled_prompt_embeds` [B, P] (CLIP pooler output);
         with true CFG also the negatives (the negative prompt encoded once, repeated)."""
-        prompts = list(prompts)
-        with torch.no_grad():
+
+        def encode(batch: list[str]) -> dict[str, torch.Tensor]:
             prompt_embeds, pooled, _ = pipe.encode_prompt(
-                prompt=prompts, prompt_2=None, max_sequence_length=self.max_sequence_length
+                prompt=batch, prompt_2=None, max_sequence_length=self.max_sequence_length
             )
-            conditioning = {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
-            if self.uses_cfg(guidance):
-                negative_embeds, negative_pooled, _ = pipe.encode_prompt(
-                    prompt=[negative_prompt if negative_prompt is not None else " "],  # the engine's default
-                    prompt_2=None,
-                    max_sequence_length=self.max_sequence_length,
-                )
-                conditioning["negative_prompt_embeds"] = repeat_batch(negative_embeds, len(prompts))
-                conditioning["negative_pooled_prompt_embeds"] = repeat_batch(negative_pooled, len(prompts))
-        return conditioning
+            return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
+
+        # " " is the engine's default negative prompt
+        return encode_with_negative(encode, prompts, negative_prompt, self.uses_cfg(guidance), default_negative=" ")
 
     # ---- schedule and latents -----------------------------------------------------------------------
     def latent_grid(self, shape: GenerationShape) -> tuple[int, int]:
@@ -155,28 +120,12 @@ class FluxTrainPipelineConfig(DiffusersTrainPipelineConfig):
             )
         return latent_h, latent_w
 
-    def num_image_tokens(self, shape: GenerationShape) -> int:
-        latent_h, latent_w = self.latent_grid(shape)
-        return (latent_h // 2) * (latent_w // 2)
-
     def sigmas(self, pipe: Any, num_steps: int, shape: GenerationShape, flow_shift: float | None) -> torch.Tensor:
         config = pipe.scheduler.config
         base = None if config.get("use_flow_sigmas") else flux_style_base_grid(num_steps)
         return scheduler_sigmas(
             config, num_steps, flow_shift=flow_shift, image_seq_len=self.num_image_tokens(shape), base_grid=base
         )
-
-    def timesteps_from_sigmas(self, sigmas: torch.Tensor) -> torch.Tensor:
-        """FLUX's DiT takes σ (the pipeline divides its 1000·σ timesteps by 1000)."""
-        return sigmas * self.num_train_timesteps / self.num_train_timesteps
-
-    def prepare_latents(
-        self, pipe: Any, shape: GenerationShape, generators: Sequence[torch.Generator], dtype: torch.dtype
-    ) -> torch.Tensor:
-        latent_h, latent_w = self.latent_grid(shape)
-        channels = pipe.transformer.config.in_channels // 4
-        noise = randn_per_sample((channels, latent_h, latent_w), generators, device=pipe.transformer.device)
-        return pack_latents(noise)
 
     # ---- the denoiser -------------------------------------------------------------------------------
     def predict_velocity(
@@ -191,27 +140,17 @@ class FluxTrainPipelineConfig(DiffusersTrainPipelineConfig):
     ) -> torch.Tensor:
         transformer = modules["transformer"]
         device = latents.device
-        # Exactly the pipeline's expression: scheduler timesteps (fp32 1000·σ) cast to the latents' dtype, / 1000.
-        timesteps = (sigmas.to(device=device, dtype=torch.float32) * self.num_train_timesteps).to(dtype) / 1000
-        prompt_embeds = conditioning["prompt_embeds"]
-        pooled = conditioning["pooled_prompt_embeds"]
+        timesteps = self.dit_timesteps(sigmas, device, dtype)
+        keys = ("prompt_embeds", "pooled_prompt_embeds")
         cfg = self.uses_cfg(guidance)
-        if cfg:
-            if "negative_prompt_embeds" not in conditioning:
-                raise ValueError("true CFG is on but the conditioning holds no negative_prompt_embeds")
-            latents = cfg_doubled(latents)
-            timesteps = cfg_doubled(timesteps)
-            prompt_embeds = cfg_pair(conditioning["negative_prompt_embeds"], prompt_embeds)
-            pooled = cfg_pair(conditioning["negative_pooled_prompt_embeds"], pooled)
-        distilled_guidance = None
-        if transformer.config.guidance_embeds:
-            distilled_guidance = torch.full((latents.shape[0],), guidance.guidance_scale, device=device)
+        latents, timesteps, text = cfg_batch_inputs(latents, timesteps, conditioning, keys, cfg, "true CFG")
+        prompt_embeds, pooled = text["prompt_embeds"], text["pooled_prompt_embeds"]
         grid_h, grid_w = (size // 2 for size in self.latent_grid(shape))
         ids_dtype = prompt_embeds.dtype
         output = transformer(
             hidden_states=latents.to(dtype),
             timestep=timesteps,
-            guidance=distilled_guidance,
+            guidance=self.distilled_guidance(transformer, latents.shape[0], guidance, device),
             pooled_projections=pooled.to(dtype),
             encoder_hidden_states=prompt_embeds.to(dtype),
             txt_ids=torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=ids_dtype),
@@ -222,9 +161,4 @@ class FluxTrainPipelineConfig(DiffusersTrainPipelineConfig):
 
     # ---- output -------------------------------------------------------------------------------------
     def decode(self, pipe: Any, latents: torch.Tensor, shape: GenerationShape) -> torch.Tensor:
-        vae = pipe.vae
-        unpacked = unpack_latents(latents, *self.latent_grid(shape))
-        scaled = unpacked / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
-        with torch.no_grad():
-            images = vae.decode(scaled.to(vae.dtype), return_dict=False)[0]
-        return vae_output_to_uint8(images)
+        return decode_scaled_latents(pipe.vae, self.unpack(latents, shape))

@@ -29,13 +29,12 @@ from torch import nn
 from miles.models.base import GenerationShape, register_family
 from miles.models.common import (
     DiffusersTrainPipelineConfig,
-    cfg_doubled,
-    cfg_pair,
+    cfg_batch_inputs,
     combine_cfg,
+    encode_with_negative,
     flux_style_base_grid,
     randn_per_sample,
     read_model_index,
-    repeat_batch,
     scheduler_sigmas,
     vae_output_to_uint8,
 )
@@ -139,20 +138,14 @@ class LTXTrainPipelineConfig(DiffusersTrainPipelineConfig):
         shape: GenerationShape | None = None,
     ) -> dict[str, torch.Tensor]:
         """`prompt_embeds` [B, 128, D] + `prompt_attention_mask` [B, 128] (bool); with CFG the negatives too."""
-        with torch.no_grad():
+
+        def encode(batch: list[str]) -> dict[str, torch.Tensor]:
             embeds, mask, _, _ = pipe.encode_prompt(
-                prompt=list(prompts), do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length
+                prompt=batch, do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length
             )
-            conditioning = {"prompt_embeds": embeds, "prompt_attention_mask": mask}
-            if guidance.scale > 1.0:
-                negative, negative_mask, _, _ = pipe.encode_prompt(
-                    prompt=[negative_prompt if negative_prompt is not None else ""],
-                    do_classifier_free_guidance=False,
-                    max_sequence_length=self.max_sequence_length,
-                )
-                conditioning["negative_prompt_embeds"] = repeat_batch(negative, len(prompts))
-                conditioning["negative_prompt_attention_mask"] = repeat_batch(negative_mask, len(prompts))
-        return conditioning
+            return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
+
+        return encode_with_negative(encode, prompts, negative_prompt, guidance.scale > 1.0)
 
     # ---- schedule and latents -----------------------------------------------------------------------
     def latent_grid(self, shape: GenerationShape) -> tuple[int, int, int]:
@@ -204,22 +197,15 @@ class LTXTrainPipelineConfig(DiffusersTrainPipelineConfig):
         transformer = modules["transformer"]
         frames, height, width = self.latent_grid(shape)
         timesteps = self.timesteps_from_sigmas(sigmas.to(device=latents.device, dtype=torch.float32).reshape(-1))
-        embeds = conditioning["prompt_embeds"]
-        mask = conditioning["prompt_attention_mask"]
         cfg = guidance.scale > 1.0
-        if cfg:
-            if "negative_prompt_embeds" not in conditioning:
-                raise ValueError("CFG is on but the conditioning holds no negative_prompt_embeds; encode with CFG on")
-            latents = cfg_doubled(latents)
-            timesteps = cfg_doubled(timesteps)
-            embeds = cfg_pair(conditioning["negative_prompt_embeds"], embeds)
-            mask = cfg_pair(conditioning["negative_prompt_attention_mask"], mask)
+        keys = ("prompt_embeds", "prompt_attention_mask")
+        latents, timesteps, text = cfg_batch_inputs(latents, timesteps, conditioning, keys, cfg)
         fps = shape.fps if shape.fps is not None else DEFAULT_FRAME_RATE
         output = transformer(
             hidden_states=latents.to(dtype),
-            encoder_hidden_states=embeds.to(dtype),
+            encoder_hidden_states=text["prompt_embeds"].to(dtype),
             timestep=timesteps,  # fp32 t = 1000·σ
-            encoder_attention_mask=mask,
+            encoder_attention_mask=text["prompt_attention_mask"],
             num_frames=frames,
             height=height,
             width=width,

@@ -16,9 +16,7 @@ Mirrors `QwenImagePipeline.__call__` (diffusers 0.42):
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
@@ -26,18 +24,15 @@ from torch import nn
 
 from miles.models.base import GenerationShape, register_family
 from miles.models.common import (
-    DiffusersTrainPipelineConfig,
-    cfg_doubled,
-    cfg_pair,
+    Packed2x2TrainPipelineConfig,
+    cfg_batch_inputs,
     combine_cfg,
+    encode_with_negative,
     flux_style_base_grid,
     pad_to_length,
-    randn_per_sample,
-    repeat_batch,
     scheduler_sigmas,
     vae_output_to_uint8,
 )
-from miles.models.flux import pack_latents, unpack_latents
 from miles.types import GuidanceConfig
 from miles.utils.errors import MilesUserError
 
@@ -63,7 +58,7 @@ def template_prefix_length(pipe: Any) -> int:
 
 
 @register_family
-class QwenImageTrainPipelineConfig(DiffusersTrainPipelineConfig):
+class QwenImageTrainPipelineConfig(Packed2x2TrainPipelineConfig):
     family: ClassVar[str] = "qwen_image"
     name_hints: ClassVar[tuple[str, ...]] = ("qwen-image", "qwen_image", "qwenimage")
     pipeline_class_name: ClassVar[str] = "QwenImagePipeline"
@@ -73,12 +68,8 @@ class QwenImageTrainPipelineConfig(DiffusersTrainPipelineConfig):
     prompt_pad_length: ClassVar[int] = 512  # = the pipeline's default max_sequence_length (its truncation)
     latent_patch: ClassVar[int] = 2
 
-    def __init__(self, model_backend=None) -> None:
-        super().__init__(model_backend)
-        self.vae_scale_factor: int | None = None
-
     def configure_pipeline(self, pipe: Any) -> None:
-        self.vae_scale_factor = pipe.vae_scale_factor
+        super().configure_pipeline(pipe)
         start_idx = template_prefix_length(pipe)
         if start_idx != pipe.prompt_template_encode_start_idx:
             logger.info(
@@ -87,19 +78,9 @@ class QwenImageTrainPipelineConfig(DiffusersTrainPipelineConfig):
             )
             pipe.prompt_template_encode_start_idx = start_idx
 
-    def load_modules(self, path: str, names: Sequence[str], dtype: torch.dtype) -> dict[str, nn.Module]:
-        modules = super().load_modules(path, names, dtype)
-        if self.vae_scale_factor is None:
-            self.vae_scale_factor = self._vae_scale_factor_from_folder(path)
-        return modules
-
     @staticmethod
-    def _vae_scale_factor_from_folder(path: str) -> int:
-        config_path = os.path.join(path, "vae", "config.json")
-        if not os.path.isfile(config_path):
-            return 8
-        with open(config_path) as f:
-            return 2 ** len(json.load(f)["temperal_downsample"])  # the pipeline's own formula
+    def scale_factor_from_vae_config(vae_config: Mapping[str, Any]) -> int:
+        return 2 ** len(vae_config["temperal_downsample"])  # the pipeline's own formula
 
     # ---- conditioning -------------------------------------------------------------------------------
     @staticmethod
@@ -109,11 +90,14 @@ class QwenImageTrainPipelineConfig(DiffusersTrainPipelineConfig):
     def uses_cfg(self, guidance: GuidanceConfig) -> bool:
         return self.cfg_scale(guidance) > 1.0
 
-    def _encode_padded(self, pipe: Any, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _encode_padded(self, pipe: Any, prompts: list[str]) -> dict[str, torch.Tensor]:
         embeds, mask = pipe.encode_prompt(prompt=prompts, max_sequence_length=self.prompt_pad_length)
         if mask is None:  # the pipeline drops an all-ones mask
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
-        return pad_to_length(embeds, self.prompt_pad_length), pad_to_length(mask, self.prompt_pad_length)
+        return {
+            "prompt_embeds": pad_to_length(embeds, self.prompt_pad_length),
+            "prompt_embeds_mask": pad_to_length(mask, self.prompt_pad_length),
+        }
 
     def encode_prompt(
         self,
@@ -126,16 +110,13 @@ class QwenImageTrainPipelineConfig(DiffusersTrainPipelineConfig):
     ) -> dict[str, torch.Tensor]:
         """`prompt_embeds` [B, L, D] and `prompt_embeds_mask` [B, L] (int64, 1 = token), L = prompt_pad_length;
         with CFG also `negative_prompt_embeds` / `negative_prompt_embeds_mask` (encoded once, repeated)."""
-        prompts = list(prompts)
-        with torch.no_grad():
-            embeds, mask = self._encode_padded(pipe, prompts)
-            conditioning = {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
-            if self.uses_cfg(guidance):
-                negative = negative_prompt if negative_prompt is not None else " "
-                neg_embeds, neg_mask = self._encode_padded(pipe, [negative])
-                conditioning["negative_prompt_embeds"] = repeat_batch(neg_embeds, len(prompts))
-                conditioning["negative_prompt_embeds_mask"] = repeat_batch(neg_mask, len(prompts))
-        return conditioning
+        return encode_with_negative(
+            lambda batch: self._encode_padded(pipe, batch),
+            prompts,
+            negative_prompt,
+            self.uses_cfg(guidance),
+            default_negative=" ",
+        )
 
     # ---- schedule and latents -----------------------------------------------------------------------
     def latent_grid(self, shape: GenerationShape) -> tuple[int, int]:
@@ -148,10 +129,6 @@ class QwenImageTrainPipelineConfig(DiffusersTrainPipelineConfig):
             )
         return 2 * (shape.height // (scale * 2)), 2 * (shape.width // (scale * 2))
 
-    def num_image_tokens(self, shape: GenerationShape) -> int:
-        latent_h, latent_w = self.latent_grid(shape)
-        return (latent_h // 2) * (latent_w // 2)
-
     def sigmas(self, pipe: Any, num_steps: int, shape: GenerationShape, flow_shift: float | None) -> torch.Tensor:
         return scheduler_sigmas(
             pipe.scheduler.config,
@@ -160,19 +137,6 @@ class QwenImageTrainPipelineConfig(DiffusersTrainPipelineConfig):
             image_seq_len=self.num_image_tokens(shape),
             base_grid=flux_style_base_grid(num_steps),
         )
-
-    def timesteps_from_sigmas(self, sigmas: torch.Tensor) -> torch.Tensor:
-        """Qwen-Image's DiT takes σ = t / 1000 (ALGORITHMS.md §1)."""
-        return sigmas * self.num_train_timesteps / self.num_train_timesteps
-
-    def prepare_latents(
-        self, pipe: Any, shape: GenerationShape, generators: Sequence[torch.Generator], dtype: torch.dtype
-    ) -> torch.Tensor:
-        latent_h, latent_w = self.latent_grid(shape)
-        channels = pipe.transformer.config.in_channels // 4
-        # The pipeline draws [1, C, h, w] per sample (a frame axis of 1), the same numbers as [C, h, w].
-        noise = randn_per_sample((channels, latent_h, latent_w), generators, device=pipe.transformer.device)
-        return pack_latents(noise)
 
     # ---- the denoiser -------------------------------------------------------------------------------
     def predict_velocity(
@@ -187,29 +151,18 @@ class QwenImageTrainPipelineConfig(DiffusersTrainPipelineConfig):
     ) -> torch.Tensor:
         transformer = modules["transformer"]
         device = latents.device
-        # The pipeline's expression: scheduler timesteps (fp32 1000·σ) cast to the latents' dtype, / 1000.
-        timesteps = (sigmas.to(device=device, dtype=torch.float32) * self.num_train_timesteps).to(dtype) / 1000
-        prompt_embeds = conditioning["prompt_embeds"]
-        mask = conditioning["prompt_embeds_mask"]
+        timesteps = self.dit_timesteps(sigmas, device, dtype)
+        keys = ("prompt_embeds", "prompt_embeds_mask")
         cfg = self.uses_cfg(guidance)
-        if cfg:
-            if "negative_prompt_embeds" not in conditioning:
-                raise ValueError("true CFG is on but the conditioning holds no negative_prompt_embeds")
-            latents = cfg_doubled(latents)
-            timesteps = cfg_doubled(timesteps)
-            prompt_embeds = cfg_pair(conditioning["negative_prompt_embeds"], prompt_embeds)
-            mask = cfg_pair(conditioning["negative_prompt_embeds_mask"], mask)
-        distilled_guidance = None
-        if transformer.config.guidance_embeds:  # guidance-distilled variants only
-            distilled_guidance = torch.full((latents.shape[0],), guidance.guidance_scale, device=device)
+        latents, timesteps, text = cfg_batch_inputs(latents, timesteps, conditioning, keys, cfg, "true CFG")
         latent_h, latent_w = self.latent_grid(shape)
         img_shapes = [[(1, latent_h // 2, latent_w // 2)]] * latents.shape[0]
         output = transformer(
             hidden_states=latents.to(dtype),
             timestep=timesteps,
-            guidance=distilled_guidance,
-            encoder_hidden_states_mask=mask,
-            encoder_hidden_states=prompt_embeds.to(dtype),
+            guidance=self.distilled_guidance(transformer, latents.shape[0], guidance, device),  # distilled variants
+            encoder_hidden_states_mask=text["prompt_embeds_mask"],
+            encoder_hidden_states=text["prompt_embeds"].to(dtype),
             img_shapes=img_shapes,
             return_dict=False,
         )[0]
@@ -218,8 +171,7 @@ class QwenImageTrainPipelineConfig(DiffusersTrainPipelineConfig):
     # ---- output -------------------------------------------------------------------------------------
     def decode(self, pipe: Any, latents: torch.Tensor, shape: GenerationShape) -> torch.Tensor:
         vae = pipe.vae
-        latent_h, latent_w = self.latent_grid(shape)
-        unpacked = unpack_latents(latents, latent_h, latent_w).unsqueeze(2).to(vae.dtype)  # [B, C, 1, h, w]
+        unpacked = self.unpack(latents, shape).unsqueeze(2).to(vae.dtype)  # [B, C, 1, h, w]
         view = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(view).to(unpacked.device, unpacked.dtype)
         inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(view).to(unpacked.device, unpacked.dtype)

@@ -17,13 +17,12 @@ from torch import nn
 from miles.models.base import GenerationShape, register_family
 from miles.models.common import (
     DiffusersTrainPipelineConfig,
-    cfg_doubled,
-    cfg_pair,
+    cfg_batch_inputs,
     combine_cfg,
+    decode_scaled_latents,
+    encode_with_negative,
     randn_per_sample,
-    repeat_batch,
     scheduler_sigmas,
-    vae_output_to_uint8,
 )
 from miles.types import GuidanceConfig
 from miles.utils.errors import MilesUserError
@@ -74,27 +73,18 @@ class SD3TrainPipelineConfig(DiffusersTrainPipelineConfig):
 
         The negative prompt (diffusers' default "" when None) is encoded once and repeated to the batch.
         """
-        prompts = list(prompts)
-        with torch.no_grad():
+
+        def encode(batch: list[str]) -> dict[str, torch.Tensor]:
             prompt_embeds, _, pooled, _ = pipe.encode_prompt(
-                prompt=prompts,
+                prompt=batch,
                 prompt_2=None,
                 prompt_3=None,
                 do_classifier_free_guidance=False,
                 max_sequence_length=self.max_sequence_length,
             )
-            conditioning = {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
-            if self.uses_cfg(guidance):
-                negative_embeds, _, negative_pooled, _ = pipe.encode_prompt(
-                    prompt=[negative_prompt if negative_prompt is not None else ""],
-                    prompt_2=None,
-                    prompt_3=None,
-                    do_classifier_free_guidance=False,
-                    max_sequence_length=self.max_sequence_length,
-                )
-                conditioning["negative_prompt_embeds"] = repeat_batch(negative_embeds, len(prompts))
-                conditioning["negative_pooled_prompt_embeds"] = repeat_batch(negative_pooled, len(prompts))
-        return conditioning
+            return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
+
+        return encode_with_negative(encode, prompts, negative_prompt, self.uses_cfg(guidance))
 
     @staticmethod
     def uses_cfg(guidance: GuidanceConfig) -> bool:
@@ -139,29 +129,18 @@ class SD3TrainPipelineConfig(DiffusersTrainPipelineConfig):
     ) -> torch.Tensor:
         transformer = modules["transformer"]
         timesteps = self.timesteps_from_sigmas(sigmas.to(device=latents.device, dtype=torch.float32))
-        prompt_embeds = conditioning["prompt_embeds"]
-        pooled = conditioning["pooled_prompt_embeds"]
         cfg = self.uses_cfg(guidance)
-        if cfg:
-            if "negative_prompt_embeds" not in conditioning:
-                raise ValueError("CFG is on but the conditioning holds no negative_prompt_embeds; encode with CFG on")
-            latents = cfg_doubled(latents)
-            timesteps = cfg_doubled(timesteps)
-            prompt_embeds = cfg_pair(conditioning["negative_prompt_embeds"], prompt_embeds)
-            pooled = cfg_pair(conditioning["negative_pooled_prompt_embeds"], pooled)
+        keys = ("prompt_embeds", "pooled_prompt_embeds")
+        latents, timesteps, text = cfg_batch_inputs(latents, timesteps, conditioning, keys, cfg)
         output = transformer(
             hidden_states=latents.to(dtype),
             timestep=timesteps,  # fp32, as the pipeline passes scheduler.timesteps
-            encoder_hidden_states=prompt_embeds.to(dtype),
-            pooled_projections=pooled.to(dtype),
+            encoder_hidden_states=text["prompt_embeds"].to(dtype),
+            pooled_projections=text["pooled_prompt_embeds"].to(dtype),
             return_dict=False,
         )[0]
         return combine_cfg(output, guidance.scale) if cfg else output.float()
 
     # ---- output -------------------------------------------------------------------------------------
     def decode(self, pipe: Any, latents: torch.Tensor, shape: GenerationShape) -> torch.Tensor:
-        vae = pipe.vae
-        scaled = latents / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
-        with torch.no_grad():
-            images = vae.decode(scaled.to(vae.dtype), return_dict=False)[0]
-        return vae_output_to_uint8(images)
+        return decode_scaled_latents(pipe.vae, latents)

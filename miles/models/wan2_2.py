@@ -29,12 +29,11 @@ from torch import nn
 from miles.models.base import GenerationShape, register_family
 from miles.models.common import (
     DiffusersTrainPipelineConfig,
-    cfg_doubled,
-    cfg_pair,
+    cfg_batch_inputs,
     combine_cfg,
+    encode_with_negative,
     randn_per_sample,
     read_model_index,
-    repeat_batch,
     scheduler_sigmas,
     vae_output_to_uint8,
 )
@@ -170,19 +169,14 @@ class Wan22TrainPipelineConfig(DiffusersTrainPipelineConfig):
         shape: GenerationShape | None = None,
     ) -> dict[str, torch.Tensor]:
         """`prompt_embeds` [B, 512, D] (padding zeroed); with CFG `negative_prompt_embeds` of the same shape."""
-        with torch.no_grad():
+
+        def encode(batch: list[str]) -> dict[str, torch.Tensor]:
             prompt_embeds, _ = pipe.encode_prompt(
-                prompt=list(prompts), do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length
+                prompt=batch, do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length
             )
-            conditioning = {"prompt_embeds": prompt_embeds}
-            if guidance.do_cfg:
-                negative_embeds, _ = pipe.encode_prompt(
-                    prompt=[negative_prompt if negative_prompt is not None else ""],
-                    do_classifier_free_guidance=False,
-                    max_sequence_length=self.max_sequence_length,
-                )
-                conditioning["negative_prompt_embeds"] = repeat_batch(negative_embeds, len(prompts))
-        return conditioning
+            return {"prompt_embeds": prompt_embeds}
+
+        return encode_with_negative(encode, prompts, negative_prompt, guidance.do_cfg)
 
     # ---- schedule and latents -----------------------------------------------------------------------
     def latent_sample_shape(self, pipe: Any, shape: GenerationShape) -> tuple[int, int, int, int]:
@@ -258,18 +252,12 @@ class Wan22TrainPipelineConfig(DiffusersTrainPipelineConfig):
             _, _, frames, height, width = latents.shape
             tokens = frames * ((height + 1) // 2) * ((width + 1) // 2)
             timesteps = timesteps[:, None].expand(-1, tokens)
-        prompt_embeds = conditioning["prompt_embeds"]
         cfg = scale > 1.0
-        if cfg:
-            if "negative_prompt_embeds" not in conditioning:
-                raise ValueError("CFG is on but the conditioning holds no negative_prompt_embeds; encode with CFG on")
-            latents = cfg_doubled(latents)
-            timesteps = cfg_doubled(timesteps)
-            prompt_embeds = cfg_pair(conditioning["negative_prompt_embeds"], prompt_embeds)
+        latents, timesteps, text = cfg_batch_inputs(latents, timesteps, conditioning, ("prompt_embeds",), cfg)
         output = transformer(
             hidden_states=latents.to(dtype),
             timestep=timesteps,  # fp32 t = 1000·σ
-            encoder_hidden_states=prompt_embeds.to(dtype),
+            encoder_hidden_states=text["prompt_embeds"].to(dtype),
             return_dict=False,
         )[0]
         return combine_cfg(output, scale) if cfg else output.float()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from miles.testing.tiny.components import tiny_unipc_flow_scheduler, tiny_wan_vae
 from miles.testing.tiny.tokenizers import build_qwen2_tokenizer
 
 TINY_FLOW_SHIFT = 3.0
@@ -21,7 +22,7 @@ PATCH = 2
 
 def build(out_dir: str, seed: int = 0) -> str:
     """Build and `save_pretrained` a tiny Cosmos 3 text-to-image pipeline into `out_dir`."""
-    from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, Cosmos3OmniTransformer, UniPCMultistepScheduler
+    from diffusers import Cosmos3OmniPipeline, Cosmos3OmniTransformer
 
     torch.manual_seed(seed)
     tokenizer = build_qwen2_tokenizer()
@@ -40,18 +41,8 @@ def build(out_dir: str, seed: int = 0) -> str:
         rope_theta=10000.0,
         vocab_size=len(tokenizer),
     )
-    vae = AutoencoderKLWan(
-        base_dim=8,
-        z_dim=LATENT_CHANNELS,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-        latents_mean=[0.1 * ((i % 5) - 2) for i in range(LATENT_CHANNELS)],
-        latents_std=[1.0 + 0.05 * (i % 3) for i in range(LATENT_CHANNELS)],
-    )
-    scheduler = UniPCMultistepScheduler(
-        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=TINY_FLOW_SHIFT, num_train_timesteps=1000
-    )
+    vae = tiny_wan_vae(LATENT_CHANNELS)
+    scheduler = tiny_unipc_flow_scheduler(TINY_FLOW_SHIFT)
     pipe = Cosmos3OmniPipeline(
         transformer=transformer,
         text_tokenizer=tokenizer,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from miles.testing.tiny.sd3 import tiny_clip_text_encoder, tiny_t5_encoder, tiny_vae_kl
+from miles.testing.tiny.components import tiny_clip_text_encoder, tiny_t5_encoder, tiny_vae_kl
 from miles.testing.tiny.tokenizers import build_clip_tokenizer, build_t5_tokenizer
 
 

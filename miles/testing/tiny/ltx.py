@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from miles.testing.tiny.components import tiny_t5_config
 from miles.testing.tiny.tokenizers import build_t5_tokenizer
 
 TEXT_DIM = 32
@@ -28,20 +29,7 @@ def build(out_dir: str, seed: int = 0) -> str:
 
     torch.manual_seed(seed)
     tokenizer = build_t5_tokenizer(model_max_length=MAX_SEQUENCE_LENGTH)
-    text_encoder = T5EncoderModel(
-        T5Config(
-            vocab_size=len(tokenizer),
-            d_model=TEXT_DIM,
-            d_kv=8,
-            d_ff=32,
-            num_layers=1,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            relative_attention_max_distance=16,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-    )
+    text_encoder = T5EncoderModel(T5Config(**tiny_t5_config(tokenizer, d_model=TEXT_DIM)))
     vae = AutoencoderKLLTXVideo(
         in_channels=3,
         out_channels=3,

@@ -9,66 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from miles.testing.tiny.components import tiny_clip_text_encoder, tiny_t5_encoder, tiny_vae_kl
 from miles.testing.tiny.tokenizers import build_clip_tokenizer, build_t5_tokenizer
-
-
-def tiny_clip_text_encoder(vocab_size: int, hidden_size: int = 16, projection_dim: int = 16, eos_token_id: int = 1):
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
-
-    config = CLIPTextConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        projection_dim=projection_dim,
-        max_position_embeddings=77,
-        bos_token_id=0,
-        eos_token_id=eos_token_id,
-        pad_token_id=eos_token_id,
-    )
-    return CLIPTextModelWithProjection(config)
-
-
-def tiny_t5_encoder(vocab_size: int, d_model: int = 32):
-    from transformers import T5Config, T5EncoderModel
-
-    config = T5Config(
-        vocab_size=vocab_size,
-        d_model=d_model,
-        d_kv=8,
-        d_ff=2 * d_model,
-        num_layers=2,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-        relative_attention_max_distance=32,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    return T5EncoderModel(config)
-
-
-def tiny_vae_kl(latent_channels: int = 4, shift_factor: float = 0.1, scaling_factor: float = 1.5):
-    """A 3-level AutoencoderKL (scale factor 4) with small channel counts."""
-    from diffusers import AutoencoderKL
-
-    return AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 3,
-        up_block_types=("UpDecoderBlock2D",) * 3,
-        block_out_channels=(8, 8, 16),
-        layers_per_block=1,
-        latent_channels=latent_channels,
-        norm_num_groups=4,
-        sample_size=32,
-        scaling_factor=scaling_factor,
-        shift_factor=shift_factor,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        mid_block_add_attention=False,
-    )
 
 
 def build(out_dir: str, seed: int = 0) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from miles.testing.tiny.components import tiny_t5_config, tiny_unipc_flow_scheduler, tiny_wan_vae
 from miles.testing.tiny.tokenizers import build_t5_tokenizer
 
 TINY_FLOW_SHIFT = 3.0
@@ -26,35 +27,17 @@ MAX_SEQUENCE_LENGTH = 16
 
 
 def _tiny_vae(variant: str):
-    from diffusers import AutoencoderKLWan
-
-    if variant == "ti2v_5b":
-        z_dim = 48
-        return AutoencoderKLWan(
-            base_dim=8,
-            z_dim=z_dim,
-            dim_mult=[1, 1, 1, 1],
-            num_res_blocks=1,
-            temperal_downsample=[False, True, True],
+    if variant == "ti2v_5b":  # the 48-channel residual VAE with a 2x2 patch (16x spatial)
+        return tiny_wan_vae(
+            48,
             is_residual=True,
             in_channels=12,
             out_channels=12,
             patch_size=2,
             scale_factor_spatial=16,
             scale_factor_temporal=4,
-            latents_mean=[0.1 * ((i % 5) - 2) for i in range(z_dim)],
-            latents_std=[1.0 + 0.05 * (i % 3) for i in range(z_dim)],
         )
-    z_dim = 16
-    return AutoencoderKLWan(
-        base_dim=8,
-        z_dim=z_dim,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-        latents_mean=[0.1 * ((i % 5) - 2) for i in range(z_dim)],
-        latents_std=[1.0 + 0.05 * (i % 3) for i in range(z_dim)],
-    )
+    return tiny_wan_vae(16)
 
 
 def _tiny_transformer(in_channels: int):
@@ -78,33 +61,18 @@ def _tiny_transformer(in_channels: int):
 
 def build(out_dir: str, seed: int = 0, variant: str = "a14b") -> str:
     """Build and `save_pretrained` a tiny Wan 2.2 pipeline of `variant` ("a14b" or "ti2v_5b") into `out_dir`."""
-    from diffusers import UniPCMultistepScheduler, WanPipeline
+    from diffusers import WanPipeline
     from transformers import UMT5Config, UMT5EncoderModel
 
     if variant not in ("a14b", "ti2v_5b"):
         raise ValueError(f"unknown Wan 2.2 variant {variant!r}; choose 'a14b' or 'ti2v_5b'")
     torch.manual_seed(seed)
     tokenizer = build_t5_tokenizer(model_max_length=MAX_SEQUENCE_LENGTH)
-    text_encoder = UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=len(tokenizer),
-            d_model=TEXT_DIM,
-            d_kv=8,
-            d_ff=32,
-            num_layers=1,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            relative_attention_max_distance=16,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-    )
+    text_encoder = UMT5EncoderModel(UMT5Config(**tiny_t5_config(tokenizer, d_model=TEXT_DIM)))
     vae = _tiny_vae(variant)
     transformer = _tiny_transformer(vae.config.z_dim)
     transformer_2 = _tiny_transformer(vae.config.z_dim) if variant == "a14b" else None
-    scheduler = UniPCMultistepScheduler(
-        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=TINY_FLOW_SHIFT, num_train_timesteps=1000
-    )
+    scheduler = tiny_unipc_flow_scheduler(TINY_FLOW_SHIFT)
     pipe = WanPipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
