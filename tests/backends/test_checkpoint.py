@@ -63,9 +63,9 @@ def snapshot(trainer) -> dict:
     return {"model": trained_state(trainer), "optimizer": optimizer, "ema": ema, "lr_steps": trainer.lr_scheduler.num_steps}
 
 
-def assert_bitwise(a: dict, b: dict) -> None:
+def assert_bitwise(a: dict, b: dict, parts=("model", "optimizer", "ema")) -> None:
     assert a["lr_steps"] == b["lr_steps"]
-    for part in ("model", "optimizer", "ema"):
+    for part in parts:
         assert a[part].keys() == b[part].keys() and a[part], part
         for name in a[part]:
             assert torch.equal(a[part][name], b[part][name]), f"{part}:{name}"
@@ -91,6 +91,26 @@ def test_save_load_continue_equals_uninterrupted_training(tiny, tmp_path):
     assert metrics_resumed["train/loss"] == metrics_straight["train/loss"]
     assert metrics_resumed["train/lr"] == metrics_straight["train/lr"]
     assert_bitwise(snapshot(straight), snapshot(resumed))
+
+
+def test_full_parameter_policy_loss_resume_equals_uninterrupted_training(tiny, tmp_path):
+    # The first rollout a trainer process runs also counts FLOPs: the uninterrupted run counts rollout 0, the
+    # resumed one rollout 1. Counting must leave that rollout's gradients bitwise unchanged.
+    samples = tiny[3]
+    settings = dict(loss_type="policy_loss", lr=2e-2, micro_batch_size=4, num_rollout=3, diffusion_clip_range=1e-2)
+    save_dir = str(tmp_path / "ckpt")
+    straight = make_trainer(tiny, **settings, save=save_dir)
+    straight.train(0, samples)
+    save_checkpoint(straight, 0)
+    metrics_straight = [straight.train(rollout_id, samples) for rollout_id in (1, 2)]
+
+    resumed = make_trainer(tiny, **settings, load=save_dir)
+    assert resumed.start_rollout_id == 1 and resumed.flops_per_pair is None
+    metrics_resumed = [resumed.train(rollout_id, samples) for rollout_id in (1, 2)]
+    assert resumed.flops_per_pair == straight.flops_per_pair > 0
+    for key in ("train/loss", "train/grad_norm", "train/lr"):
+        assert [m[key] for m in metrics_resumed] == [m[key] for m in metrics_straight], key
+    assert_bitwise(snapshot(straight), snapshot(resumed), parts=("model", "optimizer"))
 
 
 def test_a_crash_mid_save_leaves_the_pointer_on_the_last_complete_checkpoint(tiny, tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from miles.backends.fsdp_utils import deterministic
 from miles.backends.fsdp_utils.parallel_dims import ParallelDims
@@ -110,6 +111,31 @@ class _MetricSums:
                 dist.all_reduce(packed, op=dist.ReduceOp.MAX)
             result.update({n: float(v) for n, v in zip(max_names, packed.cpu().tolist())})
         return result
+
+
+class _FlopCount(TorchDispatchMode):
+    """Σ FLOPs of the ops torch.utils.flop_counter has formulas for (matmuls, convolutions, attention), running
+    every op exactly as it runs without the mode.
+
+    Not `FlopCounterMode`: it replaces each op it has no formula for by that op's decomposition (e.g.
+    `silu_backward` by element-wise primitives), which rounds differently from the fused kernel. The micro-batch
+    it wraps then gets slightly different gradients, and as it wraps the first rollout of each process, a resumed
+    run would diverge from the uninterrupted one at the first step after `--load`.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils.flop_counter import flop_registry
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(getattr(func, "_overloadpacket", None))
+        if formula is not None:
+            self.total += formula(*args, **kwargs, out_val=out)
+        return out
 
 
 class DiffusionTrainer:
@@ -492,12 +518,10 @@ class DiffusionTrainer:
         if not enabled:
             yield
             return
-        from torch.utils.flop_counter import FlopCounterMode
-
-        counter = FlopCounterMode(display=False)
+        counter = _FlopCount()
         with counter:
             yield
-        self.flops_per_pair = counter.get_total_flops() / max(num_pairs, 1)
+        self.flops_per_pair = counter.total / max(num_pairs, 1)
 
     def _perf_metrics(self, plan, seconds: float) -> dict[str, float]:
         trained_pairs = plan.num_pairs_total - plan.num_pairs_dropped
