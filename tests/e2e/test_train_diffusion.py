@@ -91,11 +91,14 @@ def test_alignment_probe_is_exact(sd3, prompts, tmp_path):
 def test_nft_reward_rises(sd3, prompts, tmp_path):
     out = tmp_path / "nft"
     flags = base_flags(sd3, prompts, out)
-    run([*flags, "--num-rollout", "10", "--loss-type", "nft", "--diffusion-sde-type", "ode",
+    run([*flags, "--num-rollout", "12", "--loss-type", "nft", "--diffusion-sde-type", "ode",
          "--diffusion-noise-level", "0", "--use-ema", "--ema-rollout-policy", "ema", "--globalize-reward-std",
-         "--lr", "1e-3"])
-    rewards = series(metrics(out), "rollout/reward_mean")
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.02, f"reward did not rise: {rewards}"
+         "--lr", "1e-2"])
+    records = metrics(out)
+    rewards = series(records, "rollout/reward_mean")
+    spread = series(records, "rollout/reward_std")[0]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + max(0.01, 3 * spread), f"reward did not rise: {rewards}"
+    assert series(records, "train/ema_num_updates")[-1] == 12.0
 
 
 def test_sft_loss_falls(sd3, tmp_path):
