@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import numbers
 import os
 import time
 from contextlib import contextmanager
@@ -63,7 +64,7 @@ class RunLogger:
         for key, value in metrics.items():
             if isinstance(value, torch.Tensor):
                 value = value.item()
-            if isinstance(value, (int, float)):
+            if isinstance(value, numbers.Real) and not isinstance(value, bool):  # numpy scalars included
                 self._pending[key] = float(value)
 
     def log_samples(self, rollout_id: int, samples: list, prefix: str = "rollout") -> None:
@@ -155,7 +156,12 @@ class RunLogger:
         import wandb
 
         frames = sample.image.numpy()
+        caption = sample.prompt[:200]
         if frames.shape[0] == 1:
-            return wandb.Image(frames[0], caption=sample.prompt[:200])
+            return wandb.Image(frames[0], caption=caption)
         fps = int(getattr(sample, "fps", None) or 8)
-        return wandb.Video(np.transpose(frames, (0, 3, 1, 2)), fps=fps, caption=sample.prompt[:200])
+        try:  # wandb needs a container format for raw frames, and moviepy to encode them
+            return wandb.Video(np.transpose(frames, (0, 3, 1, 2)), fps=fps, format="mp4", caption=caption)
+        except (ImportError, ValueError, wandb.Error) as error:
+            logger.warning("cannot encode a video for wandb (%s); logging its first frame instead", error)
+            return wandb.Image(frames[0], caption=caption)

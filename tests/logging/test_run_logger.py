@@ -1,0 +1,227 @@
+"""RunLogger: the metrics JSONL, phase timings, the dashboard timeline, the final plots and wandb (offline)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from miles.logging import run_logger as run_logger_module
+from miles.logging.run_logger import RunLogger
+from miles.types import Sample
+
+
+def make_args(tmp_path: Path, **overrides) -> argparse.Namespace:
+    """The attributes RunLogger reads, with the flags' defaults (logging to tmp_path)."""
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        metrics_path=None,
+        use_miles_dashboard=False,
+        miles_dashboard_workspace=str(tmp_path / "dashboard"),
+        use_wandb=False,
+        wandb_project=None,
+        wandb_group=None,
+        wandb_run_id=None,
+        wandb_team=None,
+        wandb_host=None,
+        wandb_key=None,
+        wandb_mode=None,
+        wandb_dir=None,
+        disable_wandb_random_suffix=False,
+        wandb_log_num_images=0,
+        wandb_log_image_interval=1,
+    )
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
+
+def make_sample(value: int, num_frames: int = 1, size: int = 8) -> Sample:
+    return Sample(prompt=f"prompt {value}", image=torch.full((num_frames, size, size, 3), value, dtype=torch.uint8))
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class FakeClock:
+    """Stands in for time.perf_counter: each call returns the next scripted reading."""
+
+    def __init__(self, *readings: float) -> None:
+        self.readings = list(readings)
+
+    def __call__(self) -> float:
+        return self.readings.pop(0)
+
+
+# ---- the metrics JSONL --------------------------------------------------------------------------------------
+def test_flush_writes_one_json_line_per_rollout(tmp_path):
+    logger = RunLogger(make_args(tmp_path))
+    logger.log(0, {"rollout/reward_mean": torch.tensor(0.25), "rollout/num_samples": 16, "train/loss": 1.5})
+    first = logger.flush(0)
+    logger.log(1, {"rollout/reward_mean": 0.75})
+    logger.flush(1)
+
+    lines = read_jsonl(tmp_path / "out" / "metrics.jsonl")
+    assert [line["rollout_id"] for line in lines] == [0, 1]
+    assert lines[0] == first
+    assert lines[0]["rollout/reward_mean"] == 0.25 and lines[0]["rollout/num_samples"] == 16.0
+    assert lines[0]["train/loss"] == 1.5
+    assert "train/loss" not in lines[1]  # each line holds only its own rollout's metrics
+    assert lines[1]["rollout/reward_mean"] == 0.75
+    assert all(isinstance(line["time"], float) for line in lines)
+    assert logger.history == lines
+
+
+def test_metrics_path_overrides_the_default(tmp_path):
+    path = tmp_path / "elsewhere" / "nested" / "m.jsonl"
+    logger = RunLogger(make_args(tmp_path, metrics_path=str(path)))
+    logger.log(0, {"rollout/reward_mean": 0.5})
+    logger.flush(0)
+    assert read_jsonl(path)[0]["rollout/reward_mean"] == 0.5
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_nan_and_non_numeric_metrics_are_dropped(tmp_path):
+    logger = RunLogger(make_args(tmp_path))
+    logger.log(0, {
+        "train/loss": float("nan"),
+        "train/grad_norm": torch.tensor(float("nan")),
+        "train/lr": 1e-3,
+        "rollout/note": "not a number",
+        "rollout/list": [1.0, 2.0],
+    })
+    record = logger.flush(0)
+    text = (tmp_path / "out" / "metrics.jsonl").read_text()
+    assert "NaN" not in text  # the line stays strict JSON
+    assert set(record) == {"rollout_id", "time", "train/lr"}
+
+
+# ---- phases and the dashboard timeline ----------------------------------------------------------------------
+def test_phase_times_are_summed_per_rollout(tmp_path, monkeypatch):
+    logger = RunLogger(make_args(tmp_path))
+    # rollout 0: weight_sync 2.0 s twice (summed), train 0.5 s; rollout 1: train 0.25 s, raising
+    clock = FakeClock(0.0, 2.0, 10.0, 12.0, 20.0, 20.5, 30.0, 30.25)
+    monkeypatch.setattr(run_logger_module.time, "perf_counter", clock)
+    for _ in range(2):
+        with logger.phase("weight_sync"):
+            pass
+    with logger.phase("train"):
+        pass
+    first = logger.flush(0)
+    with pytest.raises(RuntimeError):
+        with logger.phase("train"):
+            raise RuntimeError("a failed phase is still timed")
+    second = logger.flush(1)
+
+    assert first["perf/weight_sync_time"] == 4.0 and first["perf/train_time"] == 0.5
+    assert second["perf/train_time"] == 0.25 and "perf/weight_sync_time" not in second
+
+
+def test_dashboard_timeline_is_written_on_flush(tmp_path):
+    workspace = tmp_path / "dashboard"
+    logger = RunLogger(make_args(tmp_path, use_miles_dashboard=True, miles_dashboard_workspace=str(workspace)))
+    for name in ("rollout", "train", "weight_sync"):
+        with logger.phase(name):
+            pass
+    timeline = workspace / "timeline.jsonl"
+    assert not timeline.exists()  # buffered until the rollout's flush
+    logger.flush(0)
+    with logger.phase("rollout"):
+        pass
+    logger.flush(1)
+
+    events = read_jsonl(timeline)
+    assert [event["phase"] for event in events] == ["rollout", "train", "weight_sync", "rollout"]
+    assert all(event["start"] <= event["end"] and isinstance(event["pid"], int) for event in events)
+    assert all(a["end"] <= b["start"] for a, b in zip(events, events[1:]))
+
+
+def test_no_dashboard_without_the_flag(tmp_path):
+    logger = RunLogger(make_args(tmp_path))
+    with logger.phase("rollout"):
+        pass
+    logger.flush(0)
+    assert logger.timeline is None
+    assert not (tmp_path / "dashboard").exists()
+
+
+# ---- the final plots -------------------------------------------------------------------------------------
+def test_finish_leaves_reward_curve_and_sample_grid(tmp_path):
+    logger = RunLogger(make_args(tmp_path))
+    for rollout_id, value in enumerate((40, 120, 200)):
+        logger.log(rollout_id, {"rollout/reward_mean": value / 255})
+        logger.log_samples(rollout_id, [make_sample(value), make_sample(value + 1), Sample(prompt="no image")])
+        logger.flush(rollout_id)
+    logger.finish()
+
+    out = tmp_path / "out"
+    assert Image.open(out / "reward_curve.png").size[0] > 0
+    grid = np.asarray(Image.open(out / "samples.png").convert("RGB"))
+    # two rows of two 8x8 tiles, enlarged 16x: the first rollout above the last
+    assert grid.shape == (2 * 128, 2 * 128, 3)
+    assert (grid[0, 0] == 40).all() and (grid[0, 128] == 41).all()
+    assert (grid[128, 0] == 200).all() and (grid[128, 128] == 201).all()
+
+
+def test_first_row_of_a_resumed_run_is_its_first_rollout(tmp_path):
+    logger = RunLogger(make_args(tmp_path))
+    for rollout_id, value in ((5, 60), (6, 90), (7, 150)):
+        logger.log_samples(rollout_id, [make_sample(value)])
+    logger.log_samples(7, [make_sample(250)], prefix="eval/val")  # eval samples stay out of the grid
+    logger.finish()
+    grid = np.asarray(Image.open(tmp_path / "out" / "samples.png").convert("RGB"))
+    assert (grid[0, 0] == 60).all() and (grid[-1, -1] == 150).all()
+
+
+def test_log_samples_keeps_at_least_four_images(tmp_path):
+    logger = RunLogger(make_args(tmp_path, wandb_log_num_images=2))
+    logger.log_samples(0, [make_sample(value) for value in range(6)])
+    assert [prompt for _, prompt, _ in logger._sample_images] == [f"prompt {value}" for value in range(4)]
+
+
+def test_finish_without_rewards_or_images_writes_nothing(tmp_path):
+    logger = RunLogger(make_args(tmp_path))
+    logger.log(0, {"train/loss": 1.0})
+    logger.flush(0)
+    logger.finish()
+    assert not (tmp_path / "out" / "reward_curve.png").exists()
+    assert not (tmp_path / "out" / "samples.png").exists()
+
+
+# ---- wandb, offline -----------------------------------------------------------------------------------------
+def test_wandb_offline_gets_metrics_and_images_on_the_interval(tmp_path):
+    pytest.importorskip("wandb")
+    wandb_dir = tmp_path / "wandb-dir"
+    args = make_args(tmp_path, use_wandb=True, wandb_mode="offline", wandb_dir=str(wandb_dir),
+                     wandb_project="miles-tests", wandb_group="unit", disable_wandb_random_suffix=True,
+                     wandb_log_num_images=2, wandb_log_image_interval=2)
+    logger = RunLogger(args)
+    try:
+        assert logger.wandb is not None and logger.wandb.name == "unit"
+        for rollout_id in range(3):  # images go out at rollouts 0 and 2
+            logger.log(rollout_id, {"rollout/reward_mean": 0.1 * rollout_id})
+            logger.log_samples(rollout_id, [make_sample(10 * rollout_id + i) for i in range(3)])
+            logger.flush(rollout_id)
+    finally:
+        logger.finish()
+
+    run_dirs = list((wandb_dir / "wandb").glob("offline-run-*"))
+    assert len(run_dirs) == 1
+    records = b"".join(path.read_bytes() for path in run_dirs[0].glob("*.wandb"))
+    assert b"rollout/reward_mean" in records and b"rollout/samples" in records
+    images = list((run_dirs[0] / "files" / "media").rglob("*.png"))
+    assert len(images) == 2 * 2  # wandb_log_num_images per logged rollout, two logged rollouts
+
+
+def test_wandb_media_for_images_and_videos():
+    wandb = pytest.importorskip("wandb")
+    image = RunLogger._to_wandb_media(make_sample(7))
+    assert isinstance(image, wandb.Image)
+    # A video becomes wandb.Video where moviepy can encode it, otherwise its first frame: never an error.
+    video = RunLogger._to_wandb_media(make_sample(7, num_frames=3))
+    assert isinstance(video, (wandb.Video, wandb.Image))
