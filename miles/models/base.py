@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from miles.types import GuidanceConfig
+from miles.utils.errors import MilesUserError
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,19 @@ class TrainPipelineConfig(ABC):
     @abstractmethod
     def decode(self, pipe: Any, latents: torch.Tensor, shape: GenerationShape) -> torch.Tensor:
         """Final latents to uint8 pixels [B, F, H, W, 3] (F = 1 for images)."""
+
+    # ---- SFT data -----------------------------------------------------------------------------------
+    def encode_images(self, pipe: Any, pixels: torch.Tensor, shape: GenerationShape) -> torch.Tensor:
+        """uint8 pixels [B, F, H, W, 3] (F = `shape.num_frames`, 1 for image families) to clean latents x0.
+
+        The inverse of `decode`: the VAE posterior mean, normalised and laid out exactly like the latents of
+        `prepare_latents` / `predict_velocity` for `shape` (batched, fp32). SFT uses it (ALGORITHMS.md §7).
+        Families that do not implement it cannot train with `--loss-type sft_loss`.
+        """
+        raise MilesUserError(
+            f"SFT (--loss-type sft_loss) is not supported for family {self.family or type(self).__name__!r}: "
+            "its TrainPipelineConfig has no encode_images(pipe, pixels, shape)"
+        )
 
     # ---- parallelism --------------------------------------------------------------------------------
     def transformer_block_lists(self, module: nn.Module) -> list[nn.ModuleList]:

@@ -455,6 +455,53 @@ def decode_scaled_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:
     return vae_output_to_uint8(images)
 
 
+# ---- input: pixels to clean latents (SFT, the inverse of decode) ------------------------------------
+
+
+def vae_latent_mean(
+    family: TrainPipelineConfig, vae: Any, pixels: torch.Tensor, shape: GenerationShape, *, video_vae: bool
+) -> torch.Tensor:
+    """uint8 pixels [B, F, H, W, 3] -> the VAE posterior mean (fp32, not yet normalised).
+
+    Pixels map to [-1, 1] as the pipelines' image processors do. `video_vae`: the VAE takes [B, 3, F, H, W]
+    and returns [B, C, f, h, w] (Wan / Qwen-Image / LTX / Cosmos); otherwise it takes images [B, 3, H, W]
+    and returns [B, C, h, w] (F must be 1). Frame count and size must be those of `shape`.
+    """
+    if pixels.dtype != torch.uint8 or pixels.ndim != 5 or pixels.shape[-1] != 3:
+        raise ValueError(f"expected uint8 pixels [B, F, H, W, 3], got {pixels.dtype} {tuple(pixels.shape)}")
+    frames, height, width = pixels.shape[1:4]
+    if frames != shape.num_frames:
+        kind = "video" if family.is_video else "images"
+        raise MilesUserError(
+            f"family {family.family!r} trains on {kind} of {shape.num_frames} frame(s) "
+            f"(--diffusion-output-num-frames); got {frames} frames per row"
+        )
+    if (height, width) != (shape.height, shape.width):
+        raise MilesUserError(
+            f"pixels are {height}x{width}, --diffusion-height/width ask for {shape.height}x{shape.width}"
+        )
+    images = pixels.float().permute(0, 4, 1, 2, 3) / 127.5 - 1.0  # [B, 3, F, H, W]
+    if not video_vae:
+        images = images[:, :, 0]
+    with torch.no_grad():
+        posterior = vae.encode(images.to(device=vae.device, dtype=vae.dtype)).latent_dist
+    return posterior.mean.float()
+
+
+def scale_shift_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:
+    """`(z − shift_factor) · scaling_factor`: the inverse of `decode_scaled_latents` (SD3, FLUX)."""
+    return (latents - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
+
+
+def normalize_latent_stats(vae: Any, latents: torch.Tensor) -> torch.Tensor:
+    """`(z − latents_mean) · (1 / latents_std)` per channel of [B, C, f, h, w], the inverse of the Wan-style
+    VAE decode `x / (1 / std) + mean` (Wan 2.2, Qwen-Image, Cosmos 3; the image-to-video pipelines' form)."""
+    view = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32).view(view).to(latents.device)
+    inverse_std = 1.0 / torch.tensor(vae.config.latents_std, dtype=torch.float32).view(view).to(latents.device)
+    return (latents.float() - mean) * inverse_std
+
+
 # ---- building the family object ----------------------------------------------------------------------
 
 

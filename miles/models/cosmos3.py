@@ -18,7 +18,8 @@ int64 (move them to a device, never cast them to the forward dtype).
 Mirrors `Cosmos3OmniPipeline.__call__` (diffusers 0.42) otherwise: the pipeline's own `tokenize_prompt`
 (system prompt, templates, chat template, eos + `<|vision_start|>`), the text and vision mRoPE positions,
 the DiT time input t = 1000·σ (the transformer scales it by `timestep_scale` itself), CFG
-`v_neg + s·(v_pos − v_neg)` in fp32, latents decoded as `x / (1/std) + mean`. The transformer packs a single
+`v_neg + s·(v_pos − v_neg)` in fp32, latents decoded as `x / (1/std) + mean` (SFT's `encode_images` is the
+inverse, `(z − mean)·(1/std)` of the VAE posterior mean). The transformer packs a single
 sequence without a batch axis, so each sample and CFG branch is its own transformer call (no doubled batch).
 Schedule: the checkpoint's `UniPCMultistepScheduler` flow-sigma grid (or flow-match Euler's), honouring
 `use_native_flow_schedule`; our loop takes Euler / SDE steps on it (ALGORITHMS.md §1–§2).
@@ -36,7 +37,14 @@ import torch
 from torch import nn
 
 from miles.models.base import GenerationShape, register_family
-from miles.models.common import DiffusersTrainPipelineConfig, randn_per_sample, scheduler_sigmas, vae_output_to_uint8
+from miles.models.common import (
+    DiffusersTrainPipelineConfig,
+    normalize_latent_stats,
+    randn_per_sample,
+    scheduler_sigmas,
+    vae_latent_mean,
+    vae_output_to_uint8,
+)
 from miles.models.wan2_2 import unipc_flow_sigmas
 from miles.types import GuidanceConfig
 from miles.utils.errors import MilesUserError
@@ -253,3 +261,9 @@ class Cosmos3TrainPipelineConfig(DiffusersTrainPipelineConfig):
         with torch.no_grad():
             images = vae.decode(latents / inv_std.to(latents.device) + mean.to(latents.device)).sample
         return vae_output_to_uint8(images)
+
+    # ---- SFT data -----------------------------------------------------------------------------------
+    def encode_images(self, pipe: Any, pixels: torch.Tensor, shape: GenerationShape) -> torch.Tensor:
+        """[B, C, 1, H/s, W/s]: the one-frame posterior mean of the Wan-style VAE, `(z − mean) · (1 / std)`."""
+        self.latent_sample_shape(pipe, shape)  # refuses video and sizes the VAE cannot tile
+        return normalize_latent_stats(pipe.vae, vae_latent_mean(self, pipe.vae, pixels, shape, video_vae=True))

@@ -28,8 +28,10 @@ from miles.models.common import (
     encode_with_negative,
     flux_style_base_grid,
     pack_2x2_latents,
+    scale_shift_latents,
     scheduler_sigmas,
     unpack_2x2_latents,
+    vae_latent_mean,
 )
 from miles.types import GuidanceConfig
 from miles.utils.errors import MilesUserError
@@ -162,3 +164,17 @@ class FluxTrainPipelineConfig(Packed2x2TrainPipelineConfig):
     # ---- output -------------------------------------------------------------------------------------
     def decode(self, pipe: Any, latents: torch.Tensor, shape: GenerationShape) -> torch.Tensor:
         return decode_scaled_latents(pipe.vae, self.unpack(latents, shape))
+
+    # ---- SFT data -----------------------------------------------------------------------------------
+    def encode_images(self, pipe: Any, pixels: torch.Tensor, shape: GenerationShape) -> torch.Tensor:
+        """Packed [B, N, 4C]: `(z − shift_factor) · scaling_factor` of the posterior mean, then 2×2 packing
+        (`FluxImg2ImgPipeline._encode_vae_image` + `_pack_latents`)."""
+        scale = self.vae_scale_factor or pipe.vae_scale_factor
+        if shape.height % (scale * 2) or shape.width % (scale * 2):
+            # The pipeline would floor the latent grid to even sizes; an encoded image must fill it exactly.
+            raise MilesUserError(
+                f"--diffusion-height/width {shape.height}x{shape.width} must be multiples of {scale * 2} "
+                "(VAE scale factor × 2×2 packing) to encode FLUX SFT images"
+            )
+        latents = scale_shift_latents(pipe.vae, vae_latent_mean(self, pipe.vae, pixels, shape, video_vae=False))
+        return pack_latents(latents)

@@ -16,7 +16,8 @@ Mirrors `LTXPipeline.__call__` (diffusers 0.42):
 - the DiT time input t = 1000·σ, the latent grid sizes and rope interpolation scale
   (r_t / fps, r_s, r_s) with fps = `--diffusion-fps` (default 25, the pipeline's `frame_rate`);
 - decode: unpack, `x·std / scaling_factor + mean`, and for a timestep-conditioned VAE the pipeline's
-  default decode timestep 0 (its decode noise scale 0 leaves the latents unchanged).
+  default decode timestep 0 (its decode noise scale 0 leaves the latents unchanged); `encode_images` (SFT)
+  is the inverse, `(z − mean)·scaling_factor / std`, packed.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from miles.models.common import (
     randn_per_sample,
     read_model_index,
     scheduler_sigmas,
+    vae_latent_mean,
     vae_output_to_uint8,
 )
 from miles.types import GuidanceConfig
@@ -228,3 +230,14 @@ class LTXTrainPipelineConfig(DiffusersTrainPipelineConfig):
         with torch.no_grad():
             video = vae.decode(latents.to(vae.dtype), timestep, return_dict=False)[0]
         return vae_output_to_uint8(video)
+
+    # ---- SFT data -----------------------------------------------------------------------------------
+    def encode_images(self, pipe: Any, pixels: torch.Tensor, shape: GenerationShape) -> torch.Tensor:
+        """Packed [B, N, C·pt·p·p]: the posterior mean normalised as `(z − mean) · scaling_factor / std` (the
+        inverse of `decode`; `LTXImageToVideoPipeline._normalize_latents`), then `pack_latents`."""
+        self.latent_grid(shape)  # refuses frame counts and sizes the VAE cannot round-trip
+        vae = pipe.vae
+        latents = vae_latent_mean(self, vae, pixels, shape, video_vae=True)
+        mean = vae.latents_mean.view(1, -1, 1, 1, 1).to(latents)
+        std = vae.latents_std.view(1, -1, 1, 1, 1).to(latents)
+        return pack_latents((latents - mean) * vae.config.scaling_factor / std, self.patch, self.patch_t)

@@ -11,7 +11,8 @@ Mirrors `QwenImagePipeline.__call__` (diffusers 0.42):
 - Schedule: base grid linspace(1, 1/n, n), dynamic exponential shift μ from the image token count, then
   the config's `shift_terminal` stretch.
 - DiT time input: σ (the pipeline passes `timestep / 1000`; the time embedding scales by 1000 inside).
-- Decode: unpack to [B, C, 1, h, w], undo the per-channel latents_mean/std, take frame 0.
+- Decode: unpack to [B, C, 1, h, w], undo the per-channel latents_mean/std, take frame 0 (`encode_images`,
+  for SFT, is the inverse).
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ from miles.models.common import (
     combine_cfg,
     encode_with_negative,
     flux_style_base_grid,
+    normalize_latent_stats,
+    pack_2x2_latents,
     pad_to_length,
     scheduler_sigmas,
+    vae_latent_mean,
     vae_output_to_uint8,
 )
 from miles.types import GuidanceConfig
@@ -178,3 +182,11 @@ class QwenImageTrainPipelineConfig(Packed2x2TrainPipelineConfig):
         with torch.no_grad():
             images = vae.decode(unpacked / inverse_std + mean, return_dict=False)[0][:, :, 0]
         return vae_output_to_uint8(images)
+
+    # ---- SFT data -----------------------------------------------------------------------------------
+    def encode_images(self, pipe: Any, pixels: torch.Tensor, shape: GenerationShape) -> torch.Tensor:
+        """Packed [B, N, 4C]: the one-frame posterior mean [B, C, 1, h, w] normalised by the VAE's
+        latents_mean/std, frame 0, 2×2 packing (`QwenImageImg2ImgPipeline._encode_vae_image` + packing)."""
+        self.latent_grid(shape)  # refuses sizes the 2×2 packing cannot tile
+        latents = normalize_latent_stats(pipe.vae, vae_latent_mean(self, pipe.vae, pixels, shape, video_vae=True))
+        return pack_2x2_latents(latents[:, :, 0])

@@ -4,7 +4,8 @@ Mirrors `StableDiffusion3Pipeline.__call__` (diffusers 0.42): prompts through tw
 (CLIP hidden states padded to the T5 width, concatenated along the sequence: 77 + `max_sequence_length`
 tokens, a fixed length, so any samples stack), pooled CLIP projections, standard CFG with the negative
 branch first, static shift (SD3.5: 3.0) on the scheduler's own grid, DiT time input t = 1000·σ
-(ALGORITHMS.md §1), and latents decoded as `x / scaling_factor + shift_factor`.
+(ALGORITHMS.md §1), and latents decoded as `x / scaling_factor + shift_factor`
+(SFT encodes images by the inverse, `encode_images`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from miles.models.common import (
     decode_scaled_latents,
     encode_with_negative,
     randn_per_sample,
+    scale_shift_latents,
     scheduler_sigmas,
+    vae_latent_mean,
 )
 from miles.types import GuidanceConfig
 from miles.utils.errors import MilesUserError
@@ -91,14 +94,18 @@ class SD3TrainPipelineConfig(DiffusersTrainPipelineConfig):
         return guidance.scale > 1.0
 
     # ---- schedule and latents -----------------------------------------------------------------------
-    def latent_sample_shape(self, pipe: Any, shape: GenerationShape) -> tuple[int, int, int]:
+    def latent_grid(self, pipe: Any, shape: GenerationShape) -> tuple[int, int]:
+        """Latent height and width, H/f and W/f; sizes the DiT's 2×2 patches cannot tile are refused."""
         scale = pipe.vae_scale_factor
         if shape.height % (scale * 2) or shape.width % (scale * 2):
             raise MilesUserError(
                 f"--diffusion-height/width {shape.height}x{shape.width} must be multiples of {scale * 2} "
                 "(VAE scale factor × patch size) for this SD3 checkpoint"
             )
-        return (pipe.transformer.config.in_channels, shape.height // scale, shape.width // scale)
+        return shape.height // scale, shape.width // scale
+
+    def latent_sample_shape(self, pipe: Any, shape: GenerationShape) -> tuple[int, int, int]:
+        return (pipe.transformer.config.in_channels, *self.latent_grid(pipe, shape))
 
     def sigmas(self, pipe: Any, num_steps: int, shape: GenerationShape, flow_shift: float | None) -> torch.Tensor:
         _, latent_h, latent_w = self.latent_sample_shape(pipe, shape)
@@ -144,3 +151,9 @@ class SD3TrainPipelineConfig(DiffusersTrainPipelineConfig):
     # ---- output -------------------------------------------------------------------------------------
     def decode(self, pipe: Any, latents: torch.Tensor, shape: GenerationShape) -> torch.Tensor:
         return decode_scaled_latents(pipe.vae, latents)
+
+    # ---- SFT data -----------------------------------------------------------------------------------
+    def encode_images(self, pipe: Any, pixels: torch.Tensor, shape: GenerationShape) -> torch.Tensor:
+        """[B, C, H/f, W/f]: the posterior mean, `(z − shift_factor) · scaling_factor`."""
+        self.latent_grid(pipe, shape)
+        return scale_shift_latents(pipe.vae, vae_latent_mean(self, pipe.vae, pixels, shape, video_vae=False))

@@ -8,7 +8,8 @@ Mirrors `WanPipeline.__call__` (diffusers 0.42):
 - A14B: `transformer` denoises while t ≥ boundary_ratio·1000 (high noise) with `--diffusion-guidance-scale`,
   `transformer_2` below it (low noise) with `--diffusion-guidance-scale-2` (default: the first scale);
   every sample of one batch must sit on the same side of the boundary;
-- latents decoded as `x·std + mean` with the VAE's per-channel statistics.
+- latents decoded as `x·std + mean` with the VAE's per-channel statistics (`encode_images`, for SFT, is the
+  inverse).
 
 Schedule: the published checkpoints ship `UniPCMultistepScheduler` with flow sigmas and `flow_shift`; our
 loop takes Euler / SDE steps (ALGORITHMS.md §2) on exactly that scheduler's sigma grid
@@ -32,9 +33,11 @@ from miles.models.common import (
     cfg_batch_inputs,
     combine_cfg,
     encode_with_negative,
+    normalize_latent_stats,
     randn_per_sample,
     read_model_index,
     scheduler_sigmas,
+    vae_latent_mean,
     vae_output_to_uint8,
 )
 from miles.types import GuidanceConfig
@@ -136,6 +139,8 @@ class Wan22TrainPipelineConfig(DiffusersTrainPipelineConfig):
         self.trainable_modules = (HIGH_NOISE_EXPERT, LOW_NOISE_EXPERT) if dual else (HIGH_NOISE_EXPERT,)
 
     def configure_pipeline(self, pipe: Any) -> None:
+        if pipe.transformer is None and getattr(pipe, "transformer_2", None) is None:
+            return  # an encoders-only pipeline (SFT encoding): no denoiser layout to record
         self.configure(
             pipe.config.boundary_ratio, pipe.config.expand_timesteps, getattr(pipe, "transformer_2", None) is not None
         )
@@ -179,12 +184,19 @@ class Wan22TrainPipelineConfig(DiffusersTrainPipelineConfig):
         return encode_with_negative(encode, prompts, negative_prompt, guidance.do_cfg)
 
     # ---- schedule and latents -----------------------------------------------------------------------
+    @staticmethod
+    def _any_transformer(pipe: Any) -> Any:
+        return pipe.transformer if pipe.transformer is not None else pipe.transformer_2
+
     def latent_sample_shape(self, pipe: Any, shape: GenerationShape) -> tuple[int, int, int, int]:
         """[C, F_latent, H/s, W/s]; sizes the pipeline would silently round are refused with the flag named."""
+        transformer = self._any_transformer(pipe)
+        return (transformer.config.in_channels, *self.latent_grid(pipe, shape, transformer.config.patch_size))
+
+    def latent_grid(self, pipe: Any, shape: GenerationShape, patch: Sequence[int]) -> tuple[int, int, int]:
+        """(F_latent, H/s, W/s) for an output size, refusing sizes the VAE and the DiT's `patch` cannot tile."""
         temporal = pipe.vae_scale_factor_temporal
         spatial = pipe.vae_scale_factor_spatial
-        transformer = pipe.transformer if pipe.transformer is not None else pipe.transformer_2
-        patch = transformer.config.patch_size
         if shape.num_frames < 1 or (shape.num_frames - 1) % temporal:
             raise MilesUserError(
                 f"--diffusion-output-num-frames {shape.num_frames} must be {temporal}·k + 1 for Wan 2.2 "
@@ -196,7 +208,7 @@ class Wan22TrainPipelineConfig(DiffusersTrainPipelineConfig):
                 "(VAE scale factor × patch size) for this Wan 2.2 checkpoint"
             )
         latent_frames = (shape.num_frames - 1) // temporal + 1
-        return (transformer.config.in_channels, latent_frames, shape.height // spatial, shape.width // spatial)
+        return (latent_frames, shape.height // spatial, shape.width // spatial)
 
     def sigmas(self, pipe: Any, num_steps: int, shape: GenerationShape, flow_shift: float | None) -> torch.Tensor:
         return flow_sigmas_for_scheduler(pipe.scheduler, num_steps, flow_shift)
@@ -204,7 +216,7 @@ class Wan22TrainPipelineConfig(DiffusersTrainPipelineConfig):
     def prepare_latents(
         self, pipe: Any, shape: GenerationShape, generators: Sequence[torch.Generator], dtype: torch.dtype
     ) -> torch.Tensor:
-        transformer = pipe.transformer if pipe.transformer is not None else pipe.transformer_2
+        transformer = self._any_transformer(pipe)
         return randn_per_sample(self.latent_sample_shape(pipe, shape), generators, device=transformer.device)
 
     # ---- the denoiser -------------------------------------------------------------------------------
@@ -274,3 +286,13 @@ class Wan22TrainPipelineConfig(DiffusersTrainPipelineConfig):
         with torch.no_grad():
             video = vae.decode(latents, return_dict=False)[0]
         return vae_output_to_uint8(video)
+
+    # ---- SFT data -----------------------------------------------------------------------------------
+    def encode_images(self, pipe: Any, pixels: torch.Tensor, shape: GenerationShape) -> torch.Tensor:
+        """[B, C, F_latent, H/s, W/s]: the posterior mean (the image-to-video pipeline's `argmax`) normalised
+        as `(z − mean) · (1 / std)`. The SFT encoder pipeline holds no transformer; without one only the VAE's
+        factors are checked here (`prepare_latents` checks the DiT's patch size when the run starts)."""
+        transformer = self._any_transformer(pipe)
+        patch = transformer.config.patch_size if transformer is not None else (1, 1, 1)
+        self.latent_grid(pipe, shape, patch)
+        return normalize_latent_stats(pipe.vae, vae_latent_mean(self, pipe.vae, pixels, shape, video_vae=True))

@@ -8,9 +8,10 @@ SFT JSONL: one JSON object per line with the caption under `--input-key` and the
 Frames are strided by `--sft-frame-stride` (and cut to `--diffusion-output-num-frames` for video
 families), resized to cover `--diffusion-height/width` and center-cropped (ALGORITHMS.md §7).
 
-Encoding: the family's text encoders (`encode_prompt`, conditional only, §7) and the VAE
-(`encode_images`: the latent mean, `(z − shift_factor) · scaling_factor`), from `--sft-encoder-checkpoint`
-when given, else `--hf-checkpoint`. Each row's encoding is cached as one file in a folder keyed by the
+Encoding: the family's text encoders (`encode_prompt`, conditional only, §7) and its VAE through
+`family.encode_images(pipe, pixels, shape)` (the inverse of the family's `decode`: the posterior mean,
+normalised and packed like the family's own latents), from `--sft-encoder-checkpoint` when given, else
+`--hf-checkpoint`. Each row's encoding is cached as one file in a folder keyed by the
 settings (family, size, stride, frames, encoder checkpoint); the file name hashes the row and its media's
 size and modification time, so an epoch (or a rerun) does not re-encode and an edited row is re-encoded.
 """
@@ -28,6 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from miles.models.base import GenerationShape
 from miles.types import GuidanceConfig, Sample
 from miles.utils.errors import MilesUserError
 
@@ -36,8 +38,6 @@ logger = logging.getLogger(__name__)
 MEDIA_KEYS = ("image", "video")
 CACHE_FORMAT_VERSION = 1
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif")
-# Families whose latent is the plain VAE latent [C, h, w] (no packing, no temporal axis).
-PLAIN_VAE_LATENT_FAMILIES = ("sd3",)
 
 
 @dataclass
@@ -135,32 +135,6 @@ def read_frames(row: SftRow, height: int, width: int, frame_stride: int = 1, num
     return np.stack([center_crop(frame, height, width) for frame in frames])
 
 
-def encode_images(family: Any, pipe: Any, pixels: torch.Tensor) -> torch.Tensor:
-    """uint8 pixels [B, F, H, W, 3] -> the family's clean latents x0 (batched).
-
-    Uses the family's own `encode_images` when it defines one; otherwise the plain VAE path for image
-    families whose latent is the VAE latent: mean of the posterior, then `(z − shift_factor) · scaling_factor`
-    (the inverse of the family's decode).
-    """
-    own = getattr(family, "encode_images", None)
-    if callable(own):
-        return own(pipe, pixels)
-    if getattr(family, "family", None) not in PLAIN_VAE_LATENT_FAMILIES or getattr(family, "is_video", False):
-        raise MilesUserError(
-            f"SFT encoding for family {getattr(family, 'family', type(family).__name__)!r} is not supported yet "
-            f"(supported: {list(PLAIN_VAE_LATENT_FAMILIES)}); its latents need the family's own packing — give its "
-            "TrainPipelineConfig an encode_images(pipe, pixels) method"
-        )
-    if pixels.shape[1] != 1:
-        raise MilesUserError(f"family {family.family!r} trains on images; got {pixels.shape[1]} frames per row")
-    vae = pipe.vae
-    images = pixels[:, 0].permute(0, 3, 1, 2).float() / 127.5 - 1.0
-    with torch.no_grad():
-        latents = vae.encode(images.to(device=vae.device, dtype=vae.dtype)).latent_dist.mean.float()
-    shift = vae.config.shift_factor or 0.0
-    return (latents - shift) * vae.config.scaling_factor
-
-
 def _file_digest(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -251,6 +225,7 @@ def build_sft_samples(
         logger.info("SFT: encoding %d of %d rows into %s", len(missing), len(rows), folder)
         pipe = pipe or load_encoder_pipeline(family, encoder_path, dtype, device)
         num_frames = int(getattr(args, "diffusion_output_num_frames", 1) or 1) if getattr(family, "is_video", False) else None
+        shape = GenerationShape(height=args.diffusion_height, width=args.diffusion_width, num_frames=num_frames or 1)
         stride = int(getattr(args, "sft_frame_stride", 1) or 1)
         for start in range(0, len(missing), batch_size):
             chunk = missing[start : start + batch_size]
@@ -258,10 +233,11 @@ def build_sft_samples(
                 np.stack([read_frames(rows[i], args.diffusion_height, args.diffusion_width, stride, num_frames) for i in chunk])
             )
             try:
-                latents = encode_images(family, pipe, pixels)
+                latents = family.encode_images(pipe, pixels, shape)
             except RuntimeError as err:  # e.g. mixed frame counts or a size the VAE cannot take
                 raise MilesUserError(f"{data_path}: encoding lines {[rows[i].line for i in chunk]} failed: {err}") from err
-            conditioning = family.encode_prompt(pipe, [rows[i].caption for i in chunk], None, GuidanceConfig(guidance_scale=1.0))
+            captions = [rows[i].caption for i in chunk]
+            conditioning = family.encode_prompt(pipe, captions, None, GuidanceConfig(guidance_scale=1.0), shape=shape)
             for i, latent, cond in zip(chunk, latents, conditioning_unbatch(conditioning)):
                 record = {
                     "clean_latents": latent.detach().cpu().contiguous(),

@@ -184,3 +184,19 @@ def test_sde_rollout_and_load_modules(loaded, path):
     loaded_params = dict(modules["transformer"].named_parameters())
     for name, param in pipe.transformer.named_parameters():
         assert torch.equal(loaded_params[name], param), name
+
+
+def test_encode_images_is_the_inverse_of_decode(loaded):
+    from miles.models.common import vae_output_to_uint8
+    from miles.testing.sft import check_encode_images, gradient_pixels, vae_input
+
+    family, pipe = loaded
+    pixels = gradient_pixels(2, 1, SHAPE.height, SHAPE.width)
+    vae = pipe.vae
+    with torch.no_grad():
+        posterior = vae.encode(vae_input(pixels, video=True)).latent_dist.mode()  # [B, C, 1, h, w]
+        expected_pixels = vae_output_to_uint8(vae.decode(posterior).sample)
+    view = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean).view(view)
+    inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(view)
+    check_encode_images(family, pipe, SHAPE, pixels, (posterior - mean) * inverse_std, expected_pixels)

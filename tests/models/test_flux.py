@@ -169,3 +169,22 @@ def test_trainer_side_load_modules_knows_the_packing(tiny_checkpoint):
 def test_too_small_size_is_a_user_error(family):
     with pytest.raises(MilesUserError, match="smaller than one FLUX latent patch"):
         family.latent_grid(GenerationShape(height=4, width=32))
+
+
+def test_encode_images_is_the_inverse_of_decode(family, pipe):
+    from miles.models.common import vae_output_to_uint8
+    from miles.testing.sft import check_encode_images, gradient_pixels, vae_input
+
+    shape = GenerationShape(height=32, width=48)  # non-square: the packed token order matters
+    pixels = gradient_pixels(2, 1, shape.height, shape.width)
+    vae = pipe.vae
+    with torch.no_grad():
+        posterior_mean = vae.encode(vae_input(pixels, video=False)).latent_dist.mean
+        expected_pixels = vae_output_to_uint8(vae.decode(posterior_mean).sample)
+    scaled = (posterior_mean - vae.config.shift_factor) * vae.config.scaling_factor  # FluxImg2ImgPipeline
+    batch, channels, height, width = scaled.shape
+    expected = pipe._pack_latents(scaled, batch, channels, height, width)
+    check_encode_images(family, pipe, shape, pixels, expected, expected_pixels)
+    odd = 3 * pipe.vae_scale_factor  # an odd latent height: the 2×2 packing cannot tile it
+    with pytest.raises(MilesUserError, match=f"must be multiples of {2 * pipe.vae_scale_factor}"):
+        family.encode_images(pipe, gradient_pixels(1, 1, odd, 32), GenerationShape(height=odd, width=32))

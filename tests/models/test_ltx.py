@@ -191,3 +191,24 @@ def test_other_ltx_pipelines_are_refused_before_loading(path, tmp_path, class_na
         get_family_class("ltx")().load_pipeline(str(folder), torch.float32)
     with pytest.raises(MilesUserError, match=message):
         get_family_class("ltx")().load_modules(str(folder), ["transformer"], torch.float32)
+
+
+def test_encode_images_is_the_inverse_of_decode(family, pipe):
+    from diffusers import LTXImageToVideoPipeline, LTXPipeline
+
+    from miles.models.common import vae_output_to_uint8
+    from miles.testing.sft import check_encode_images, gradient_pixels, vae_input
+
+    pixels = gradient_pixels(2, SHAPE.num_frames, SHAPE.height, SHAPE.width)
+    vae = pipe.vae
+    with torch.no_grad():
+        posterior = vae.encode(vae_input(pixels, video=True)).latent_dist.mode()
+        timestep = torch.zeros(len(pixels)) if vae.config.timestep_conditioning else None
+        expected_pixels = vae_output_to_uint8(vae.decode(posterior, timestep).sample)
+    normalised = LTXImageToVideoPipeline._normalize_latents(
+        posterior, vae.latents_mean, vae.latents_std, vae.config.scaling_factor
+    )
+    expected = LTXPipeline._pack_latents(normalised, pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size)
+    check_encode_images(family, pipe, SHAPE, pixels, expected, expected_pixels)
+    with pytest.raises(MilesUserError, match="must be 8·k \\+ 1|must be"):
+        family.encode_images(pipe, gradient_pixels(1, 4, SHAPE.height, SHAPE.width), GenerationShape(32, 32, 4))

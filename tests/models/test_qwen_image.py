@@ -163,3 +163,23 @@ def test_per_sample_noise_and_trainer_side_loading(family, pipe, tiny_checkpoint
 def test_size_not_divisible_is_a_user_error(family):
     with pytest.raises(MilesUserError, match="multiples of 8"):
         family.latent_grid(GenerationShape(height=36, width=32))
+
+
+def test_encode_images_is_the_inverse_of_decode(family, pipe):
+    from miles.models.common import vae_output_to_uint8
+    from miles.testing.sft import check_encode_images, gradient_pixels, vae_input
+
+    shape = GenerationShape(height=32, width=48)  # non-square: the packed token order matters
+    pixels = gradient_pixels(2, 1, shape.height, shape.width)
+    vae = pipe.vae
+    with torch.no_grad():
+        posterior = vae.encode(vae_input(pixels, video=True)).latent_dist.mode()  # [B, C, 1, h, w]
+        expected_pixels = vae_output_to_uint8(vae.decode(posterior).sample[:, :, 0])
+    # QwenImageImg2ImgPipeline._encode_vae_image's normalisation, then the pipeline's own packing.
+    view = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean).view(view)
+    inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(view)
+    normalised = ((posterior - mean) * inverse_std)[:, :, 0]
+    batch, channels, height, width = normalised.shape
+    expected = pipe._pack_latents(normalised, batch, channels, height, width)
+    check_encode_images(family, pipe, shape, pixels, expected, expected_pixels)

@@ -168,3 +168,21 @@ def test_load_modules_matches_pipeline_transformer(family, pipe, tiny_checkpoint
 def test_size_not_divisible_is_a_user_error(family, pipe):
     with pytest.raises(MilesUserError, match="multiples of 8"):
         family.prepare_latents(pipe, GenerationShape(height=36, width=32), generators_from_seeds([0]), torch.float32)
+
+
+def test_encode_images_is_the_inverse_of_decode(family, pipe):
+    from miles.models.common import vae_output_to_uint8
+    from miles.testing.sft import check_encode_images, gradient_pixels, vae_input
+
+    pixels = gradient_pixels(2, 1, SHAPE.height, SHAPE.width)
+    vae = pipe.vae
+    with torch.no_grad():
+        posterior_mean = vae.encode(vae_input(pixels, video=False)).latent_dist.mean
+        expected_pixels = vae_output_to_uint8(vae.decode(posterior_mean).sample)
+    expected = (posterior_mean - vae.config.shift_factor) * vae.config.scaling_factor
+    check_encode_images(family, pipe, SHAPE, pixels, expected, expected_pixels)
+    with pytest.raises(MilesUserError, match="trains on images"):
+        family.encode_images(pipe, gradient_pixels(1, 2, SHAPE.height, SHAPE.width), SHAPE)
+    odd = 3 * pipe.vae_scale_factor  # an odd latent size: the DiT's 2×2 patches cannot tile it
+    with pytest.raises(MilesUserError, match="must be multiples of"):
+        family.encode_images(pipe, gradient_pixels(1, 1, odd, odd), GenerationShape(height=odd, width=odd))

@@ -281,3 +281,23 @@ def test_flow_grpo_step_zero_noise_is_eta_on_the_unipc_grid(path_a14b):
     latents = torch.zeros(1, 4)
     _, std, _ = backend.mean_std(latents, latents, sigmas[0].expand(1), sigmas[1].expand(1), float(sigmas[1]))
     torch.testing.assert_close(std, torch.tensor([0.7]))
+
+
+@pytest.mark.parametrize("layout", ["a14b", "ti2v"])
+def test_encode_images_is_the_inverse_of_decode(layout, request):
+    from miles.models.common import vae_output_to_uint8
+    from miles.testing.sft import check_encode_images, gradient_pixels, vae_input
+
+    family, pipe = request.getfixturevalue(layout)
+    pixels = gradient_pixels(2, SHAPE.num_frames, SHAPE.height, SHAPE.width)
+    vae = pipe.vae
+    with torch.no_grad():
+        posterior = vae.encode(vae_input(pixels, video=True)).latent_dist.mode()  # the i2v pipeline's "argmax"
+        expected_pixels = vae_output_to_uint8(vae.decode(posterior).sample)
+    # WanImageToVideoPipeline.prepare_latents' normalisation.
+    view = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean).view(view)
+    inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(view)
+    check_encode_images(family, pipe, SHAPE, pixels, (posterior - mean) * inverse_std, expected_pixels)
+    with pytest.raises(MilesUserError, match="trains on video of 5 frame"):
+        family.encode_images(pipe, gradient_pixels(1, 3, SHAPE.height, SHAPE.width), SHAPE)

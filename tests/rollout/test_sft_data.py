@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 import miles.rollout.sft_data as sft_data
-from miles.rollout.sft_data import SftDataSource, SftRow, build_sft_dataset, build_sft_samples, center_crop, encode_images, load_sft_rows, read_frames
+from miles.rollout.sft_data import SftDataSource, SftRow, build_sft_dataset, build_sft_samples, center_crop, load_sft_rows, read_frames
 from miles.types import GuidanceConfig
 from miles.utils.errors import MilesUserError
 
@@ -74,13 +74,22 @@ def test_center_crop_and_frame_stride(tmp_path):
         read_frames(SftRow("c", str(tmp_path / "bad.png"), "image", 1, ""), 16, 16)
 
 
-def test_unsupported_family_is_a_clear_error():
-    class PackedFamily:
-        family = "ltx"
-        is_video = True
+def test_family_without_encode_images_is_a_clear_error(tmp_path):
+    from miles.models.base import GenerationShape, TrainPipelineConfig
 
-    with pytest.raises(MilesUserError, match="SFT encoding for family 'ltx' is not supported yet"):
-        encode_images(PackedFamily(), None, torch.zeros(1, 1, 8, 8, 3, dtype=torch.uint8))
+    class NoEncoder(TrainPipelineConfig):  # the interface's default encode_images
+        family = "my_family"
+        load_pipeline = load_modules = encode_prompt = sigmas = prepare_latents = predict_velocity = decode = None
+
+    pixels = torch.zeros(1, 1, 8, 8, 3, dtype=torch.uint8)
+    with pytest.raises(MilesUserError, match="not supported for family 'my_family': .* no encode_images"):
+        NoEncoder().encode_images(None, pixels, GenerationShape(8, 8))
+    _save_image(tmp_path / "a.png", 8, 8, 0)
+    data = _write_jsonl(tmp_path / "sft.jsonl", [{"input": "a", "image": "a.png"}])
+    args = Namespace(prompt_data=data, input_key="input", hf_checkpoint="unused", sft_encoder_checkpoint=None,
+                     diffusion_height=8, diffusion_width=8, sft_cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(MilesUserError, match="not supported for family 'my_family'"):
+        build_sft_samples(args, family=NoEncoder(), pipe=object())
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +128,8 @@ def test_sd3_encoding_and_cache(tmp_path, sd3, monkeypatch):
 
     # A second pass reads the cache; an edited image is re-encoded alone.
     encoded_batches = []
-    real_encode = sft_data.encode_images
-    monkeypatch.setattr(sft_data, "encode_images", lambda f, p, pixels: encoded_batches.append(len(pixels)) or real_encode(f, p, pixels))
+    real_encode = family.encode_images
+    monkeypatch.setattr(family, "encode_images", lambda p, pixels, shape: encoded_batches.append(len(pixels)) or real_encode(p, pixels, shape))
     again = build_sft_samples(args, family=family, pipe=pipe)
     assert encoded_batches == []
     for first, second in zip(samples, again):
@@ -144,6 +153,34 @@ def test_sd3_encoding_and_cache(tmp_path, sd3, monkeypatch):
     video_data = _write_jsonl(tmp_path / "video.jsonl", [{"input": "v", "video": str(tmp_path)}])
     with pytest.raises(MilesUserError, match="trains on images"):
         build_sft_samples(Namespace(**{**vars(args), "prompt_data": video_data}), family=family, pipe=pipe)
+
+
+def test_wan2_2_video_samples_build_from_a_gif(tmp_path, tiny_checkpoint):
+    """A video family: GIF frames strided to --diffusion-output-num-frames, encoded to [C, F', h, w] latents."""
+    from miles.models.base import GenerationShape
+    from miles.models.common import build_train_pipeline_config
+    from miles.rollout.sft_data import load_encoder_pipeline
+
+    path = tiny_checkpoint("wan2_2")
+    family = build_train_pipeline_config(Namespace(hf_checkpoint=path, diffusion_model_family="wan2_2"))
+    pipe = load_encoder_pipeline(family, path, torch.float32, "cpu")
+    assert pipe.transformer is None and pipe.transformer_2 is None  # encoders only
+    rng = np.random.default_rng(0)
+    frames = [Image.fromarray(rng.integers(0, 256, size=(24, 40, 3), dtype=np.uint8)) for _ in range(10)]
+    frames[0].save(tmp_path / "clip.gif", save_all=True, append_images=frames[1:])
+    data = _write_jsonl(tmp_path / "sft.jsonl", [{"input": "a clip", "video": "clip.gif"}])
+    args = Namespace(prompt_data=data, input_key="input", hf_checkpoint=path, diffusion_model_family="wan2_2",
+                     sft_encoder_checkpoint=None, diffusion_height=32, diffusion_width=32, sft_frame_stride=2,
+                     diffusion_output_num_frames=5, sft_cache_dir=str(tmp_path / "cache"))
+    (sample,) = build_sft_samples(args, family=family, pipe=pipe)
+    shape = GenerationShape(height=32, width=32, num_frames=5)
+    pixels = torch.from_numpy(read_frames(load_sft_rows(data)[0], 32, 32, frame_stride=2, num_frames=5))[None]
+    expected = family.encode_images(pipe, pixels, shape)[0]
+    assert sample.clean_latents.shape == (pipe.vae.config.z_dim, 2, 4, 4) == expected.shape
+    torch.testing.assert_close(sample.clean_latents, expected)
+    assert set(sample.conditioning) == {"prompt_embeds"}
+    with pytest.raises(MilesUserError, match="has 10 frames after --sft-frame-stride 1; --diffusion-output-num-frames asks for 13"):
+        build_sft_samples(Namespace(**{**vars(args), "sft_frame_stride": 1, "diffusion_output_num_frames": 13}), family=family, pipe=pipe)
 
 
 def test_sft_data_source_epochs_and_resume():
