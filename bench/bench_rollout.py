@@ -328,8 +328,8 @@ def main() -> None:
 
     naive_ips = opts.num_images / rows[0][1] if not opts.skip_naive else None
     print()
-    print(f"| path | images | seconds | images/s | step ms (batch) | step ms per image | speedup |")
-    print(f"|---|---|---|---|---|---|---|")
+    print("| path | images | seconds | images/s | step ms (batch) | step ms per image | speedup |")
+    print("|---|---|---|---|---|---|---|")
     for name, seconds, step, batch in rows:
         ips = opts.num_images / seconds
         speedup = f"{ips / naive_ips:.2f}x" if naive_ips else "-"

@@ -33,7 +33,6 @@ import io
 import logging
 import pickle
 import re
-import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
@@ -44,6 +43,7 @@ import torch.multiprocessing
 from torch import nn
 
 from miles.engine.protocol import ProtocolError, packb, unpackb
+from miles.utils.async_utils import run_sync
 
 logger = logging.getLogger(__name__)
 
@@ -307,24 +307,7 @@ def push_weights(
         target_modules=target_modules,
         timeout=timeout,
     )
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coroutine)
-    result: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            result["value"] = asyncio.run(coroutine)
-        except BaseException as err:  # re-raised in the caller's thread
-            result["error"] = err
-
-    thread = threading.Thread(target=run, name="miles-push-weights")
-    thread.start()
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
+    return run_sync(coroutine)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -37,10 +37,9 @@ import asyncio
 import dataclasses
 import inspect
 import logging
-import threading
 import time
 import uuid
-from typing import Any, Coroutine, Sequence
+from typing import Sequence
 
 from miles.engine.protocol import GenerateRequest
 from miles.rollout.engine_client import EngineClient, EngineRequestError
@@ -48,6 +47,7 @@ from miles.rollout.hooks import RolloutHooks, apply_dynamic_sampling_filter, loa
 from miles.rollout.rm_hub import batched_async_rm
 from miles.rollout.step_strategy_hub import request_seed, resolve_step_strategy
 from miles.types import GuidanceConfig, Sample
+from miles.utils.async_utils import run_sync
 from miles.utils.errors import MilesUserError
 
 logger = logging.getLogger(__name__)
@@ -71,27 +71,6 @@ def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = Fals
     The result is a `RolloutGroups` (a list of groups) whose `.metrics` holds the rollout's counters."""
     groups, metrics = run_sync(generate_rollout_async(args, rollout_id, data_source, evaluation))
     return RolloutGroups(groups, metrics)
-
-
-def run_sync(coroutine: Coroutine) -> Any:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coroutine)
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = asyncio.run(coroutine)
-        except BaseException as err:  # re-raised in the caller's thread
-            box["error"] = err
-
-    thread = threading.Thread(target=target, name="miles-rollout")
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 # ---- requests ------------------------------------------------------------------------------------------------

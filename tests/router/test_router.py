@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 import torch
 
-from miles.engine.launcher import launch_engine, launch_engines
+from miles.engine.launcher import launch_engines
 from miles.engine.protocol import GenerateRequest, decode_response, encode_request
 from miles.engine.server_args import ServerArgs
 from miles.rollout.engine_client import EngineClient, EngineRequestError

@@ -263,7 +263,7 @@ class DiffusionTrainer:
         args = self.args
         targets = getattr(args, "lora_target_modules", None) or list(self.family.default_lora_target_modules)
         if not targets:
-            raise MilesUserError(f"--use-lora: the family names no default LoRA targets; pass --lora-target-modules")
+            raise MilesUserError("--use-lora: the family names no default LoRA targets; pass --lora-target-modules")
         init = getattr(args, "lora_init_weights", "gaussian") or "gaussian"
         init_value = {"kaiming-uniform": True, "true": True, "false": False}.get(str(init).lower(), init)
         config = LoraConfig(
