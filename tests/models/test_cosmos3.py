@@ -23,15 +23,6 @@ SEEDS = [3, 11]
 CFG = GuidanceConfig(guidance_scale=4.0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models on 2 shared cores: intra-op threading costs far more than it gains.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def path(tiny_checkpoint):
     return tiny_checkpoint("cosmos3")

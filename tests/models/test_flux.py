@@ -20,15 +20,6 @@ PROMPTS = ["a cat", "a red dog sitting in the park at night"]
 SEEDS = [3, 11]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread avoids oversubscription stalls."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def family():
     return get_family_class("flux")()

@@ -23,15 +23,6 @@ SEEDS = [3, 11]
 DUAL = GuidanceConfig(guidance_scale=4.0, guidance_scale_2=2.0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models on 2 shared cores: intra-op threading costs far more than it gains.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def path_a14b(tiny_checkpoint):
     return tiny_checkpoint("wan2_2")
