@@ -9,6 +9,9 @@ batch geometry without starting anything. docs/ explains the concepts.
 from __future__ import annotations
 
 import logging
+import time
+
+PROCESS_START = time.perf_counter()  # perf/startup_time counts from here
 
 from miles.utils.arguments import check_user_paths, format_dry_run, parse_args
 from miles.utils.errors import exit_on_user_error
@@ -20,6 +23,7 @@ def train(args) -> None:
     # Heavy imports only after the command line is known to be good (a bad flag fails in a second).
     from miles.backends.fsdp_utils.checkpoint import should_save
     from miles.logging.run_logger import RunLogger
+    from miles.ray.colocation import ColocationPolicy
     from miles.ray.placement import create_placement_groups, init_ray
     from miles.ray.rollout_manager import RolloutManager
     from miles.ray.train_actor import TrainActorGroup
@@ -29,7 +33,7 @@ def train(args) -> None:
 
         args.num_rollout = num_rollout_from_args(args)
     init_ray(args)
-    run_logger = RunLogger(args)
+    run_logger = RunLogger(args, started_at=PROCESS_START)
     placement = create_placement_groups(args)
     rollout_manager = RolloutManager(args, placement, run_logger)
     actor = None
@@ -52,10 +56,18 @@ def train(args) -> None:
         # A restarted engine gets the current weights before it rejoins the router.
         rollout_manager.watch_engines(lambda url: actor.update_weights([url], rollout_manager.weight_version))
     rollout_manager.weight_version = start_rollout_id
-    if args.offload_train and actor is not None:
+    # Colocated: trainer and engines take turns on the GPUs while they must (see miles/ray/colocation.py).
+    turns = ColocationPolicy(
+        args.colocate_offload_policy,
+        offload_train=args.offload_train and actor is not None,
+        offload_rollout=args.offload_rollout and rollout_manager.has_engines and actor is not None,
+        margin_gb=args.colocate_memory_margin_gb,
+    )
+    if turns.trainer_offloads:
         actor.offload()  # the engines generate first
 
     for rollout_id in range(start_rollout_id, args.num_rollout):
+        run_logger.begin_iteration()
         if rollout_manager.should_eval(rollout_id):
             with run_logger.phase("eval"):
                 rollout_manager.eval(rollout_id)
@@ -66,11 +78,12 @@ def train(args) -> None:
             run_logger.flush(rollout_id)
             continue
 
-        # Colocated: the engines give the devices back while the trainer holds them, and vice versa.
-        if args.offload_rollout:
-            rollout_manager.release_memory()
-        if args.offload_train:
-            actor.onload()
+        if turns.engines_release:
+            with run_logger.phase("release"):
+                rollout_manager.release_memory()
+        if turns.trainer_offloads:
+            with run_logger.phase("onload"):
+                actor.onload()
         with run_logger.phase("train"):
             train_metrics = actor.train(rollout_id, samples)
         run_logger.log(rollout_id, train_metrics)
@@ -80,13 +93,18 @@ def train(args) -> None:
                 actor.save(rollout_id, extra_state={"data_source": rollout_manager.state_dict()})
 
         if rollout_manager.has_engines:
-            if args.offload_rollout:
-                rollout_manager.resume_memory()
+            if turns.engines_release:
+                with run_logger.phase("resume"):
+                    rollout_manager.resume_memory()
             with run_logger.phase("weight_sync"):
                 actor.update_weights(rollout_manager.engine_urls(), weight_version=rollout_id + 1)
             rollout_manager.weight_version = rollout_id + 1
-        if args.offload_train:
-            actor.offload()
+        if not turns.decided:
+            with run_logger.phase("offload"):  # measured once, with the trainer resident and the engines resumed
+                turns.decide(actor.memory_stats(), rollout_manager.engine_memory())
+        if turns.trainer_offloads:
+            with run_logger.phase("offload"):
+                actor.offload()
         run_logger.flush(rollout_id)
 
     if rollout_manager.should_eval(args.num_rollout, final=True):

@@ -63,8 +63,13 @@ def batch_view(vector: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def mean_over_non_batch(values: torch.Tensor) -> torch.Tensor:
-    """`mean_D`: the mean over every non-batch axis (§2: a mean, never a sum) -> [B]."""
-    return values.reshape(values.shape[0], -1).mean(dim=1)
+    """`mean_D`: the mean over every non-batch axis (§2: a mean, never a sum) -> [B].
+
+    Each sample is reduced on its own: a row reduction over a [B, D] tensor may split its sum differently with
+    the number of rows (CUDA picks the block layout from the output count, CPU splits work across threads),
+    and the engine (a step's whole batch) and the trainer (a micro-batch) must get the same ℓ bit for bit."""
+    rows = values.reshape(values.shape[0], -1)
+    return torch.stack([row.mean() for row in rows])
 
 
 def gaussian_log_prob(

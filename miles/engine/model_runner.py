@@ -27,7 +27,9 @@ from miles.engine.patches import apply_patch_groups
 from miles.engine.protocol import GenerateRequest, GenerateResponse, ProtocolError, SampleResult
 from miles.engine.server_args import ServerArgs
 from miles.models.base import GenerationShape, TrainPipelineConfig
+from miles.models.batch_invariant import predict_velocity_in_tiles
 from miles.models.common import build_train_pipeline_config, generators_from_seeds, parse_dtype
+from miles.utils.compile import compile_blocks
 from miles.utils.errors import MilesUserError
 from miles.utils.imports import load_function
 
@@ -114,14 +116,20 @@ class ModelRunner:
                 module.set_attention_backend(server_args.attention_backend)
         self.forward_modules: dict[str, nn.Module] = dict(self.modules)
         if server_args.enable_torch_compile:
-            # The compiled wrappers share the originals' parameters, so weight updates stay visible.
-            self.forward_modules = {
-                name: torch.compile(module, mode=server_args.torch_compile_mode, dynamic=False)
-                for name, module in self.modules.items()
-            }
+            self._compile(server_args.torch_compile_mode)
         self.pad_batches = bool(server_args.enable_torch_compile)  # see _forward
         self.weight_version = 0
         self._backends: dict[tuple, SdeStepBackend] = {}
+
+    def _compile(self, mode: str | None) -> None:
+        """Compile each transformer block in place (miles/utils/compile.py); a module whose family lists no
+        blocks is compiled whole."""
+        for name, module in self.modules.items():
+            block_lists = self.family.transformer_block_lists(module)
+            if block_lists:
+                compile_blocks(block_lists, mode)
+            else:
+                self.forward_modules[name] = torch.compile(module, mode=mode, dynamic=False)
 
     # ---- loading ----------------------------------------------------------------------------------------
     def _resolve_generator_device(self, name: str) -> torch.device:
@@ -249,9 +257,15 @@ class ModelRunner:
             t.denoise_seconds += elapsed
 
     def _forward(self, latents, sigmas, conditioning, first: Trajectory) -> torch.Tensor:
-        """One velocity forward. With torch.compile, the batch is padded (repeating its last sample) to the next
+        """One velocity forward. With the batch_invariant group, in tiles of exactly `forward_tile` samples (the
+        trainer's; miles/models/batch_invariant.py). Otherwise, with torch.compile, the batch is padded (repeating its last sample) to the next
         power of two, so a compiled engine sees a handful of shapes instead of recompiling for every batch size
         that concurrent requests happen to form; samples never interact in a DiT, the padding is dropped."""
+        if self.server_args.forward_tile:
+            return predict_velocity_in_tiles(
+                self.family, self.forward_modules, latents, sigmas, conditioning, first.request.guidance,
+                first.shape, self.dtype, self.server_args.forward_tile,
+            ).float()
         batch = latents.shape[0]
         padded = batch
         if self.pad_batches:

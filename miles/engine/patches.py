@@ -12,6 +12,9 @@ Groups:
   slow — use it for alignment probes, not for speed).
 - `sgld`: what the sglang-diffusion engine does for flow-matching DiTs: `fp32_norms`.
 - `ltx`: LTX-Video's parity set: `fp32_norms` (its RMSNorm without affine weights is especially sensitive).
+- `batch_invariant`: bitwise engine/trainer parity (miles/models/batch_invariant.py): fixed forward tiles on
+  both sides, the flash SDPA kernel on CUDA, LoRA forwards valued with the merged weight. The default on
+  eager runs (miles/utils/validation.py `_rule_parity`); the trainer applies it too (`TRAINER_PATCH_GROUPS`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
+from miles.models.batch_invariant import pin_attention
 from miles.utils.errors import MilesUserError
 
 logger = logging.getLogger(__name__)
@@ -93,6 +97,12 @@ register_patch_group(PatchGroup("fp32_norms", "norm layers in fp32", _patch_fp32
 register_patch_group(PatchGroup("math_attention", "attention via the math SDPA kernel", _patch_math_attention))
 register_patch_group(PatchGroup("sgld", "sglang-diffusion parity: fp32 norms", _patch_fp32_norms))
 register_patch_group(PatchGroup("ltx", "LTX parity: fp32 norms", _patch_fp32_norms))
+register_patch_group(
+    PatchGroup("batch_invariant", "bitwise engine/trainer parity: fixed tiles, flash attention", pin_attention)
+)
+# The groups the trainer applies to its own modules as well; the others are engine-side numerics choices that
+# FSDP's mixed precision would undo.
+TRAINER_PATCH_GROUPS = ("batch_invariant",)
 
 
 def parse_patch_groups(value: str | Iterable[str] | None) -> list[str]:

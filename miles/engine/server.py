@@ -149,6 +149,7 @@ class EngineServer:
                 "compiled": bool(self.server_args.enable_torch_compile),
                 "memory_released": self.memory_released,
                 "running_requests": self.scheduler.num_running,
+                "cuda_memory": _device_memory(),
                 "counters": {**self.scheduler.counters.as_dict(), **self.counters},
             }
         )
@@ -181,6 +182,19 @@ class EngineServer:
 
     async def handle_health(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "weight_version": self.runner.weight_version})
+
+
+def _device_memory() -> dict[str, int] | None:
+    """This engine's GPU memory in `miles.ray.colocation.DeviceMemory` fields (None on a CPU engine)."""
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return {
+        "free": int(free),
+        "total": int(total),
+        "reserved": int(torch.cuda.memory_reserved()),
+        "peak_reserved": int(torch.cuda.max_memory_reserved()),
+    }
 
 
 def _cuda_memory() -> dict[str, int]:

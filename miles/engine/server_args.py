@@ -51,6 +51,10 @@ class ServerArgs:
     rollout_patch_group: str | None = field(
         default=None, metadata={"help": "--rollout-patch-group: comma-separated numeric-parity patch groups."}
     )
+    forward_tile: int = field(
+        default=0,
+        metadata={"help": "Run every DiT forward on exactly this many samples (the batch_invariant group; 0: off)."},
+    )
     url_file: str | None = field(default=None, metadata={"help": "Write the bound URL to this file once serving."})
     crash_after_requests: int = field(
         default=0,
@@ -78,4 +82,6 @@ SET_BY_MILES = frozenset(
 
 
 # appended by the engine engineer: the new fields miles sets itself
-SET_BY_MILES = SET_BY_MILES | {"model_backend_path", "pipeline_builder_path", "rollout_patch_group", "url_file"}
+SET_BY_MILES = SET_BY_MILES | {
+    "model_backend_path", "pipeline_builder_path", "rollout_patch_group", "forward_tile", "url_file"
+}

@@ -3,6 +3,12 @@
 Metric names are stable: `rollout/*` (rewards, advantages), `train/*` (losses, ratios, grad norm, lr),
 `eval/<name>/*`, `perf/*` (phase times, images/s, pairs/s, MFU). One JSON line per rollout id goes to
 `--metrics-path` (default `<output-dir>/metrics.jsonl`).
+
+Every second of an iteration is accounted for: the loop opens each iteration with `begin_iteration` and times
+its parts with `phase`; `flush` adds `perf/iteration_time` and `perf/unaccounted_time` (the iteration minus
+its phases). An iteration's clock starts when the previous one's `flush` starts, so that flush's own writing is
+the `perf/log_time` phase of the next record and the records tile the run's wall time without gaps.
+`perf/startup_time` (process start to the first iteration) comes with the first record.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ def setup_console_logging(level: int = logging.INFO) -> None:
 class RunLogger:
     """Collects one rollout's metrics, then writes them everywhere at `flush`."""
 
-    def __init__(self, args) -> None:
+    def __init__(self, args, started_at: float | None = None) -> None:
+        """`started_at`: the `time.perf_counter()` reading at process start, for `perf/startup_time`."""
         setup_console_logging()
         self.args = args
         self.output_dir = args.output_dir
@@ -43,22 +50,51 @@ class RunLogger:
         self._sample_images: list[tuple[int, str, torch.Tensor]] = []  # (rollout id, prompt, uint8 [F,H,W,3])
         self.timeline = PhaseTimeline(args.miles_dashboard_workspace) if args.use_miles_dashboard else None
         self.wandb = self._init_wandb(args) if args.use_wandb else None
+        self._started_at = started_at
+        self._iteration_start: float | None = None
+        self._next_iteration_start: float | None = None  # when the last flush began
+        self._last_flush_seconds = 0.0
+        self._accounted = 0.0  # seconds of top-level phases inside the current iteration
+        self._phase_depth = 0
 
     # ---- collecting ---------------------------------------------------------------------------------
+    def begin_iteration(self) -> None:
+        """Start the clock of one loop iteration (see the module docstring for where it starts)."""
+        now = time.perf_counter()
+        if self._started_at is not None:
+            self._pending["perf/startup_time"] = now - self._started_at
+            self._started_at = None  # once, in the first record
+        self._iteration_start = self._next_iteration_start if self._next_iteration_start is not None else now
+        self._accounted = 0.0
+        if self._next_iteration_start is not None:
+            self._add_phase_time("log", self._last_flush_seconds)
+            self._add_phase_time("between_iterations", now - self._next_iteration_start - self._last_flush_seconds)
+
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Time a phase of the loop into `perf/<name>_time` (summed if it runs more than once per rollout)."""
+        """Time a phase of the loop into `perf/<name>_time` (summed if it runs more than once per rollout).
+
+        A phase nested in another is reported but counted once in the iteration's accounting."""
         start = time.perf_counter()
         if self.timeline is not None:
             self.timeline.begin(name)
+        self._phase_depth += 1
         try:
             yield
         finally:
+            self._phase_depth -= 1
             elapsed = time.perf_counter() - start
             key = f"perf/{name}_time"
             self._pending[key] = self._pending.get(key, 0.0) + elapsed
+            if self._phase_depth == 0 and self._iteration_start is not None and start >= self._iteration_start:
+                self._accounted += elapsed
             if self.timeline is not None:
                 self.timeline.end(name)
+
+    def _add_phase_time(self, name: str, seconds: float) -> None:
+        key = f"perf/{name}_time"
+        self._pending[key] = self._pending.get(key, 0.0) + seconds
+        self._accounted += seconds
 
     def log(self, rollout_id: int, metrics: dict[str, Any]) -> None:
         for key, value in metrics.items():
@@ -84,6 +120,12 @@ class RunLogger:
 
     # ---- writing ------------------------------------------------------------------------------------
     def flush(self, rollout_id: int) -> dict[str, Any]:
+        flush_start = time.perf_counter()
+        if self._iteration_start is not None:
+            iteration = flush_start - self._iteration_start
+            self._pending["perf/iteration_time"] = iteration
+            self._pending["perf/unaccounted_time"] = max(iteration - self._accounted, 0.0)
+            self._iteration_start = None
         record: dict[str, Any] = {"rollout_id": rollout_id, "time": time.time()}
         record.update({k: v for k, v in sorted(self._pending.items()) if not math.isnan(v)})
         self._pending = {}
@@ -95,6 +137,8 @@ class RunLogger:
             self.wandb.log({k: v for k, v in record.items() if k not in ("rollout_id", "time")}, step=rollout_id)
         if self.timeline is not None:
             self.timeline.flush()
+        self._next_iteration_start = flush_start
+        self._last_flush_seconds = time.perf_counter() - flush_start
         return record
 
     def finish(self) -> None:
@@ -126,6 +170,8 @@ class RunLogger:
             "perf/rollout_time",
             "perf/train_time",
             "perf/weight_sync_time",
+            "perf/iteration_time",
+            "perf/unaccounted_time",
         ]
         parts = [f"{k.split('/', 1)[1]}={record[k]:.4g}" for k in keys if k in record]
         return " ".join(parts) if parts else "(no metrics)"

@@ -33,6 +33,7 @@ def build_server_args(args, device: str) -> ServerArgs:
         train_pipeline_config_path=args.train_pipeline_config_path,
         model_backend_path=args.model_backend_path,
         rollout_patch_group=",".join(args.rollout_patch_group) if isinstance(args.rollout_patch_group, list) else args.rollout_patch_group,
+        forward_tile=args.parity_forward_tile,
         tp_size=args.rollout_num_gpus_per_engine,
         random_seed=args.rollout_seed,
         dtype=args.diffusion_forward_dtype,
@@ -40,6 +41,11 @@ def build_server_args(args, device: str) -> ServerArgs:
         generator_device=args.diffusion_generator_device if device == "cuda" else "cpu",
         **passthrough,
     )
+
+
+def _get_json(url: str, timeout: float = 60.0) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.loads(response.read())
 
 
 def _post_json(url: str, payload: dict | None = None, timeout: float = 600.0) -> dict:
@@ -104,6 +110,17 @@ class EngineFleet:
     def post_all(self, path: str) -> None:
         for url in self.urls:
             _post_json(f"{url}{path}")
+
+    def memory_stats(self) -> list:
+        """Each engine's GPU memory (`DeviceMemory`), from its `/server_info`; empty for CPU engines."""
+        from miles.ray.colocation import DeviceMemory
+
+        stats = []
+        for url in self.urls:
+            memory = _get_json(f"{url}/server_info").get("cuda_memory")
+            if memory:
+                stats.append(DeviceMemory(**memory))
+        return stats
 
     def restart_dead_engines(self) -> list[str]:
         """Restart every engine whose process died; the new one gets the current weights before serving."""

@@ -67,6 +67,10 @@ class RolloutManager:
         if self.fleet is not None:
             self.fleet.post_all("/resume_memory_occupation")
 
+    def engine_memory(self) -> list:
+        """Every engine's GPU memory as `DeviceMemory` (empty on a CPU run)."""
+        return self.fleet.memory_stats() if self.fleet is not None else []
+
     def watch_engines(self, on_restart: Callable[[str], None]) -> None:
         """`--use-fault-tolerance`: restart a dead engine with the current weights, in the background."""
         if self.fleet is None or not self.args.use_fault_tolerance:

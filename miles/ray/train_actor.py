@@ -125,6 +125,20 @@ class TrainRayActor:
     def onload(self) -> None:
         self.trainer.onload()
 
+    def memory_stats(self) -> dict | None:
+        """This rank's GPU memory (`miles.ray.colocation.DeviceMemory` fields), None on a CPU run."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        free, total = torch.cuda.mem_get_info()
+        return {
+            "free": int(free),
+            "total": int(total),
+            "reserved": int(torch.cuda.memory_reserved()),
+            "peak_reserved": int(torch.cuda.max_memory_reserved()),
+        }
+
     def shutdown(self) -> None:
         import torch.distributed as dist
 
@@ -225,6 +239,12 @@ class TrainActorGroup:
 
     def onload(self) -> None:
         self._all("onload")
+
+    def memory_stats(self) -> list:
+        """Every rank's GPU memory as `DeviceMemory` (empty on a CPU run)."""
+        from miles.ray.colocation import DeviceMemory
+
+        return [DeviceMemory(**stats) for stats in self._all("memory_stats") if stats]
 
     def shutdown(self) -> None:
         self._all("shutdown")

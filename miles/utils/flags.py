@@ -178,6 +178,12 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
           kind="tri"),
         F("--offload-rollout", None, None, "Engines release their memory while the trainer trains. Always on under "
           "--colocate.", kind="tri"),
+        F("--colocate-offload-policy", str, "auto", "Under --colocate: 'always' takes turns (offload/release) every "
+          "iteration; 'auto' takes turns in the first iteration, measures both sides' GPU memory, and keeps both "
+          "resident from then on when the engine's peak fits beside the trainer (docs/training.md).",
+          choices=("auto", "always"), extension=True),
+        F("--colocate-memory-margin-gb", float, 8.0, "GiB that must stay free on each GPU for "
+          "--colocate-offload-policy auto to keep trainer and engines resident.", ge=0, extension=True),
         F("--distributed-backend", str, "nccl", "torch.distributed backend of the trainer (gloo on a CPU run)."),
         F("--distributed-timeout-minutes", int, 10, "torch.distributed timeout.", ge=1),
     ]),

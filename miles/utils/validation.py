@@ -32,7 +32,10 @@ DERIVED_ATTRIBUTES = (
     "ring_degree",  # sequence_parallel_size / ulysses_degree_resolved
     "eval_prompt_data_pairs",  # [(name, path)] from --eval-prompt-data
     "debug_train_only",  # legacy name of train_only
+    "parity_forward_tile",  # samples per DiT forward on both sides under the batch_invariant group, else 0
 )
+
+BATCH_INVARIANT_GROUP = "batch_invariant"  # miles/models/batch_invariant.py
 
 
 def _fail(message: str) -> None:
@@ -335,10 +338,24 @@ def _rule_micro_batches(args: argparse.Namespace) -> None:
               f"{geometry.trained_steps_per_trajectory} trained steps per sample)")
 
 
+def _rule_parity(args: argparse.Namespace) -> None:
+    """`--rollout-patch-group` unset means exact rollout/train parity (`batch_invariant`) on eager runs; compiled
+    forwards fuse differently on the two sides, so there it buys no exactness and is left off. `none`: no group."""
+    groups = args.rollout_patch_group
+    if groups is None:
+        compiled = args.fsdp_torch_compile or getattr(args, "sglang_enable_torch_compile", None)
+        groups = [] if compiled else [BATCH_INVARIANT_GROUP]
+    elif isinstance(groups, str):
+        groups = [g.strip() for g in groups.split(",") if g.strip()]
+    groups = [g for g in groups if g != "none"]
+    args.rollout_patch_group = groups
+    args.parity_forward_tile = args.micro_batch_size if BATCH_INVARIANT_GROUP in groups else 0
+
+
 RULES: tuple[Callable[[argparse.Namespace], None], ...] = (
     _rule_values, _rule_model, _rule_topology, _rule_placement, _rule_modes, _rule_batch, _rule_run_length,
     _rule_sde_steps, _rule_loss, _rule_reference, _rule_optimizer, _rule_reward, _rule_eval, _rule_outputs,
-    _rule_micro_batches,
+    _rule_micro_batches, _rule_parity,
 )
 
 

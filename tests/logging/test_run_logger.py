@@ -105,7 +105,7 @@ def test_nan_and_non_numeric_metrics_are_dropped(tmp_path):
 def test_phase_times_are_summed_per_rollout(tmp_path, monkeypatch):
     logger = RunLogger(make_args(tmp_path))
     # rollout 0: weight_sync 2.0 s twice (summed), train 0.5 s; rollout 1: train 0.25 s, raising
-    clock = FakeClock(0.0, 2.0, 10.0, 12.0, 20.0, 20.5, 30.0, 30.25)
+    clock = FakeClock(0.0, 2.0, 10.0, 12.0, 20.0, 20.5, 21.0, 21.0, 30.0, 30.25, 31.0, 31.0)  # (flush start, end)
     monkeypatch.setattr(run_logger_module.time, "perf_counter", clock)
     for _ in range(2):
         with logger.phase("weight_sync"):
@@ -120,6 +120,39 @@ def test_phase_times_are_summed_per_rollout(tmp_path, monkeypatch):
 
     assert first["perf/weight_sync_time"] == 4.0 and first["perf/train_time"] == 0.5
     assert second["perf/train_time"] == 0.25 and "perf/weight_sync_time" not in second
+
+
+def test_every_second_of_an_iteration_is_accounted_for(tmp_path, monkeypatch):
+    logger = RunLogger(make_args(tmp_path), started_at=0.0)
+    clock = FakeClock(
+        5.0,  # begin_iteration: 5 s of start-up
+        5.0, 7.0,  # rollout
+        7.5, 8.0, 8.5, 9.5,  # train, with a nested phase counted once
+        10.0, 10.25,  # flush: 5 s iteration, 4 s in phases, 1 s unaccounted (7.0 -> 7.5 and 9.5 -> 10.0)
+        10.5,  # begin_iteration: its clock started at the last flush's start (10.0)
+        10.5, 12.5,  # rollout
+        12.5, 12.5,  # flush
+    )
+    monkeypatch.setattr(run_logger_module.time, "perf_counter", clock)
+    logger.begin_iteration()
+    with logger.phase("rollout"):
+        pass
+    with logger.phase("train"):
+        with logger.phase("train_step"):
+            pass
+    first = logger.flush(0)
+    logger.begin_iteration()
+    with logger.phase("rollout"):
+        pass
+    second = logger.flush(1)
+
+    assert first["perf/startup_time"] == 5.0
+    assert first["perf/iteration_time"] == 5.0 and first["perf/unaccounted_time"] == 1.0
+    assert first["perf/train_step_time"] == 0.5 and first["perf/train_time"] == 2.0
+    # the previous flush's writing and the gap before this iteration are phases of the next record
+    assert second["perf/log_time"] == 0.25 and second["perf/between_iterations_time"] == 0.25
+    assert second["perf/iteration_time"] == 2.5 and second["perf/unaccounted_time"] == 0.0
+    assert "perf/startup_time" not in second
 
 
 def test_dashboard_timeline_is_written_on_flush(tmp_path):

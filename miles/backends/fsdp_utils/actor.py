@@ -29,6 +29,7 @@ from miles.backends.fsdp_utils.train_data import (
     plan_rank_train_data,
 )
 from miles.models.base import GenerationShape
+from miles.models.batch_invariant import patch_lora_layers, pin_attention, predict_velocity_in_tiles
 from miles.types import GuidanceConfig, Sample
 from miles.utils.errors import MilesUserError
 from miles.utils.imports import load_function
@@ -171,6 +172,8 @@ class DiffusionTrainer:
             fps=getattr(args, "diffusion_fps", None),
         )
         self.module_names = self._module_names()
+        # the batch_invariant patch group (miles/models/batch_invariant.py): forwards in the engine's tiles
+        self.forward_tile = int(args.parity_forward_tile)
         self.model: nn.ModuleDict | None = None
         self.ema = None
         self.flops_per_pair: float | None = None
@@ -192,10 +195,14 @@ class DiffusionTrainer:
         deterministic.apply_deterministic_mode(args)
         self.mesh = self.dims.build_mesh(self.device.type)
         modules = self.family.load_modules(args.hf_checkpoint, self.module_names, self.master_dtype)
+        if self.forward_tile:
+            pin_attention(modules, self.device.type)
         deterministic.seed_everything(int(args.seed))  # identical LoRA init on every rank
         for name, module in modules.items():
             if getattr(args, "use_lora", False):
                 self._add_lora(name, module)
+                if self.forward_tile:
+                    patch_lora_layers(module)
             else:
                 module.requires_grad_(True)
             parallelize_module(module, self.family, args, self.dims, self.mesh, name, self.device)
@@ -284,6 +291,11 @@ class DiffusionTrainer:
     # ------------------------------------------------------------------------------------------------
     def velocity(self, latents, sigmas, conditioning, guidance: GuidanceConfig) -> torch.Tensor:
         """The family's CFG-combined velocity in fp32 (the same function the engine samples with)."""
+        if self.forward_tile:
+            return predict_velocity_in_tiles(
+                self.family, self.model, latents, sigmas, conditioning, guidance, self.shape, self.forward_dtype,
+                self.forward_tile,
+            )
         return self.family.predict_velocity(
             self.model, latents, sigmas, conditioning, guidance, self.shape, self.forward_dtype
         )
@@ -443,6 +455,7 @@ class DiffusionTrainer:
         started = time.perf_counter()
         args = self.args
         skip_step = bool(getattr(args, "debug_skip_optimizer_step", False))
+        _stage_on_device(samples, self.device)
         pairs = convert_samples_to_train_data(args, samples, self.family)
         # pairs are views of the samples; copy the scalars we overwrite (recompute) so samples stay untouched
         pairs = [_shallow_copy(p) for p in pairs]
@@ -564,3 +577,32 @@ class DiffusionTrainer:
 
 def _shallow_copy(pair):
     return copy.copy(pair)
+
+
+STAGE_ON_DEVICE_MAX_BYTES = 8 << 30
+
+
+def _stage_on_device(samples: list[Sample], device: torch.device) -> None:
+    """Move the rollout's trajectory tensors to the GPU once, in place, before they are cut into pairs.
+
+    Every pair of a sample shares its conditioning (10 pairs per sample at 10 trained steps), and each step's
+    latent is x_{k+1} of one pair and x_k of the next: collating from the host would copy each tensor that
+    many times over PCIe. Rollouts larger than `STAGE_ON_DEVICE_MAX_BYTES` stay on the host.
+    """
+    if device.type != "cuda":
+        return
+    fields = []
+    for sample in samples:
+        fields += [sample.latents, sample.conditioning]
+        if sample.debug_model_outputs:
+            fields.append(sample.debug_model_outputs)
+    total = sum(t.numel() * t.element_size() for d in fields for t in d.values())
+    total += sum(s.clean_latents.numel() * s.clean_latents.element_size() for s in samples if s.clean_latents is not None)
+    if total > STAGE_ON_DEVICE_MAX_BYTES:
+        return
+    for tensors in fields:
+        for key, value in tensors.items():
+            tensors[key] = value.to(device)
+    for sample in samples:
+        if sample.clean_latents is not None:
+            sample.clean_latents = sample.clean_latents.to(device)

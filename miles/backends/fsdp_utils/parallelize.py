@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from miles.backends.fsdp_utils.parallel_dims import ParallelDims
+from miles.utils.compile import compile_blocks
 from miles.utils.errors import MilesUserError
 
 logger = logging.getLogger(__name__)
@@ -107,11 +108,10 @@ def parallelize_module(module: nn.Module, family, args, dims: ParallelDims, mesh
     fsdp_kwargs = {"mesh": dims.fsdp_mesh(mesh), "mp_policy": mp_policy, "reshard_after_forward": True}
     if offload:
         fsdp_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-    compile_blocks = bool(getattr(args, "fsdp_torch_compile", False))
+    if getattr(args, "fsdp_torch_compile", False):
+        compile_blocks(blocks)  # per block, before sharding (torchtitan order): one graph reused by every layer
     for block_list in blocks:
         for block in block_list:
-            if compile_blocks:
-                block.compile()  # per block, before sharding (torchtitan order): one graph reused by every layer
             fully_shard(block, **fsdp_kwargs)
     fully_shard(module, **fsdp_kwargs)
     if dims.sp_enabled:

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from miles.models.batch_invariant import lora_adapters, merged_lora_weight
 from miles.utils.errors import MilesUserError
 
 LORA_MARKERS = (".lora_A.", ".lora_B.")
@@ -53,8 +54,11 @@ def _lora_layer(module: nn.Module, name: str):
     return owner
 
 
-def _merged_tensors(prefix: str, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full tensors of one module with LoRA adapters merged into their base weights."""
+def _merged_tensors(prefix: str, module: nn.Module, forward_dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full tensors of one module with LoRA adapters merged into their base weights.
+
+    A merged weight is `merged_lora_weight` in the forward dtype: the very tensor the trainer's LoRA forward
+    values itself with under the batch_invariant group, so the engine runs the trainer's policy bit for bit."""
     for name, param in module.named_parameters():
         if is_lora_param(name):
             continue
@@ -62,15 +66,13 @@ def _merged_tensors(prefix: str, module: nn.Module) -> Iterator[tuple[str, torch
         if ".base_layer." in name and name.endswith(".weight"):
             owner_name = name.split(".base_layer.")[0]
             layer = _lora_layer(module, owner_name)
-            for adapter in layer.active_adapters:
-                lora_a = _full(layer.lora_A[adapter].weight).float()
-                lora_b = _full(layer.lora_B[adapter].weight).float()
-                if full.dim() != 2:
-                    raise MilesUserError(
-                        f"full weight sync with LoRA merges only Linear layers; {prefix}.{owner_name} is not one "
-                        "(use --lora-ipc-weight-sync or restrict --lora-target-modules)"
-                    )
-                full = (full.float() + layer.scaling[adapter] * (lora_b @ lora_a)).to(full.dtype)
+            if full.dim() != 2:
+                raise MilesUserError(
+                    f"full weight sync with LoRA merges only Linear layers; {prefix}.{owner_name} is not one "
+                    "(use --lora-ipc-weight-sync or restrict --lora-target-modules)"
+                )
+            adapters = [(_full(a), _full(b), s) for a, b, s in lora_adapters(layer)]
+            full = merged_lora_weight(full, adapters, forward_dtype)
         yield f"{prefix}.{strip_peft_name(name)}", full
 
 
@@ -107,7 +109,7 @@ def iter_named_tensors(trainer, lora_only: bool = False, use_ema: bool = False, 
             if lora_only:
                 yield from _lora_tensors(prefix, module, fold_lora_scale)
             else:
-                yield from _merged_tensors(prefix, module)
+                yield from _merged_tensors(prefix, module, trainer.forward_dtype)
 
 
 def iter_sync_tensors(trainer):

@@ -1,0 +1,337 @@
+"""End to end: one Flow-GRPO iteration, the plain in-process loop against `train_diffusion.py`, in one invocation.
+
+    python bench/bench_e2e.py --device cuda --real-size                 # SD3.5-Medium, random weights, one GPU
+    python bench/bench_e2e.py --device cpu                              # tiny SD3, a smoke test of the script
+
+Both sides run the same iteration: P prompts × M samples, n steps of the SDE sampler with CFG (one doubled
+batch), VAE decode, the built-in `brightness` reward, group-normalised advantages, then every trained step of
+every sample as a train pair (Flow-GRPO clipped loss), micro-batches of `--micro-batch-size`, one optimizer step.
+
+- plain: what a competent user writes in one process (the reference): the diffusers pipeline in bf16, the
+  prompts batched, CFG as one doubled batch, eager, LoRA through PEFT (or every parameter in fp32 with bf16
+  autocast), AdamW; the SDE step and log-prob formulas of `miles.diffusion.sde`.
+- miles: `train_diffusion.py` itself, as docs/quickstart.md shows it (`--colocate`, real Ray, an engine
+  process, HTTP, weight sync), in each requested `--miles-modes` (`eager`; `compiled` adds
+  `--fsdp-torch-compile --sglang-enable-torch-compile`). A compiled mode is launched twice: the first launch
+  fills the compile caches, the second is the one measured (time to the first iteration on a second launch).
+
+Prints one table per setup: steady-state seconds per iteration (mean over the iterations after the first), the
+phase split (from the run's `perf/*_time` metrics), unaccounted time, peak GPU memory (device-wide, polled),
+time to the first iteration and the ratio to the plain loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+PHASES = ("rollout", "release", "onload", "train", "save", "resume", "weight_sync", "offload", "eval", "log")
+LORA_TARGETS = None  # the family's defaults (miles.models.sd3.SD3_LORA_TARGETS)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# peak device memory, polled from this process (covers every process on the GPU)
+# ---------------------------------------------------------------------------------------------------------
+class PeakMemory:
+    def __init__(self, device: str):
+        self.enabled = device == "cuda"
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.25):
+            free, total = torch.cuda.mem_get_info()
+            self.peak = max(self.peak, total - free)
+
+    def __enter__(self):
+        if self.enabled:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self.enabled:
+            self._thread.join()
+
+    @property
+    def gib(self) -> float | None:
+        return self.peak / (1 << 30) if self.enabled else None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the plain loop
+# ---------------------------------------------------------------------------------------------------------
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def plain_loop(opts, checkpoint: str, prompts: list[str], lora: bool) -> dict:
+    """The reference: one process, eager, batched prompts, CFG as one doubled batch. Returns timings."""
+    from diffusers import StableDiffusion3Pipeline
+    from peft import LoraConfig
+
+    from miles.diffusion.losses import policy_loss
+    from miles.diffusion.sde import build_sde_backend
+    from miles.models.sd3 import SD3_LORA_TARGETS
+
+    started = time.perf_counter()
+    device = opts.device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    pipe = StableDiffusion3Pipeline.from_pretrained(checkpoint, torch_dtype=dtype).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    transformer = pipe.transformer
+    if lora:
+        transformer.requires_grad_(False)
+        transformer.add_adapter(LoraConfig(r=32, lora_alpha=64, init_lora_weights="gaussian",
+                                           target_modules=list(SD3_LORA_TARGETS)))
+        for param in transformer.parameters():
+            if param.requires_grad:
+                param.data = param.data.float()  # adapters in fp32, the frozen base in bf16
+    else:
+        transformer.float().requires_grad_(True)  # fp32 master weights, bf16 autocast
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-5, fused=device == "cuda")
+    sde = build_sde_backend("sde", opts.noise_level, False)
+    pipe.scheduler.set_timesteps(opts.steps, device=device)
+    sigmas = pipe.scheduler.sigmas.float()
+    p, m, n = len(prompts), opts.samples, opts.steps
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
+
+    def velocity(x, sigma, text, pooled):
+        x2 = torch.cat([x, x])
+        timestep = (sigma * 1000).expand(x2.shape[0])
+        with autocast:
+            out = transformer(hidden_states=x2.to(dtype), timestep=timestep, encoder_hidden_states=text,
+                              pooled_projections=pooled, return_dict=False)[0].float()
+        uncond, cond = out.chunk(2)
+        return uncond + opts.guidance * (cond - uncond)
+
+    timings = []
+    for iteration in range(opts.iterations):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
+                prompts, None, None, negative_prompt=[""] * p, do_classifier_free_guidance=True,
+                num_images_per_prompt=m, device=device)
+            text = torch.cat([negative, embeds])
+            pooled_text = torch.cat([negative_pooled, pooled])
+            generators = [torch.Generator(device).manual_seed(1000 * iteration + b) for b in range(p * m)]
+            factor = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+            shape = (transformer.config.in_channels, opts.height // factor, opts.width // factor)
+            x = torch.stack([torch.randn(shape, generator=g, device=device) for g in generators])
+            trajectory, log_probs = [x], []
+            for k in range(n):
+                v = velocity(x, sigmas[k], text, pooled_text)
+                out = sde.sample(x, v, sigmas[k].expand(p * m), sigmas[k + 1].expand(p * m),
+                                 sigmas[1].expand(p * m), generators)
+                x = out.next_latents
+                trajectory.append(x)
+                log_probs.append(out.log_prob)
+            vae = pipe.vae
+            images = vae.decode((x / vae.config.scaling_factor + vae.config.shift_factor).to(vae.dtype)).sample
+            images = ((images.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+        _sync(device)
+        t1 = time.perf_counter()
+        rewards = images.float().mean(dim=(1, 2, 3)) / 255
+        grouped = rewards.view(p, m)
+        advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
+        _sync(device)
+        t2 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        trained = range(opts.trained_steps or n)
+        pairs = [(b, k) for b in range(p * m) for k in trained]
+        for start in range(0, len(pairs), opts.micro_batch_size):
+            chunk = pairs[start : start + opts.micro_batch_size]
+            b_idx = torch.tensor([b for b, _ in chunk], device=device)
+            k_idx = [k for _, k in chunk]
+            xs = torch.stack([trajectory[k][b] for b, k in chunk])
+            xs_next = torch.stack([trajectory[k + 1][b] for b, k in chunk])
+            sig = sigmas[k_idx]
+            text_mb = torch.cat([text[: p * m][b_idx], text[p * m :][b_idx]])
+            pooled_mb = torch.cat([pooled_text[: p * m][b_idx], pooled_text[p * m :][b_idx]])
+            x2 = torch.cat([xs, xs])
+            with autocast:
+                out = transformer(hidden_states=x2.to(dtype), timestep=torch.cat([sig, sig]) * 1000,
+                                  encoder_hidden_states=text_mb, pooled_projections=pooled_mb,
+                                  return_dict=False)[0].float()
+            uncond, cond = out.chunk(2)
+            v = uncond + opts.guidance * (cond - uncond)
+            new = sde.log_prob(xs, v, xs_next, sig, sigmas[[k + 1 for k in k_idx]], sigmas[1].expand(len(chunk))).log_prob
+            old = torch.stack([log_probs[k][b] for b, k in chunk])
+            loss, _ = policy_loss(new, old, advantages[b_idx], 1e-4, 5.0)
+            (loss.sum() / len(pairs)).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        _sync(device)
+        t3 = time.perf_counter()
+        timings.append({"rollout": t1 - t0, "reward": t2 - t1, "train": t3 - t2, "iteration": t3 - t0})
+        print(f"  plain {'lora' if lora else 'full'} iteration {iteration}: " +
+              " ".join(f"{k}={v:.2f}" for k, v in timings[-1].items()), flush=True)
+    peak = torch.cuda.max_memory_reserved() / (1 << 30) if device == "cuda" else None
+    first_iteration = timings[0]["iteration"]
+    del pipe, transformer, optimizer, params
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    steady = timings[1:] or timings
+    return {
+        "iteration": sum(t["iteration"] for t in steady) / len(steady),
+        "phases": {k: sum(t[k] for t in steady) / len(steady) for k in ("rollout", "reward", "train")},
+        "unaccounted": 0.0,
+        "peak_gib": peak,
+        "startup": timings and (time.perf_counter() - started - sum(t["iteration"] for t in timings)),
+        "first_iteration": first_iteration,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# train_diffusion.py
+# ---------------------------------------------------------------------------------------------------------
+def miles_flags(opts, checkpoint: str, prompt_file: str, out: str, lora: bool, mode: str) -> list[str]:
+    p, m, n = opts.prompts, opts.samples, opts.steps
+    flags = [
+        "--hf-checkpoint", checkpoint, "--diffusion-model-family", "sd3", "--prompt-data", prompt_file,
+        "--rm-type", "brightness", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1",
+        "--num-gpus-per-node", "1", "--colocate",
+        "--rollout-batch-size", str(p), "--n-samples-per-prompt", str(m), "--global-batch-size", str(p * m),
+        "--rollout-microgroup-size", str(m),
+        "--num-rollout", str(opts.iterations), "--diffusion-num-steps", str(n),
+        "--diffusion-height", str(opts.height), "--diffusion-width", str(opts.width),
+        "--diffusion-guidance-scale", str(opts.guidance), "--diffusion-noise-level", str(opts.noise_level),
+        "--diffusion-forward-dtype", "bf16" if opts.device == "cuda" else "fp32",
+        "--micro-batch-size", str(opts.micro_batch_size), "--lr", "1e-5", "--output-dir", out,
+    ]
+    if opts.trained_steps:
+        flags += ["--diffusion-num-sde-steps", str(opts.trained_steps)]
+    if lora:
+        flags += ["--use-lora", "--lora-rank", "32", "--lora-alpha", "64"]
+    if mode == "compiled":
+        flags += ["--fsdp-torch-compile", "--sglang-enable-torch-compile"]
+    return flags + list(opts.extra_flags)
+
+
+def run_miles(opts, checkpoint: str, prompt_file: str, lora: bool, mode: str, workdir: str) -> dict:
+    launches = 2 if mode == "compiled" else 1  # the first compiled launch fills the caches
+    for launch in range(launches):
+        out = os.path.join(workdir, f"miles-{'lora' if lora else 'full'}-{mode}-{launch}")
+        argv = [sys.executable, os.path.join(REPO_ROOT, "train_diffusion.py"),
+                *miles_flags(opts, checkpoint, prompt_file, out, lora, mode)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        began = time.perf_counter()
+        with PeakMemory(opts.device) as memory:
+            result = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - began
+        if result.returncode != 0:
+            raise RuntimeError(f"train_diffusion.py failed ({result.returncode}):\n{result.stderr[-4000:]}")
+        with open(os.path.join(out, "metrics.jsonl")) as handle:
+            records = [json.loads(line) for line in handle if line.strip()]
+        iterations = [r for r in records if "perf/iteration_time" in r]
+        for r in iterations:
+            print(f"  miles {'lora' if lora else 'full'} {mode} launch {launch} rollout {r['rollout_id']}: " +
+                  " ".join(f"{k[5:]}={v:.2f}" for k, v in r.items() if k.startswith("perf/") and k.endswith("_time")),
+                  flush=True)
+    steady = iterations[1:] or iterations
+    mean = lambda key: sum(r.get(key, 0.0) for r in steady) / len(steady)  # noqa: E731
+    return {
+        "iteration": mean("perf/iteration_time"),
+        "phases": {phase: mean(f"perf/{phase}_time") for phase in PHASES if any(f"perf/{phase}_time" in r for r in steady)},
+        "unaccounted": mean("perf/unaccounted_time"),
+        "peak_gib": memory.gib,
+        "startup": iterations[0].get("perf/startup_time"),
+        "first_iteration": iterations[0]["perf/iteration_time"],
+        "clipfrac": mean("train/clipfrac"),
+        "log_prob_diff": mean("train/rollout_train_log_prob_abs_diff"),
+        "wall": wall,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the table
+# ---------------------------------------------------------------------------------------------------------
+def print_table(title: str, rows: dict[str, dict]) -> None:
+    phases = []
+    for row in rows.values():
+        phases += [p for p in row["phases"] if p not in phases]
+    print(f"\n### {title}\n")
+    head = ["path", "s / iteration", *[f"{p} s" for p in phases], "unaccounted s", "peak GiB", "startup s",
+            "first iteration s", "clipfrac", "vs plain"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    base = rows.get("plain", {}).get("iteration")
+    for name, row in rows.items():
+        cells = [name, f"{row['iteration']:.2f}", *[f"{row['phases'].get(p, 0.0):.2f}" for p in phases],
+                 f"{row['unaccounted']:.2f}", "–" if row["peak_gib"] is None else f"{row['peak_gib']:.1f}",
+                 "–" if row.get("startup") is None else f"{row['startup']:.1f}", f"{row['first_iteration']:.1f}",
+                 "–" if row.get("clipfrac") is None else f"{row['clipfrac']:.3f}",
+                 f"{base / row['iteration']:.2f}x" if base else "–"]
+        print("| " + " | ".join(cells) + " |")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--real-size", action="store_true", help="SD3.5-Medium sizes (make_tiny --real-size)")
+    parser.add_argument("--checkpoint", help="an existing pipeline folder (default: build one)")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--trained-steps", type=int, default=0, help="trained steps per sample (0: all of them)")
+    parser.add_argument("--height", type=int)
+    parser.add_argument("--width", type=int)
+    parser.add_argument("--guidance", type=float, default=4.5)
+    parser.add_argument("--noise-level", type=float, default=0.7)
+    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--iterations", type=int, default=4)
+    parser.add_argument("--setups", default="lora,full", help="comma list of lora, full")
+    parser.add_argument("--miles-modes", default="eager,compiled", help="comma list of eager, compiled")
+    parser.add_argument("--skip-plain", action="store_true")
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("extra_flags", nargs="*", help="after --: more train_diffusion.py flags")
+    opts = parser.parse_args()
+    pixels = 512 if opts.real_size else 32
+    opts.height = opts.height or pixels
+    opts.width = opts.width or pixels
+    workdir = opts.workdir or tempfile.mkdtemp(prefix="bench_e2e_")
+    checkpoint = opts.checkpoint
+    if checkpoint is None:
+        checkpoint = os.path.join(workdir, "sd35m" if opts.real_size else "tiny-sd3")
+        if not os.path.exists(os.path.join(checkpoint, "model_index.json")):
+            command = [sys.executable, "-m", "miles.testing.make_tiny", "--family", "sd3", "--out", checkpoint]
+            if opts.real_size:
+                command += ["--real-size", "--device", opts.device]
+            subprocess.run(command, cwd=REPO_ROOT, check=True)
+    prompts = [f"a photo of object number {i} on a table" for i in range(opts.prompts)]
+    prompt_file = os.path.join(workdir, "prompts.jsonl")
+    with open(prompt_file, "w") as handle:
+        for i in range(max(opts.prompts * opts.iterations, opts.prompts)):
+            handle.write(json.dumps({"input": f"a photo of object number {i} on a table"}) + "\n")
+    print(f"device {torch.cuda.get_device_name() if opts.device == 'cuda' else 'cpu'}, torch {torch.__version__}, "
+          f"{opts.prompts} prompts x {opts.samples} samples, {opts.steps} steps, {opts.height}x{opts.width}, "
+          f"micro-batch {opts.micro_batch_size}, {opts.iterations} iterations", flush=True)
+    for setup in opts.setups.split(","):
+        lora = setup == "lora"
+        rows: dict[str, dict] = {}
+        if not opts.skip_plain:
+            rows["plain"] = plain_loop(opts, checkpoint, prompts, lora)
+        for mode in opts.miles_modes.split(","):
+            rows[f"miles {mode}"] = run_miles(opts, checkpoint, prompt_file, lora, mode, workdir)
+        print_table(f"{'LoRA r32' if lora else 'full fine-tune'}", rows)
+
+
+if __name__ == "__main__":
+    main()

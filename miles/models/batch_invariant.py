@@ -1,0 +1,135 @@
+"""Bitwise engine/trainer parity: the same sample gets the same velocity in the engine and in the trainer.
+
+A sample's DiT output depends on more than its own inputs: GEMM libraries (MKL/oneDNN on CPU, cuBLAS on GPU)
+pick their blocking and split-K from the row count, and the engine forwards a whole denoising step of every
+request at once while the trainer forwards micro-batches of pairs. The ratio π_new/π_old then is not 1 at the
+first step, and a clip range of 1e-4 clips on numerics alone. The `batch_invariant` patch group removes the
+three sources of difference (docs/sde-backends.md):
+
+1. **Fixed forward tiles**: both sides run every DiT forward on exactly `tile` samples (the trainer's pairs per
+   forward, `--micro-batch-size`), padding the last tile by repeating its last sample. Every kernel then sees
+   the same shapes on both sides, and no kernel mixes rows, so a sample's output ignores its neighbours.
+2. **One attention kernel**: on CUDA both sides use PyTorch's flash SDPA kernel (without a pin the dispatcher
+   may choose differently with and without autograd).
+3. **LoRA seen as the engine sees it**: the engine runs the merged weight W' = W + s·B·A (rounded to the
+   forward dtype, `merged_lora_weight`). The trainer's LoRA layers compute the forward value with that same
+   W' and take the LoRA gradients from the unmerged path, whose value is added as `lora − lora.detach()`
+   (exactly 0), so values match the engine bit for bit and gradients are LoRA's own.
+
+The SDE log-prob reduces each sample on its own (`miles.diffusion.sde.mean_over_non_batch`), always.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+GROUP = "batch_invariant"
+FLASH_ATTENTION_BACKEND = "_native_flash"  # diffusers' name for PyTorch's flash SDPA kernel
+
+
+def predict_velocity_in_tiles(
+    family: Any,
+    modules: Mapping[str, nn.Module],
+    latents: torch.Tensor,
+    sigmas: torch.Tensor,
+    conditioning: Mapping[str, torch.Tensor],
+    guidance: Any,
+    shape: Any,
+    dtype: torch.dtype,
+    tile: int,
+) -> torch.Tensor:
+    """`family.predict_velocity` with every DiT forward on exactly `tile` samples (the last tile padded)."""
+    batch = latents.shape[0]
+    velocities = []
+    for start in range(0, batch, tile):
+        count = min(tile, batch - start)
+
+        def cut(tensor: torch.Tensor) -> torch.Tensor:
+            part = tensor[start : start + count]
+            if count < tile:
+                part = torch.cat([part, part[-1:].expand(tile - count, *part.shape[1:])])
+            return part
+
+        velocity = family.predict_velocity(
+            modules, cut(latents), cut(sigmas), {k: cut(v) for k, v in conditioning.items()}, guidance, shape, dtype
+        )
+        velocities.append(velocity[:count])
+    return torch.cat(velocities) if len(velocities) > 1 else velocities[0]
+
+
+def pin_attention(modules: Mapping[str, nn.Module], device_type: str | None = None) -> None:
+    """On CUDA, route attention through the flash SDPA kernel on every module that can choose.
+
+    `device_type`: where the modules will run (default: where their parameters are now)."""
+    for module in modules.values():
+        on_cuda = device_type == "cuda" if device_type else any(p.is_cuda for p in module.parameters())
+        if on_cuda and hasattr(module, "set_attention_backend"):
+            module.set_attention_backend(FLASH_ATTENTION_BACKEND)
+
+
+def merged_lora_weight(
+    base: torch.Tensor, adapters: Sequence[tuple[torch.Tensor, torch.Tensor, float]], dtype: torch.dtype
+) -> torch.Tensor:
+    """W' = W + Σ s·B·A in fp32 from the forward-dtype values of W, A and B, rounded to `dtype`.
+
+    The one formula both the weight export (what the engine runs) and the trainer's LoRA forward use: rounding
+    the inputs to the forward dtype first makes it independent of whether they come from fp32 master weights
+    (export) or from FSDP's forward-dtype copies (forward)."""
+    merged = base.to(dtype).float()
+    for lora_a, lora_b, scaling in adapters:
+        merged = merged + scaling * (lora_b.to(dtype).float() @ lora_a.to(dtype).float())
+    return merged.to(dtype)
+
+
+def lora_adapters(layer: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+    """(A, B, scaling) of each active adapter of a PEFT LoRA layer."""
+    return [
+        (layer.lora_A[name].weight, layer.lora_B[name].weight, float(layer.scaling[name]))
+        for name in layer.active_adapters
+        if name in layer.lora_A
+    ]
+
+
+def _merged_value_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """A PEFT LoRA Linear whose value is `x @ W'ᵀ` (the engine's merged weight) and whose LoRA gradients are the
+    unmerged path's. W' is detached: the frozen base needs no weight gradient, and x's gradient through W'
+    already includes the adapter's share."""
+    if self.disable_adapters or self.merged:
+        return self._miles_unpatched_forward(x, *args, **kwargs)
+    base = self.base_layer
+    adapters = lora_adapters(self)
+    weight = merged_lora_weight(base.weight, adapters, base.weight.dtype).detach()
+    result = F.linear(x.to(weight.dtype), weight, base.bias)
+    lora = None
+    detached = x.detach()
+    for name in self.active_adapters:
+        if name not in self.lora_A:
+            continue
+        dropout = self.lora_dropout[name]
+        term = self.lora_B[name](self.lora_A[name](dropout(detached.to(self.lora_A[name].weight.dtype))))
+        term = term * self.scaling[name]
+        lora = term if lora is None else lora + term
+    if lora is not None:
+        result = result + (lora - lora.detach()).to(result.dtype)  # adds exactly 0, carries the LoRA gradients
+    return result
+
+
+def patch_lora_layers(module: nn.Module) -> int:
+    """Give every PEFT LoRA Linear of `module` the merged-value forward; returns how many were patched."""
+    count = 0
+    for sub in module.modules():
+        if hasattr(sub, "lora_A") and hasattr(sub, "base_layer") and isinstance(sub.base_layer, nn.Linear):
+            if getattr(sub, "_miles_unpatched_forward", None) is None:
+                sub._miles_unpatched_forward = sub.forward
+                sub.forward = types.MethodType(_merged_value_forward, sub)
+                count += 1
+    logger.info("batch_invariant: %d LoRA layers run the merged weight's value", count)
+    return count

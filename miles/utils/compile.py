@@ -1,0 +1,25 @@
+"""Regional compilation: `torch.compile` each transformer block in place, shared by the engine and the trainer.
+
+Identical blocks share one compiled graph, so start-up compiles a few block graphs instead of a whole model
+(inductor caches them on disk, so a second launch mostly reads them back), and the parameters stay the
+modules' own: weight updates and FSDP's sharding reach the compiled code.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+# One graph per (block variant, batch shape, grad mode): SD3 alone has three block variants, and a run sees a few
+# shapes (training, eval, a last micro-batch). Dynamo gives up and runs eagerly past its limit (8 by default).
+RECOMPILE_LIMIT = 64
+
+
+def compile_blocks(block_lists: list[nn.ModuleList], mode: str | None = None) -> None:
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    config.cache_size_limit = max(config.cache_size_limit, RECOMPILE_LIMIT)
+    config.accumulated_cache_size_limit = max(config.accumulated_cache_size_limit, 8 * RECOMPILE_LIMIT)
+    for block_list in block_lists:
+        for block in block_list:
+            block.compile(mode=mode, dynamic=False)
