@@ -50,7 +50,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from miles.testing.real_size import SD35_MEDIUM_TEXT_TOKENS, SD35_MEDIUM_TRANSFORMER, synchronize  # noqa: E402
+from miles.testing.real_size import (  # noqa: E402
+    SD35_MEDIUM_TEXT_TOKENS,
+    SD35_MEDIUM_TRANSFORMER,
+    WAN22_TI2V_5B_TRANSFORMER,
+    cast_like_from_pretrained,
+    synchronize,
+)
 
 T0 = time.perf_counter()
 
@@ -116,10 +122,9 @@ WAN22_A14B_EXPERT = dict(
     pos_embed_seq_len=None,
 )
 
-# Wan-AI/Wan2.2-TI2V-5B-Diffusers — single expert on the 48-channel Wan2.2 VAE (16x spatial, 4x temporal).
-WAN22_TI2V_5B = dict(
-    WAN22_A14B_EXPERT, num_attention_heads=24, ffn_dim=14336, num_layers=30, in_channels=48, out_channels=48
-)
+# Wan-AI/Wan2.2-TI2V-5B-Diffusers — single expert on the 48-channel Wan2.2 VAE (16x spatial, 4x temporal);
+# shared with `make_tiny --real-size` in miles/testing/real_size.py.
+WAN22_TI2V_5B = WAN22_TI2V_5B_TRANSFORMER
 
 # Lightricks/LTX-Video 0.9.x (2 B; e.g. 0.9.1 / 0.9.5 diffusers folders).
 LTX_VIDEO_09 = dict(
@@ -421,20 +426,7 @@ def build_model(spec: Spec, config: dict, device: torch.device, dtype: torch.dty
     with torch.device(device):
         model = cls(**config)
     model.to(device)  # stragglers created on the CPU in __init__ (numpy-built position tables)
-    keep = tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
-    with torch.no_grad():
-        for module_name, module in model.named_modules():
-            prefix = f"{module_name}." if module_name else ""
-            for name, param in module.named_parameters(recurse=False):
-                if any(k in (prefix + name).split(".") for k in keep) or not param.is_floating_point():
-                    continue
-                param.data = param.data.to(dtype)
-            for name, buf in list(module.named_buffers(recurse=False)):
-                if name in module._non_persistent_buffers_set or not buf.is_floating_point():
-                    continue  # computed in __init__, not in the checkpoint: keeps its own dtype
-                if any(k in (prefix + name).split(".") for k in keep):
-                    continue
-                module._buffers[name] = buf.to(dtype)
+    cast_like_from_pretrained(model, dtype)
     model.eval().requires_grad_(False)
     if device.type == "cuda":
         torch.cuda.empty_cache()

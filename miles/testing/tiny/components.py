@@ -2,6 +2,9 @@
 
 - `tiny_clip_text_encoder`, `tiny_t5_encoder`, `tiny_vae_kl`: SD3's CLIP, T5 and AutoencoderKL (FLUX reuses them).
 - `tiny_t5_config`: the 1-layer T5 shape of the LTX T5 and the Wan UMT5 encoders (same config class fields).
+
+The real-size builders (`build_real_size`) reuse the text encoders with the real output widths: only the
+widths reach the denoiser, so a few narrow layers behind them give the real conditioning shapes.
 - `tiny_wan_vae`: a small AutoencoderKLWan with non-trivial latents_mean/std (Wan 2.2, Cosmos 3).
 - `tiny_unipc_flow_scheduler`: the UniPC flow-sigma scheduler the Wan 2.2 and Cosmos 3 checkpoints ship.
 
@@ -13,7 +16,10 @@ from __future__ import annotations
 from typing import Any
 
 
-def tiny_clip_text_encoder(vocab_size: int, hidden_size: int = 16, projection_dim: int = 16, eos_token_id: int = 1):
+def tiny_clip_text_encoder(
+    vocab_size: int, hidden_size: int = 16, projection_dim: int = 16, eos_token_id: int = 1, num_attention_heads: int = 2
+):
+    """A 2-layer CLIP text tower: two layers because SD3 reads the penultimate hidden states."""
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
     config = CLIPTextConfig(
@@ -21,7 +27,7 @@ def tiny_clip_text_encoder(vocab_size: int, hidden_size: int = 16, projection_di
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
-        num_attention_heads=2,
+        num_attention_heads=num_attention_heads,
         projection_dim=projection_dim,
         max_position_embeddings=77,
         bos_token_id=0,

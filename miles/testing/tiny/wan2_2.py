@@ -1,4 +1,5 @@
-"""Tiny random-weight Wan 2.2 pipeline (`WanPipeline`), built offline.
+"""Random-weight Wan 2.2 pipelines (`WanPipeline`), built offline: tiny (`build`) and TI2V-5B size
+(`build_real_size`).
 
 Two layouts, like the published checkpoints:
 
@@ -11,12 +12,17 @@ Two layouts, like the published checkpoints:
 Text encoder: a 1-layer UMT5 over a locally built T5 Unigram tokenizer. Scheduler: the
 `UniPCMultistepScheduler` with flow sigmas that the real checkpoints ship (our loop only reads its
 sigma grid). About 1 MB on disk.
+
+Real size (TI2V-5B only): the transformer and Wan 2.2 VAE configs of `miles/testing/real_size.py`, the
+published scheduler, and a narrow 1-layer UMT5 at the real width 4096, so a prompt encodes to the real
+[B, 512, 4096].
 """
 
 from __future__ import annotations
 
 import torch
 
+from miles.testing import real_size
 from miles.testing.tiny.components import tiny_t5_config, tiny_unipc_flow_scheduler, tiny_wan_vae
 from miles.testing.tiny.tokenizers import build_t5_tokenizer
 
@@ -85,3 +91,42 @@ def build(out_dir: str, seed: int = 0, variant: str = "a14b") -> str:
     )
     pipe.save_pretrained(out_dir)
     return out_dir
+
+
+def build_real_size(
+    out_dir: str,
+    seed: int = 0,
+    num_layers: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+) -> dict[str, int]:
+    """Build and `save_pretrained` a Wan2.2-TI2V-5B-size pipeline with random weights; returns parameter counts.
+
+    `num_layers` shrinks the transformer to that many blocks and the VAE to at most that many residual blocks
+    per level; every width, the 48 latent channels and the 16x/4x compression stay real. Each model is
+    initialised in fp32 on `device` and saved in `dtype`; the weights depend on `seed` and on the device's
+    random generator.
+    """
+    from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(seed)
+    # The family pads prompts to 512 UMT5 tokens (WanPipeline's default), the real tokenizer's length too.
+    tokenizer = build_t5_tokenizer(model_max_length=512)
+    with torch.device(device):
+        # One narrow layer (4 heads of 8, FFN 32) at the real d_model: a real UMT5-XXL layer is 190 M
+        # parameters that change nothing the denoiser sees.
+        text_encoder = UMT5EncoderModel(UMT5Config(**tiny_t5_config(tokenizer, d_model=real_size.WAN22_UMT5_WIDTH)))
+        vae = AutoencoderKLWan(**real_size.wan22_vae_config(num_layers))
+        transformer = WanTransformer3DModel(**real_size.wan22_ti2v_5b_transformer_config(num_layers))
+    pipe = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=tiny_unipc_flow_scheduler(real_size.WAN22_TI2V_5B_FLOW_SHIFT),
+        transformer=transformer,
+        transformer_2=None,
+        boundary_ratio=None,
+        expand_timesteps=True,  # TI2V-5B: one timestep per patch token
+    )
+    return real_size.save_random_pipeline(pipe, out_dir, dtype)
