@@ -12,7 +12,8 @@ every sample as a train pair (Flow-GRPO clipped loss), micro-batches of `--micro
   autocast), AdamW; the SDE step and log-prob formulas of `miles.diffusion.sde`.
 - miles: `train_diffusion.py` itself, as docs/quickstart.md shows it (`--colocate`, real Ray, an engine
   process, HTTP, weight sync), in each requested `--miles-modes` (`eager`; `compiled` adds
-  `--fsdp-torch-compile --sglang-enable-torch-compile`). A compiled mode is launched twice: the first launch
+  `--fsdp-torch-compile --sglang-enable-torch-compile --diffusion-recompute-old-log-prob`, the documented GPU
+  command). A compiled mode is launched twice: the first launch
   fills the compile caches, the second is the one measured (time to the first iteration on a second launch).
 
 Prints one table per setup: steady-state seconds per iteration (mean over the iterations after the first), the
@@ -219,8 +220,8 @@ def miles_flags(opts, checkpoint: str, prompt_file: str, out: str, lora: bool, m
         flags += ["--diffusion-num-sde-steps", str(opts.trained_steps)]
     if lora:
         flags += ["--use-lora", "--lora-rank", "32", "--lora-alpha", "64"]
-    if mode == "compiled":
-        flags += ["--fsdp-torch-compile", "--sglang-enable-torch-compile"]
+    if mode == "compiled":  # docs/quickstart.md's GPU command
+        flags += ["--fsdp-torch-compile", "--sglang-enable-torch-compile", "--diffusion-recompute-old-log-prob"]
     return flags + list(opts.extra_flags)
 
 
@@ -254,6 +255,10 @@ def run_miles(opts, checkpoint: str, prompt_file: str, lora: bool, mode: str, wo
         "startup": iterations[0].get("perf/startup_time"),
         "first_iteration": iterations[0]["perf/iteration_time"],
         "clipfrac": mean("train/clipfrac"),
+        "inside": {"engine denoise": mean("rollout/engine_denoise_seconds"),
+                   "engine decode": mean("rollout/engine_decode_seconds"),
+                   "engine request": mean("rollout/engine_request_seconds"),
+                   "trainer step": mean("perf/train_time_s")},
         "log_prob_diff": mean("train/rollout_train_log_prob_abs_diff"),
         "wall": wall,
     }
@@ -279,6 +284,9 @@ def print_table(title: str, rows: dict[str, dict]) -> None:
                  "–" if row.get("clipfrac") is None else f"{row['clipfrac']:.3f}",
                  f"{base / row['iteration']:.2f}x" if base else "–"]
         print("| " + " | ".join(cells) + " |")
+    for name, row in rows.items():
+        if row.get("inside"):
+            print(f"{name}, inside the phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in row["inside"].items()))
     sys.stdout.flush()
 
 
@@ -307,6 +315,7 @@ def main() -> None:
     opts.height = opts.height or pixels
     opts.width = opts.width or pixels
     workdir = opts.workdir or tempfile.mkdtemp(prefix="bench_e2e_")
+    os.makedirs(workdir, exist_ok=True)
     checkpoint = opts.checkpoint
     if checkpoint is None:
         checkpoint = os.path.join(workdir, "sd35m" if opts.real_size else "tiny-sd3")

@@ -128,6 +128,8 @@ class _Rollout:
         self.microgroup_size = max(1, int(getattr(args, "rollout_microgroup_size", 1) or 1))
         self.num_steps = int(getattr(args, "diffusion_num_steps", 10))
         self.group_rm = bool(getattr(args, "group_rm", False))
+        # engine-side seconds of this rollout's requests: where a rollout's time goes (bench/RESULTS.md)
+        self.engine_seconds = {"denoise": 0.0, "decode": 0.0, "request": 0.0}
 
     async def generate_group(self, group: list[Sample], group_index: int, group_size: int) -> list[Sample]:
         """Generate and score one prompt group (its microgroups run concurrently)."""
@@ -166,8 +168,16 @@ class _Rollout:
                 raise EngineRequestError(f"engine {engine_url} returned {len(response.samples)} samples for {len(samples)}")
             for sample, result in zip(samples, response.samples):
                 result.fill_sample(sample, request, response.weight_version, engine_url)
+            self._add_engine_timings(response.timings)
         if not self.group_rm:
             await self.score(samples)
+
+    def _add_engine_timings(self, timings: dict[str, float]) -> None:
+        """Concurrent requests denoise together (the longest counts) but decode one after another (they add)."""
+        seconds = self.engine_seconds
+        seconds["denoise"] = max(seconds["denoise"], float(timings.get("denoise", 0.0)))
+        seconds["decode"] += float(timings.get("decode", 0.0))
+        seconds["request"] = max(seconds["request"], float(timings.get("total", 0.0)) + float(timings.get("queue", 0.0)))
 
     async def score(self, samples: list[Sample]) -> None:
         unscored = [s for s in samples if s.reward is None]
@@ -238,6 +248,7 @@ async def generate_rollout_async(
         "rollout/num_groups_dropped": dropped,
         "rollout/num_requests": stats["requests"],
         "rollout/num_retries": stats["retries"],
+        **{f"rollout/engine_{name}_seconds": value for name, value in rollout.engine_seconds.items()},
     }
     logger.info("rollout %d: %s", rollout_id, metrics)
     return kept, metrics
