@@ -120,16 +120,17 @@ class EngineServer:
     async def handle_update_weights(self, request: web.Request) -> web.Response:
         body = await request.read()
         try:
-            message = decode_update_message(body)
+            message = decode_update_message(body, torch.cuda.device_count())
             result = await self.scheduler.run_exclusive(self.receiver.apply, message)
         except ProtocolError as err:
+            self.counters["bad_requests"] += 1
             return _error(400, str(err))
         except Exception as err:
             logger.exception("weight update failed")
             return _error(500, f"{type(err).__name__}: {err}")
         self.counters["weight_buckets"] += 1
-        if message.get("flush"):
-            self.runner.weight_version = int(message["weight_version"])
+        if message.flush:
+            self.runner.weight_version = message.weight_version
             self.counters["weight_updates"] += 1
         return web.json_response({"ok": True, "weight_version": self.runner.weight_version, **result})
 

@@ -12,8 +12,11 @@ import pytest
 import torch
 
 from miles.engine.model_runner import ModelRunner
-from miles.engine.protocol import GenerateRequest, decode_response, encode_request
+from miles.engine.protocol import GenerateRequest, ProtocolError, decode_response, encode_request
 from miles.engine.weight_sync import (
+    SharedMemoryRef,
+    TensorEntry,
+    UpdateMessage,
     WeightReceiver,
     WeightSyncError,
     merge_lora_weight,
@@ -176,8 +179,12 @@ def test_rejected_updates_name_the_problem_and_keep_the_version(engine, base_tra
 
 def test_receiver_rejects_targets_outside_target_modules(base_transformer):
     receiver = WeightReceiver({"transformer": base_transformer})
-    with pytest.raises(Exception, match="outside target_modules"):
-        receiver._receive_full("transformer.pos_embed.proj.weight", torch.zeros(1), ["transformer_2"])
+    weight = base_transformer.pos_embed.proj.weight
+    entry = TensorEntry("transformer.pos_embed.proj.weight", torch.float32, tuple(weight.shape), 0)
+    message = UpdateMessage(weight_version=1, target_modules=("transformer_2",),
+                            buffer=SharedMemoryRef("miles_" + "0" * 32, entry.nbytes), entries=(entry,))
+    with pytest.raises(ProtocolError, match="outside target_modules"):
+        receiver.apply(message)
 
 
 @pytest.mark.gpu
