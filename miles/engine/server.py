@@ -8,7 +8,8 @@ Endpoints (see docs/engine.md):
                                       `?include_buffers=1`)
 - `POST /release_memory_occupation`, `POST /resume_memory_occupation`, `GET /health`
 
-Errors: 400 with {"error": ...} for a malformed or unservable request, 503 while the memory is released,
+Errors: 400 with {"error": ...} for a malformed or unservable request (a wrong type, a value beyond a `--max-*`
+limit), 413 for a body over `--max-request-bytes`, 503 while the memory is released,
 409 when releasing memory with requests in flight, 500 for an internal failure.
 """
 
@@ -24,7 +25,7 @@ import torch
 from aiohttp import web
 
 from miles.engine.model_runner import ModelRunner
-from miles.engine.protocol import CONTENT_TYPE, ProtocolError, decode_request, encode_response
+from miles.engine.protocol import CONTENT_TYPE, ProtocolError, RequestLimits, decode_request, encode_response
 from miles.engine.scheduler import StepScheduler
 from miles.engine.server_args import ServerArgs
 from miles.engine.weight_sync import WeightReceiver, decode_update_message, module_checksums
@@ -32,11 +33,18 @@ from miles.utils.errors import MilesUserError
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 1 << 30
-
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
+
+
+def request_limits(server_args: ServerArgs) -> RequestLimits:
+    return RequestLimits(
+        max_samples=server_args.max_samples_per_request,
+        max_steps=server_args.max_num_steps,
+        max_image_size=server_args.max_image_size,
+        max_frames=server_args.max_num_frames,
+    )
 
 
 class EngineServer:
@@ -44,6 +52,7 @@ class EngineServer:
 
     def __init__(self, server_args: ServerArgs, runner: ModelRunner | None = None):
         self.server_args = server_args
+        self.limits = request_limits(server_args)
         self.runner = runner if runner is not None else ModelRunner(server_args)
         self.scheduler = StepScheduler(self.runner, server_args.max_batch_size, server_args.batch_wait_ms)
         self.receiver = WeightReceiver({name: getattr(self.runner.pipe, name) for name in self.runner.module_names})
@@ -51,7 +60,7 @@ class EngineServer:
         self.counters: dict[str, Any] = {
             "generate_requests": 0, "weight_updates": 0, "weight_buckets": 0, "bad_requests": 0
         }
-        self.app = web.Application(client_max_size=MAX_BODY_BYTES)
+        self.app = web.Application(client_max_size=server_args.max_request_bytes)
         self.app.add_routes(
             [
                 web.post("/rollout/generate", self.handle_generate),
@@ -102,7 +111,7 @@ class EngineServer:
             return _error(503, "engine memory is released; POST /resume_memory_occupation first")
         body = await request.read()
         try:
-            generate_request = decode_request(body)
+            generate_request = decode_request(body, self.limits)
         except ProtocolError as err:
             self.counters["bad_requests"] += 1
             return _error(400, str(err))

@@ -52,6 +52,19 @@ class ServerArgs:
         default=None, metadata={"help": "--rollout-patch-group: comma-separated numeric-parity patch groups."}
     )
     url_file: str | None = field(default=None, metadata={"help": "Write the bound URL to this file once serving."})
+    sde_step_backend_path: str | None = field(
+        default=None,
+        metadata={"help": "--sde-step-backend-path: dotted path of the SdeStepBackend subclass for SDE steps (requests "
+                  "cannot name one)."},
+    )
+    # ---- limits on what one request may ask (a request beyond them is a 400) ------------------------------
+    max_samples_per_request: int = field(default=64, metadata={"help": "Most samples in one generate request."})
+    max_num_steps: int = field(default=1000, metadata={"help": "Most denoising steps in one generate request."})
+    max_image_size: int = field(default=4096, metadata={"help": "Largest height or width (pixels) of a request."})
+    max_num_frames: int = field(default=1024, metadata={"help": "Most video frames in one generate request."})
+    max_request_bytes: int = field(
+        default=16 << 20, metadata={"help": "Largest HTTP request body in bytes (larger bodies get 413)."}
+    )
     crash_after_requests: int = field(
         default=0,
         metadata={"help": "Fault-injection drill: the process dies abruptly when its N-th generate request arrives "
@@ -78,4 +91,5 @@ SET_BY_MILES = frozenset(
 
 
 # appended by the engine engineer: the new fields miles sets itself
-SET_BY_MILES = SET_BY_MILES | {"model_backend_path", "pipeline_builder_path", "rollout_patch_group", "url_file"}
+SET_BY_MILES = SET_BY_MILES | {"model_backend_path", "pipeline_builder_path", "rollout_patch_group", "url_file",
+                               "sde_step_backend_path"}

@@ -32,6 +32,8 @@ def build_server_args(args, device: str) -> ServerArgs:
         model_family=None if args.train_pipeline_config_path else args.diffusion_model_family_resolved,
         train_pipeline_config_path=args.train_pipeline_config_path,
         model_backend_path=args.model_backend_path,
+        # the engines import the SDE step backend from their own flags; requests never carry a module path
+        sde_step_backend_path=getattr(args, "sde_step_backend_path", None),
         rollout_patch_group=",".join(args.rollout_patch_group) if isinstance(args.rollout_patch_group, list) else args.rollout_patch_group,
         tp_size=args.rollout_num_gpus_per_engine,
         random_seed=args.rollout_seed,
