@@ -8,9 +8,10 @@ Endpoints (see docs/engine.md):
                                       `?include_buffers=1`)
 - `POST /release_memory_occupation`, `POST /resume_memory_occupation`, `GET /health`
 
-Errors: 400 with {"error": ...} for a malformed or unservable request (a wrong type, a value beyond a `--max-*`
-limit), 413 for a body over `--max-request-bytes`, 503 while the memory is released,
-409 when releasing memory with requests in flight, 500 for an internal failure.
+Every endpoint requires `Authorization: Bearer <api key>` (401 otherwise; docs/security.md). Errors are one-line
+JSON {"error": ...}: 400 for a malformed or unservable request (wrong type, value beyond a `--max-*` limit),
+413 for a body over `--max-request-bytes`, 503 while the memory is released, 409 when releasing memory with
+requests in flight, 500 for an internal failure.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from miles.engine.protocol import CONTENT_TYPE, ProtocolError, RequestLimits, de
 from miles.engine.scheduler import StepScheduler
 from miles.engine.server_args import ServerArgs
 from miles.engine.weight_sync import WeightReceiver, decode_update_message, module_checksums
+from miles.utils.auth import bearer_auth_middleware, json_errors_middleware, resolve_api_key, warn_if_exposed
 from miles.utils.errors import MilesUserError
 
 logger = logging.getLogger(__name__)
@@ -50,8 +52,10 @@ def request_limits(server_args: ServerArgs) -> RequestLimits:
 class EngineServer:
     """One engine: owns the runner, the scheduler, the weight receiver and the HTTP app (tests can start two)."""
 
-    def __init__(self, server_args: ServerArgs, runner: ModelRunner | None = None):
+    def __init__(self, server_args: ServerArgs, runner: ModelRunner | None = None, api_key: str | None = None):
+        """`api_key`: what clients must send (default $MILES_API_KEY; an engine without a key refuses to start)."""
         self.server_args = server_args
+        api_key = resolve_api_key(api_key, "the engine")  # before the model loads: fail in a second, not a minute
         self.limits = request_limits(server_args)
         self.runner = runner if runner is not None else ModelRunner(server_args)
         self.scheduler = StepScheduler(self.runner, server_args.max_batch_size, server_args.batch_wait_ms)
@@ -60,7 +64,10 @@ class EngineServer:
         self.counters: dict[str, Any] = {
             "generate_requests": 0, "weight_updates": 0, "weight_buckets": 0, "bad_requests": 0
         }
-        self.app = web.Application(client_max_size=server_args.max_request_bytes)
+        self.app = web.Application(
+            client_max_size=server_args.max_request_bytes,
+            middlewares=[json_errors_middleware, bearer_auth_middleware(api_key)],
+        )
         self.app.add_routes(
             [
                 web.post("/rollout/generate", self.handle_generate),
@@ -86,6 +93,7 @@ class EngineServer:
     # ---- serving --------------------------------------------------------------------------------------------
     async def start(self) -> str:
         """Bind (port 0 picks a free port) and serve; returns the URL."""
+        warn_if_exposed(self.server_args.host, "the engine")
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.server_args.host, self.server_args.port))
@@ -199,9 +207,9 @@ def _cuda_memory() -> dict[str, int]:
     return {"cuda_memory_allocated": torch.cuda.memory_allocated(), "cuda_memory_reserved": torch.cuda.memory_reserved()}
 
 
-async def serve_forever(server_args: ServerArgs, on_ready=None) -> None:
+async def serve_forever(server_args: ServerArgs, on_ready=None, api_key: str | None = None) -> None:
     """Load the model, bind, call `on_ready(url)`, and serve until cancelled."""
-    server = EngineServer(server_args)
+    server = EngineServer(server_args, api_key=api_key)
     url = await server.start()
     if on_ready is not None:
         on_ready(url)

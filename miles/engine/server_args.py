@@ -17,7 +17,11 @@ class ServerArgs:
     train_pipeline_config_path: str | None = field(
         default=None, metadata={"help": "Dotted path of a user TrainPipelineConfig class."}
     )
-    host: str = field(default="127.0.0.1", metadata={"help": "Address to bind."})
+    host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "Address to bind. Loopback by default; anything wider exposes the engine to the network "
+                  "(every request still needs the API key) and logs a warning."},
+    )
     port: int = field(default=0, metadata={"help": "Port to bind; 0 picks a free one."})
     base_gpu_id: int = field(default=0, metadata={"help": "First GPU of this engine."})
     tp_size: int = field(default=1, metadata={"help": "GPUs of this engine."})

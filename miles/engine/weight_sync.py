@@ -53,6 +53,7 @@ from torch import nn
 
 from miles.engine.protocol import ProtocolError
 from miles.utils.async_utils import run_sync
+from miles.utils.auth import auth_headers
 
 logger = logging.getLogger(__name__)
 
@@ -482,14 +483,14 @@ class WeightSyncError(RuntimeError):
     """An engine rejected or failed a weight update; the message names the engine and its reason."""
 
 
-async def _post_bucket(session, url: str, body: bytes, timeout: float) -> dict:
+async def _post_bucket(session, url: str, body: bytes, timeout: float, headers: dict[str, str]) -> dict:
     import aiohttp
 
     try:
         async with session.post(
             f"{url}/update_weights_from_tensor",
             data=body,
-            headers={"Content-Type": "application/x-msgpack"},
+            headers={"Content-Type": "application/x-msgpack", **headers},
             timeout=aiohttp.ClientTimeout(total=timeout),
         ) as response:
             payload = await response.json(content_type=None)
@@ -510,6 +511,7 @@ async def push_weights_async(
     lora_scaling: float = 1.0,
     target_modules: Sequence[str] | None = None,
     timeout: float = 600.0,
+    api_key: str | None = None,
 ) -> dict[str, Any]:
     """See `push_weights`."""
     import aiohttp
@@ -519,6 +521,7 @@ async def push_weights_async(
     buffers: dict[tuple[torch.device, int], _BucketBuffer] = {}
     in_flight: asyncio.Future | None = None
     in_flight_slot: int | None = None
+    headers = auth_headers(api_key)
 
     def buffer_for(device: torch.device, size: int, slot: int) -> _BucketBuffer:
         key = (device, slot)
@@ -532,7 +535,7 @@ async def push_weights_async(
 
     async def send(bodies: Sequence[bytes]) -> list[dict]:
         return await asyncio.gather(
-            *(_post_bucket(session, url, body, timeout) for url, body in zip(engine_urls, bodies))
+            *(_post_bucket(session, url, body, timeout, headers) for url, body in zip(engine_urls, bodies))
         )
 
     def message(**fields) -> bytes:
@@ -594,13 +597,15 @@ def push_weights(
     lora_scaling: float = 1.0,
     target_modules: Sequence[str] | None = None,
     timeout: float = 600.0,
+    api_key: str | None = None,
 ) -> dict[str, Any]:
     """Push `named_tensors` (`<module>.<param>` names) to every engine, in buckets of at most `bucket_bytes`.
 
     GPU tensors travel as CUDA IPC handles, CPU tensors through shared-memory files; every engine receives the
     same buckets concurrently. `lora=True` pushes PEFT A/B pairs that the engines merge with `lora_scaling`
-    (PEFT's alpha / rank). Returns {"num_tensors", "num_buckets", "bytes", "seconds",
-    "engine_weight_versions"}. Raises WeightSyncError naming the engine on any failure. Safe to call from sync code, also while an event loop runs in this thread (the push then runs on a
+    (PEFT's alpha / rank). `api_key`: the engines' key (default $MILES_API_KEY). Returns {"num_tensors",
+    "num_buckets", "bytes", "seconds", "engine_weight_versions"}. Raises WeightSyncError naming the engine on any
+    failure. Safe to call from sync code, also while an event loop runs in this thread (the push then runs on a
     helper thread).
     """
     coroutine = push_weights_async(
@@ -612,6 +617,7 @@ def push_weights(
         lora_scaling=lora_scaling,
         target_modules=target_modules,
         timeout=timeout,
+        api_key=api_key,
     )
     return run_sync(coroutine)
 

@@ -1,7 +1,8 @@
 """The engines of a run and their router: start, address, restart, stop.
 
 Each engine is an OS process supervised by a Ray actor (`miles.ray.engine_actor`) on its placement slot; the
-router (`python -m miles.router`) is a child process of the driver. Engines are added to the router as they
+router (`python -m miles.router`) is a child process of the driver. Engines and router bind 127.0.0.1 and
+require the run's key, which every process inherits as $MILES_API_KEY (`init_ray` creates it). Engines are added to the router as they
 come up, and removed and re-added when fault tolerance restarts one.
 """
 
@@ -15,6 +16,7 @@ import urllib.request
 from typing import Callable
 
 from miles.engine.server_args import SET_BY_MILES, ServerArgs
+from miles.utils.auth import auth_headers
 from miles.utils.errors import MilesUserError
 
 logger = logging.getLogger(__name__)
@@ -46,7 +48,8 @@ def build_server_args(args, device: str) -> ServerArgs:
 
 def _post_json(url: str, payload: dict | None = None, timeout: float = 600.0) -> dict:
     data = json.dumps(payload or {}).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    headers = {"Content-Type": "application/json", **auth_headers()}
+    request = urllib.request.Request(url, data=data, headers=headers, method="POST")
     with urllib.request.urlopen(request, timeout=timeout) as response:
         body = response.read()
     return json.loads(body) if body else {}

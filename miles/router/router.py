@@ -10,6 +10,8 @@
   `health_check_timeout`); after `failure_threshold` consecutive failures the engine is dead; a success brings
   it back.
 - `POST /add_worker` / `POST /remove_worker` (JSON {"url": ...} or `?url=`), `GET /workers`, `GET /health`.
+- Every endpoint requires `Authorization: Bearer <api key>` (401 otherwise); the router sends the same key to
+  the engines (one key per run, $MILES_API_KEY; docs/security.md).
 """
 
 from __future__ import annotations
@@ -23,6 +25,15 @@ from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
+
+from miles.utils.auth import (
+    API_KEY_ENV,
+    auth_headers,
+    bearer_auth_middleware,
+    json_errors_middleware,
+    resolve_api_key,
+    warn_if_exposed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +49,7 @@ class RouterConfig:
     failure_threshold: int = 3
     timeout: float | None = None  # per forwarded request; None = no limit
     max_connections: int | None = None  # total open connections to engines; None = unlimited
+    max_request_bytes: int = 16 << 20  # largest request body a client may send (generate bodies are small)
 
     @classmethod
     def from_args(cls, args) -> "RouterConfig":
@@ -84,8 +96,11 @@ def _normalize(url: str) -> str:
 class Router:
     """The router's state and HTTP app; `start()` binds it in the running event loop."""
 
-    def __init__(self, config: RouterConfig, worker_urls: list[str] | None = None):
+    def __init__(self, config: RouterConfig, worker_urls: list[str] | None = None, api_key: str | None = None):
+        """`api_key`: what clients must send and what the router sends to the engines (default $MILES_API_KEY)."""
         self.config = config
+        api_key = resolve_api_key(api_key, "the router")
+        self._engine_headers = auth_headers(api_key)
         self.workers: dict[str, WorkerState] = {}
         for url in worker_urls or []:
             self.add_worker(url)
@@ -94,7 +109,10 @@ class Router:
         self._health_task: asyncio.Task | None = None
         self._app_runner: web.AppRunner | None = None
         self.url: str | None = None
-        self.app = web.Application(client_max_size=1 << 30)
+        self.app = web.Application(
+            client_max_size=config.max_request_bytes,
+            middlewares=[json_errors_middleware, bearer_auth_middleware(api_key)],
+        )
         self.app.add_routes(
             [
                 web.post("/rollout/generate", self.handle_forward),
@@ -134,6 +152,7 @@ class Router:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         connector = aiohttp.TCPConnector(limit=self.config.max_connections or 0)
         self._session = aiohttp.ClientSession(connector=connector)
+        warn_if_exposed(host, "the router")
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
@@ -162,7 +181,8 @@ class Router:
         assert self._session is not None
         try:
             timeout = aiohttp.ClientTimeout(total=self.config.health_check_timeout)
-            async with self._session.get(f"{worker.url}/health", timeout=timeout) as response:
+            async with self._session.get(f"{worker.url}/health", timeout=timeout,
+                                         headers=self._engine_headers) as response:
                 healthy = response.status == 200
                 reason = f"/health answered {response.status}"
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
@@ -199,7 +219,8 @@ class Router:
         worker.last_used = next(self._tick)
         assert self._session is not None
         timeout = aiohttp.ClientTimeout(total=self.config.timeout)
-        headers = {"Content-Type": request.headers.get("Content-Type", "application/octet-stream")}
+        headers = {"Content-Type": request.headers.get("Content-Type", "application/octet-stream"),
+                   **self._engine_headers}
         try:
             async with self._session.post(
                 worker.url + request.path, data=body, headers=headers, timeout=timeout
@@ -284,6 +305,7 @@ def router_argv(config: RouterConfig, worker_urls: list[str], host: str = "127.0
         argv += ["--timeout", str(config.timeout)]
     if config.max_connections is not None:
         argv += ["--max-connections", str(config.max_connections)]
+    argv += ["--max-request-bytes", str(config.max_request_bytes)]
     if url_file:
         argv += ["--url-file", url_file]
     for url in worker_urls:
@@ -292,14 +314,20 @@ def router_argv(config: RouterConfig, worker_urls: list[str], host: str = "127.0
 
 
 def launch_router_process(config: RouterConfig, worker_urls: list[str], host: str = "127.0.0.1",
-                          startup_timeout: float = 60.0):
-    """Start `python -m miles.router` and wait for its URL; returns (subprocess.Popen, url)."""
+                          startup_timeout: float = 60.0, api_key: str | None = None):
+    """Start `python -m miles.router` and wait for its URL; returns (subprocess.Popen, url).
+
+    The key (`api_key`, default this process's $MILES_API_KEY) reaches the child through its environment."""
+    import os
     import subprocess
     import sys
 
+    env = dict(os.environ)
+    env[API_KEY_ENV] = resolve_api_key(api_key, "the router")
     process = subprocess.Popen(
         [sys.executable, "-m", "miles.router", *router_argv(config, worker_urls, host)],
         stdout=subprocess.PIPE,
+        env=env,
         text=True,
     )
     url = read_announced_url(process, "MILES_ROUTER_URL=", startup_timeout, "router")

@@ -20,6 +20,7 @@ from miles.engine.server_args import ServerArgs
 from miles.models.base import GenerationShape
 from miles.testing.reference_loop import sample_reference
 from miles.types import GuidanceConfig
+from miles.utils.auth import auth_headers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,13 +45,14 @@ def _request(**overrides) -> GenerateRequest:
 
 
 def _post(url: str, request: GenerateRequest):
-    http = urllib.request.Request(f"{url}/rollout/generate", data=encode_request(request), method="POST")
+    http = urllib.request.Request(f"{url}/rollout/generate", data=encode_request(request), method="POST",
+                                  headers=auth_headers())
     with urllib.request.urlopen(http, timeout=60) as response:
         return decode_response(response.read())
 
 
 def _get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=30) as response:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=auth_headers()), timeout=30) as response:
         return json.loads(response.read())
 
 
@@ -131,7 +133,7 @@ def test_concurrent_requests_are_batched_and_match_serial_serving(engine):
     before = _get_json(f"{engine.url}/server_info")["counters"]
 
     async def burst():
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(headers=auth_headers()) as session:
             async def one(r):
                 async with session.post(f"{engine.url}/rollout/generate", data=encode_request(r)) as resp:
                     assert resp.status == 200
@@ -152,7 +154,7 @@ def test_concurrent_requests_are_batched_and_match_serial_serving(engine):
 
 def test_release_and_resume_memory(engine):
     def post(path):
-        http = urllib.request.Request(f"{engine.url}{path}", data=b"", method="POST")
+        http = urllib.request.Request(f"{engine.url}{path}", data=b"", method="POST", headers=auth_headers())
         with urllib.request.urlopen(http, timeout=30) as response:
             return json.loads(response.read())
 
@@ -165,7 +167,8 @@ def test_release_and_resume_memory(engine):
 
 
 def test_bad_requests_get_400_with_a_reason(engine):
-    http = urllib.request.Request(f"{engine.url}/rollout/generate", data=b"\xc1garbage", method="POST")
+    http = urllib.request.Request(f"{engine.url}/rollout/generate", data=b"\xc1garbage", method="POST",
+                                  headers=auth_headers())
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(http, timeout=30)
     assert err.value.code == 400 and "msgpack" in json.loads(err.value.read())["error"]

@@ -25,6 +25,7 @@ from miles.engine.weight_sync import (
 )
 from miles.models.sd3 import SD3TrainPipelineConfig
 from miles.types import GuidanceConfig
+from miles.utils.auth import auth_headers
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -58,13 +59,15 @@ REQUEST = GenerateRequest(prompt="a tiny house", num_samples=2, seed=3, num_step
 
 
 def _generate(url: str):
-    http = urllib.request.Request(f"{url}/rollout/generate", data=encode_request(REQUEST), method="POST")
+    http = urllib.request.Request(f"{url}/rollout/generate", data=encode_request(REQUEST), method="POST",
+                                  headers=auth_headers())
     with urllib.request.urlopen(http, timeout=60) as response:
         return decode_response(response.read())
 
 
 def _engine_state(url: str) -> tuple[dict, int]:
-    with urllib.request.urlopen(f"{url}/weights_checksum", timeout=60) as response:
+    with urllib.request.urlopen(urllib.request.Request(f"{url}/weights_checksum", headers=auth_headers()),
+                                timeout=60) as response:
         body = json.loads(response.read())
     return body["checksums"], body["weight_version"]
 

@@ -20,6 +20,7 @@ from miles.engine.server_args import ServerArgs
 from miles.rollout.engine_client import EngineClient, EngineRequestError
 from miles.router.router import Router, RouterConfig, launch_router_process
 from miles.types import GuidanceConfig
+from miles.utils.auth import auth_headers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -55,7 +56,8 @@ def _request(num_steps=3, seed=1, prompt="a boat") -> GenerateRequest:
 
 
 def _workers(router_url: str) -> dict[str, dict]:
-    with urllib.request.urlopen(f"{router_url}/workers", timeout=10) as response:
+    with urllib.request.urlopen(urllib.request.Request(f"{router_url}/workers", headers=auth_headers()),
+                                timeout=10) as response:
         return {w["url"]: w for w in json.loads(response.read())["workers"]}
 
 
@@ -80,7 +82,8 @@ def test_least_in_flight_spreads_a_burst_and_forwards_bodies_unchanged(engines, 
     assert all(w["in_flight"] == 0 and w["requests_total"] == 2 for w in workers.values())
     # the same request through the router and straight to an engine gives the same bytes
     direct = urllib.request.urlopen(
-        urllib.request.Request(f"{engines[1].url}/rollout/generate", data=encode_request(requests[0]), method="POST"),
+        urllib.request.Request(f"{engines[1].url}/rollout/generate", data=encode_request(requests[0]), method="POST",
+                               headers=auth_headers()),
         timeout=60,
     )
     assert torch.equal(decode_response(direct.read()).samples[0].clean_latents, results[0][0].samples[0].clean_latents)
@@ -88,7 +91,8 @@ def test_least_in_flight_spreads_a_burst_and_forwards_bodies_unchanged(engines, 
 
 def test_workers_can_be_removed_and_added_at_run_time(engines, router):
     def post(path, url):
-        http = urllib.request.Request(f"{router}{path}", data=json.dumps({"url": url}).encode(), method="POST")
+        http = urllib.request.Request(f"{router}{path}", data=json.dumps({"url": url}).encode(), method="POST",
+                                      headers=auth_headers())
         with urllib.request.urlopen(http, timeout=10) as response:
             return json.loads(response.read())
 
@@ -102,7 +106,7 @@ def test_workers_can_be_removed_and_added_at_run_time(engines, router):
 async def _kill_when_in_flight(router_url: str, victim, deadline_s: float = 30.0) -> None:
     """Kill `victim` as soon as the router reports a request in flight on it."""
     deadline = time.monotonic() + deadline_s
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=auth_headers()) as session:
         while time.monotonic() < deadline:
             async with session.get(f"{router_url}/workers") as response:
                 workers = {w["url"]: w for w in (await response.json())["workers"]}
@@ -129,7 +133,7 @@ def test_health_checks_mark_dead_after_the_threshold_and_revive():
                 assert await router.check_worker(worker) is False
                 assert worker.alive is expected_alive
             # the router answers 503 when no engine is alive
-            async with aiohttp.ClientSession() as session:
+            async with aiohttp.ClientSession(headers=auth_headers()) as session:
                 async with session.post(f"{url}/rollout/generate", data=encode_request(_request())) as response:
                     assert response.status == 503 and "no live engine" in (await response.json())["error"]
             # a worker pointing at the router's own /health comes back on its first good check
