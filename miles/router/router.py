@@ -10,6 +10,8 @@
   `health_check_timeout`); after `failure_threshold` consecutive failures the engine is dead; a success brings
   it back.
 - `POST /add_worker` / `POST /remove_worker` (JSON {"url": ...} or `?url=`), `GET /workers`, `GET /health`.
+  A worker URL is exactly `http[s]://host:port` (no path, query, fragment or user info; 400 otherwise), so the
+  router can only ever be pointed at an engine's root.
 - Every endpoint requires `Authorization: Bearer <api key>` (401 otherwise); the router sends the same key to
   the engines (one key per run, $MILES_API_KEY; docs/security.md).
 """
@@ -17,11 +19,15 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import itertools
+import json
 import logging
+import re
 import socket
 import time
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
@@ -88,9 +94,45 @@ class WorkerState:
         }
 
 
-def _normalize(url: str) -> str:
-    url = url.strip().rstrip("/")
-    return url if "://" in url else f"http://{url}"
+class WorkerUrlError(ValueError):
+    """A worker URL that is not exactly `http[s]://host:port`."""
+
+
+_HOST_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
+
+
+def normalize_worker_url(url: object) -> str:
+    """`http[s]://host:port` of an engine, or WorkerUrlError. A bare `host:port` means http.
+
+    Nothing but scheme, host and port is accepted: a path, query or fragment would make the router send its
+    requests (and its API key) somewhere other than an engine's root, and user info could smuggle credentials."""
+    if not isinstance(url, str) or not 0 < len(url) <= 512:
+        raise WorkerUrlError(f"a worker URL must be a non-empty string, got {str(url)[:80]!r}")
+    if any(ch.isspace() or not ch.isprintable() for ch in url):
+        raise WorkerUrlError(f"worker URL {url[:80]!r} contains whitespace or control characters")
+    text = url if "://" in url else f"http://{url}"
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https"):
+        raise WorkerUrlError(f"worker URL {url!r}: the scheme must be http or https")
+    if "@" in parts.netloc:
+        raise WorkerUrlError(f"worker URL {url!r}: user info is not allowed")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or "?" in text or "#" in text:
+        raise WorkerUrlError(f"worker URL {url!r}: only http[s]://host:port, no path, query or fragment")
+    try:
+        port = parts.port
+    except ValueError as err:
+        raise WorkerUrlError(f"worker URL {url!r}: {err}") from err
+    host = parts.hostname
+    if not host or port is None or port == 0:
+        raise WorkerUrlError(f"worker URL {url!r}: needs a host and a port (http://host:port)")
+    try:
+        address = ipaddress.ip_address(host)
+        netloc_host = f"[{address.compressed}]" if address.version == 6 else address.compressed
+    except ValueError:
+        if _HOST_NAME.fullmatch(host) is None:
+            raise WorkerUrlError(f"worker URL {url!r}: {host!r} is not a valid host name") from None
+        netloc_host = host.lower()
+    return f"{parts.scheme}://{netloc_host}:{port}"
 
 
 class Router:
@@ -125,14 +167,14 @@ class Router:
 
     # ---- workers --------------------------------------------------------------------------------------------
     def add_worker(self, url: str) -> WorkerState:
-        url = _normalize(url)
+        url = normalize_worker_url(url)
         if url not in self.workers:
             self.workers[url] = WorkerState(url)
             logger.info("router: added engine %s", url)
         return self.workers[url]
 
     def remove_worker(self, url: str) -> bool:
-        return self.workers.pop(_normalize(url), None) is not None
+        return self.workers.pop(normalize_worker_url(url), None) is not None
 
     def pick_worker(self) -> WorkerState | None:
         live = [w for w in self.workers.values() if w.alive]
@@ -253,28 +295,36 @@ class Router:
             body=payload, status=status, headers={ENGINE_URL_HEADER: worker.url, "Content-Type": content_type}
         )
 
-    async def _url_from(self, request: web.Request) -> str | None:
+    async def _url_from(self, request: web.Request) -> str:
+        """The normalized worker URL of `?url=` or a JSON body {"url": ...}; WorkerUrlError (a 400) otherwise."""
         url = request.query.get("url")
         if url is None and request.can_read_body:
             try:
-                url = (await request.json()).get("url")
-            except Exception:
-                url = None
-        return url
+                body = json.loads(await request.read())
+            except (ValueError, UnicodeDecodeError) as err:
+                raise WorkerUrlError(f"the body must be JSON {{\"url\": ...}}: {err}") from err
+            if not isinstance(body, dict):
+                raise WorkerUrlError('the body must be a JSON object {"url": ...}')
+            url = body.get("url")
+        if url is None:
+            raise WorkerUrlError(f"{request.path} needs a url (JSON {{\"url\": ...}} or ?url=)")
+        return normalize_worker_url(url)
 
     async def handle_add_worker(self, request: web.Request) -> web.Response:
-        url = await self._url_from(request)
-        if not url:
-            return web.json_response({"error": "add_worker needs a url"}, status=400)
+        try:
+            url = await self._url_from(request)
+        except WorkerUrlError as err:
+            return web.json_response({"error": str(err)}, status=400)
         worker = self.add_worker(url)
         # a re-added engine (restarted on the same URL) starts alive with a clean record
         worker.alive, worker.consecutive_failures = True, 0
         return web.json_response({"ok": True, "workers": [w.url for w in self.workers.values()]})
 
     async def handle_remove_worker(self, request: web.Request) -> web.Response:
-        url = await self._url_from(request)
-        if not url:
-            return web.json_response({"error": "remove_worker needs a url"}, status=400)
+        try:
+            url = await self._url_from(request)
+        except WorkerUrlError as err:
+            return web.json_response({"error": str(err)}, status=400)
         removed = self.remove_worker(url)
         return web.json_response({"ok": removed, "workers": [w.url for w in self.workers.values()]},
                                  status=200 if removed else 404)

@@ -18,7 +18,7 @@ from miles.engine.launcher import launch_engines
 from miles.engine.protocol import GenerateRequest, decode_response, encode_request
 from miles.engine.server_args import ServerArgs
 from miles.rollout.engine_client import EngineClient, EngineRequestError
-from miles.router.router import Router, RouterConfig, launch_router_process
+from miles.router.router import Router, RouterConfig, WorkerUrlError, launch_router_process, normalize_worker_url
 from miles.types import GuidanceConfig
 from miles.utils.auth import auth_headers
 
@@ -161,6 +161,50 @@ def test_router_timeout_answers_504(engines):
     asyncio.run(run())
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:9/update_weights_from_tensor",  # a path: the router would post elsewhere than the root
+        "http://127.0.0.1:9?x=1",
+        "http://127.0.0.1:9#frag",
+        "http://user:pw@127.0.0.1:9",
+        "file:///etc/passwd",
+        "gopher://127.0.0.1:9",
+        "http://127.0.0.1",  # no port
+        "http://127.0.0.1:99999",
+        "http://bad_host:9",
+        "http://127.0.0.1:9\r\nX-Injected: 1",
+        "",
+        123,
+    ],
+)
+def test_worker_urls_other_than_scheme_host_port_are_refused(url):
+    with pytest.raises(WorkerUrlError):
+        normalize_worker_url(url)
+
+
+def test_add_and_remove_worker_answer_400_to_a_bad_url_and_keep_the_worker_set():
+    async def run():
+        router = Router(RouterConfig(health_check_interval=3600, health_check_first_wait=3600), ["127.0.0.1:9"])
+        url = await router.start()
+        try:
+            async with aiohttp.ClientSession(headers=auth_headers()) as session:
+                for path in ("/add_worker", "/remove_worker"):
+                    for body in ({"url": "http://127.0.0.1:9/rollout/generate?x=1"}, {"url": ["x"]}, [1], {}):
+                        async with session.post(f"{url}{path}", json=body) as response:
+                            assert response.status == 400, (path, body)
+                            assert "error" in await response.json()
+                    async with session.post(f"{url}{path}", data=b"{not json") as response:
+                        assert response.status == 400
+                async with session.post(f"{url}/add_worker?url=HTTP://LOCALHOST:8/") as response:
+                    assert response.status == 200
+            assert sorted(router.workers) == ["http://127.0.0.1:9", "http://localhost:8"]
+        finally:
+            await router.stop()
+
+    asyncio.run(run())
+
+
 # The two kill tests run last (file order): the first kills engines[0] and retries on engines[1], the second
 # kills engines[1] with fault tolerance off. A fresh router per test picks its first engine first.
 
@@ -212,3 +256,4 @@ def test_fault_tolerant_client_waits_for_a_live_engine_then_gives_up_clearly():
             await router.stop()
 
     asyncio.run(run())
+
