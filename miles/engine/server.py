@@ -11,7 +11,7 @@ Endpoints (see docs/engine.md):
 Every endpoint requires `Authorization: Bearer <api key>` (401 otherwise; docs/security.md). Errors are one-line
 JSON {"error": ...}: 400 for a malformed or unservable request (wrong type, value beyond a `--max-*` limit),
 413 for a body over `--max-request-bytes`, 503 while the memory is released, 409 when releasing memory with
-requests in flight, 500 for an internal failure.
+requests in flight, 500 for an internal failure. A client that disconnects cancels its request.
 """
 
 from __future__ import annotations
@@ -97,7 +97,9 @@ class EngineServer:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.server_args.host, self.server_args.port))
-        self._runner = web.AppRunner(self.app, access_log=None)
+        # handler_cancellation: a client that disconnects cancels its handler, whose cancelled future makes the
+        # scheduler drop the request at the next step
+        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         await web.SockSite(self._runner, sock).start()
         host, port = sock.getsockname()[:2]

@@ -13,7 +13,8 @@
   A worker URL is exactly `http[s]://host:port` (no path, query, fragment or user info; 400 otherwise), so the
   router can only ever be pointed at an engine's root.
 - Every endpoint requires `Authorization: Bearer <api key>` (401 otherwise); the router sends the same key to
-  the engines (one key per run, $MILES_API_KEY; docs/security.md).
+  the engines (one key per run, $MILES_API_KEY; docs/security.md). A client that disconnects cancels its
+  forward, which cancels the request on the engine.
 """
 
 from __future__ import annotations
@@ -198,7 +199,8 @@ class Router:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        self._app_runner = web.AppRunner(self.app, access_log=None)
+        # handler_cancellation: a client that disconnects cancels the forward, and so the engine's request
+        self._app_runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await self._app_runner.setup()
         await web.SockSite(self._app_runner, sock).start()
         bound_host, bound_port = sock.getsockname()[:2]
