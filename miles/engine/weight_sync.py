@@ -240,7 +240,7 @@ def decode_update_message(body: bytes, cuda_device_count: int | None = None) -> 
     except Exception as err:  # msgpack raises several unrelated types for a broken body
         raise ProtocolError(f"weight update body is not valid msgpack: {type(err).__name__}: {err}") from err
     raw = _expect_map(raw, "weight update message", _MESSAGE_KEYS)
-    if raw["protocol_version"] != WEIGHT_SYNC_PROTOCOL_VERSION:
+    if type(raw["protocol_version"]) is not int or raw["protocol_version"] != WEIGHT_SYNC_PROTOCOL_VERSION:
         raise ProtocolError(f"weight update protocol_version {_short(raw['protocol_version'])}; this engine speaks "
                             f"{WEIGHT_SYNC_PROTOCOL_VERSION}")
     lora_scaling = raw["lora_scaling"]
@@ -766,7 +766,7 @@ class WeightReceiver:
     def apply(self, message: UpdateMessage) -> dict[str, Any]:
         """Apply one bucket message (or the final flush); returns what the engine reports back."""
         steps = self.plan(message)
-        if message.flush and message.lora and self._pending_lora:
+        if message.flush and self._pending_lora:
             missing = sorted(f"{m}.{layer}" for m, layer in self._pending_lora)
             self._pending_lora.clear()  # the update is broken either way; the next one starts clean
             raise ProtocolError(f"LoRA update ended with unpaired lora_A/lora_B for {missing[:5]}")

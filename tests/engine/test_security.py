@@ -74,7 +74,8 @@ def _request(**overrides) -> GenerateRequest:
 
 def _call(url: str, path: str, body: bytes | None = None, headers: dict | None = None, method: str | None = None):
     """(status, JSON or raw body) of one request; `headers=None` sends the run's key."""
-    request = urllib.request.Request(f"{url}{path}", data=body, method=method or ("POST" if body is not None else "GET"),
+    method = method or ("POST" if body is not None else "GET")
+    request = urllib.request.Request(f"{url}{path}", data=body, method=method,
                                      headers=auth_headers() if headers is None else headers)
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
@@ -218,7 +219,8 @@ def test_a_module_path_in_a_generate_body_is_refused_and_never_imported(tiny_che
         loop.run(server.stop())
 
     # the engine's own flag is where the backend comes from
-    server = EngineServer(make_server_args(tiny_checkpoint("sd3"), sde_step_backend_path=f"{module_name}.RecordingBackend"))
+    server_args = make_server_args(tiny_checkpoint("sd3"), sde_step_backend_path=f"{module_name}.RecordingBackend")
+    server = EngineServer(server_args)
     url = loop.run(server.start())
     try:
         status, payload = _call(url, "/rollout/generate",

@@ -10,10 +10,12 @@ import urllib.request
 
 import pytest
 import torch
+from torch import nn
 
 from miles.engine.model_runner import ModelRunner
 from miles.engine.protocol import GenerateRequest, ProtocolError, decode_response, encode_request
 from miles.engine.weight_sync import (
+    _BucketBuffer,
     SharedMemoryRef,
     TensorEntry,
     UpdateMessage,
@@ -188,6 +190,31 @@ def test_receiver_rejects_targets_outside_target_modules(base_transformer):
                             buffer=SharedMemoryRef("miles_" + "0" * 32, entry.nbytes), entries=(entry,))
     with pytest.raises(ProtocolError, match="outside target_modules"):
         receiver.apply(message)
+
+
+def test_a_lora_bucket_with_a_mismatched_rank_changes_nothing():
+    """The halves of a LoRA pair may arrive in different buckets; a B whose rank differs from the pending A is
+    refused before anything is copied, and the pending A stays as it was."""
+    layer = nn.Linear(4, 3, bias=False)
+    weight_before = layer.weight.detach().clone()
+    receiver = WeightReceiver({"transformer": nn.ModuleDict({"proj": layer})})
+    buffer = _BucketBuffer(4096, torch.device("cpu"))
+    try:
+        def bucket(*named):
+            entries = buffer.pack(list(named))
+            return UpdateMessage(weight_version=3, lora=True, lora_scaling=0.5, buffer=buffer.describe(),
+                                 entries=entries)
+
+        receiver.apply(bucket(("transformer.proj.lora_A.weight", torch.ones(2, 4))))  # rank 2, waits for its B
+        with pytest.raises(ProtocolError, match="with rank 2"):
+            receiver.apply(bucket(("transformer.proj.lora_B.weight", torch.ones(3, 5)),))
+        with pytest.raises(ProtocolError, match="does not fit"):  # out-features 2, the weight has 3
+            receiver.apply(bucket(("transformer.proj.lora_B.weight", torch.ones(2, 2))))
+        assert torch.equal(layer.weight, weight_before) and receiver.tensors_received == 1
+        receiver.apply(bucket(("transformer.proj.lora_B.weight", torch.ones(3, 2))))  # the right B merges
+        torch.testing.assert_close(layer.weight, weight_before + 0.5 * torch.ones(3, 2) @ torch.ones(2, 4))
+    finally:
+        buffer.close()
 
 
 @pytest.mark.gpu
