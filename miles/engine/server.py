@@ -140,18 +140,23 @@ class EngineServer:
         body = await request.read()
         try:
             message = decode_update_message(body, torch.cuda.device_count())
-            result = await self.scheduler.run_exclusive(self.receiver.apply, message)
+            # shielded: a sender that disconnects must not leave copied weights under the old version number
+            result = await asyncio.shield(self._apply_update(message))
         except ProtocolError as err:
             self.counters["bad_requests"] += 1
             return _error(400, str(err))
         except Exception as err:
             logger.exception("weight update failed")
             return _error(500, f"{type(err).__name__}: {err}")
+        return web.json_response({"ok": True, "weight_version": self.runner.weight_version, **result})
+
+    async def _apply_update(self, message) -> dict[str, Any]:
+        result = await self.scheduler.run_exclusive(self.receiver.apply, message)
         self.counters["weight_buckets"] += 1
         if message.flush:
             self.runner.weight_version = message.weight_version
             self.counters["weight_updates"] += 1
-        return web.json_response({"ok": True, "weight_version": self.runner.weight_version, **result})
+        return result
 
     async def handle_server_info(self, request: web.Request) -> web.Response:
         runner = self.runner
@@ -188,16 +193,18 @@ class EngineServer:
     async def handle_release(self, request: web.Request) -> web.Response:
         if self.scheduler.num_running:
             return _error(409, f"{self.scheduler.num_running} request(s) in flight; release memory when idle")
-        if not self.memory_released:
-            await self.scheduler.run_exclusive(self.runner.release_memory)
-            self.memory_released = True
+        # shielded (also below): a client that disconnects must not leave the flag disagreeing with the memory
+        await asyncio.shield(self._set_memory_released(True))
         return web.json_response({"ok": True, "memory_released": True, **_cuda_memory()})
 
     async def handle_resume(self, request: web.Request) -> web.Response:
-        if self.memory_released:
-            await self.scheduler.run_exclusive(self.runner.resume_memory)
-            self.memory_released = False
+        await asyncio.shield(self._set_memory_released(False))
         return web.json_response({"ok": True, "memory_released": False, **_cuda_memory()})
+
+    async def _set_memory_released(self, released: bool) -> None:
+        if released != self.memory_released:
+            await self.scheduler.run_exclusive(self.runner.release_memory if released else self.runner.resume_memory)
+            self.memory_released = released
 
     async def handle_health(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "weight_version": self.runner.weight_version})
