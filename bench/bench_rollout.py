@@ -43,6 +43,7 @@ from miles.testing.real_size import (  # noqa: E402
     synchronize,
 )
 from miles.types import GuidanceConfig  # noqa: E402
+from miles.utils.auth import auth_headers, ensure_run_api_key  # noqa: E402
 
 # ---- the random SD3.5-Medium pipeline ----------------------------------------------------------------------
 
@@ -177,7 +178,7 @@ def run_engine(runner, prompts, seeds, opts) -> tuple[float, dict]:
     ]
 
     async def burst() -> None:
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(headers=auth_headers()) as session:
             async def one(request):
                 async with session.post(f"{url}/rollout/generate", data=encode_request(request)) as response:
                     assert response.status == 200, await response.text()
@@ -224,7 +225,8 @@ def time_weight_update(opts) -> dict[str, float]:
 
             from miles.engine.weight_sync import named_tensor_checksums
 
-            with urllib.request.urlopen(f"{engine.url}/weights_checksum", timeout=600) as response:
+            request = urllib.request.Request(f"{engine.url}/weights_checksum", headers=auth_headers())
+            with urllib.request.urlopen(request, timeout=600) as response:
                 engine_sums = json.loads(response.read())["checksums"]
             if engine_sums != named_tensor_checksums(named):
                 raise RuntimeError("the engine's weights differ from the pushed ones after the update")
@@ -239,6 +241,7 @@ def time_weight_update(opts) -> dict[str, float]:
 
 
 def main() -> None:
+    ensure_run_api_key()  # the engines this benchmark starts (in-process or as children) require a key
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--arch", default=None, help="sd3.5-medium (random weights); default: tiny sd3")

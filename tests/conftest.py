@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -12,6 +13,9 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 # (with two, a tiny forward can take 100x longer while the other core is busy).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
+# Engines and routers refuse to run without a key: one per test session, inherited by every engine process,
+# router process and Ray worker the tests start, and sent by every client (miles.utils.auth.auth_headers).
+os.environ.setdefault("MILES_API_KEY", secrets.token_hex(32))
 
 import pytest
 import torch

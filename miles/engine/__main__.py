@@ -1,10 +1,13 @@
 """Run one rollout engine by hand:
 
+    export MILES_API_KEY=$(python -c 'import secrets; print(secrets.token_hex(32))')
     python -m miles.engine --model-path /path/to/pipeline --model-family sd3 --port 0 --device cpu --dtype fp32
 
-The command line is generated from `ServerArgs` (one flag per field). Once the model is loaded and the port
-bound, the engine prints `MILES_ENGINE_URL=http://host:port` on stdout (and writes the URL to `--url-file`
-when given), then serves until SIGTERM / Ctrl-C.
+The command line is generated from `ServerArgs` (one flag per field), plus `--api-key`. Every request must send
+`Authorization: Bearer <key>`; the key comes from $MILES_API_KEY (preferred: a command line is visible to every
+user through `ps`) or `--api-key`, and an engine without one refuses to start. Once the model is loaded and the
+port bound, the engine prints `MILES_ENGINE_URL=http://host:port` on stdout (and writes the URL to
+`--url-file` when given), then serves until SIGTERM / Ctrl-C.
 """
 
 from __future__ import annotations
@@ -52,8 +55,22 @@ def build_parser(dataclass_type: type = ServerArgs, prog: str = "python -m miles
 
 
 def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
-    namespace = build_parser().parse_args(argv)
-    return ServerArgs(**vars(namespace))
+    return parse_command_line(argv)[0]
+
+
+def parse_command_line(argv: list[str] | None = None) -> tuple[ServerArgs, str | None]:
+    """(ServerArgs, --api-key or None). The key is kept out of ServerArgs, which is logged, pickled to Ray actors
+    and turned back into a command line by `server_args_to_argv`."""
+    parser = build_parser()
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="the key clients must send as 'Authorization: Bearer <key>'. Prefer the MILES_API_KEY environment "
+        "variable: a command line is visible to every user of the machine (ps)",
+    )
+    values = vars(parser.parse_args(argv))
+    api_key = values.pop("api_key")
+    return ServerArgs(**values), api_key
 
 
 def server_args_to_argv(server_args: ServerArgs) -> list[str]:
@@ -73,7 +90,7 @@ def server_args_to_argv(server_args: ServerArgs) -> list[str]:
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
-    server_args = parse_server_args(argv)
+    server_args, api_key = parse_command_line(argv)
     logging.basicConfig(
         level=server_args.log_level.upper(), format="%(asctime)s engine %(levelname)s %(name)s: %(message)s"
     )
@@ -94,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)
         try:
-            await serve_forever(server_args, on_ready)
+            await serve_forever(server_args, on_ready, api_key=api_key)
         except asyncio.CancelledError:
             pass
 

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 from miles.engine.server_args import ServerArgs
+from miles.utils.auth import API_KEY_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +49,20 @@ class EngineProcess:
             self.process.stdout.close()
 
 
-def spawn_engine(server_args: ServerArgs, env: dict[str, str] | None = None, log_path: str | None = None):
-    """Start `python -m miles.engine` with these args without waiting (see `wait_engine`)."""
+def spawn_engine(server_args: ServerArgs, env: dict[str, str] | None = None, log_path: str | None = None,
+                 api_key: str | None = None):
+    """Start `python -m miles.engine` with these args without waiting (see `wait_engine`).
+
+    The engine's key (`api_key`, default $MILES_API_KEY of this process) travels in the child's environment,
+    never on its command line."""
     from miles.engine.__main__ import server_args_to_argv
 
     child_env = dict(os.environ)
     child_env.setdefault("HF_HUB_OFFLINE", "1")
     child_env.setdefault("TRANSFORMERS_OFFLINE", "1")
     child_env.update(env or {})
+    if api_key is not None:
+        child_env[API_KEY_ENV] = api_key
     stderr = open(log_path, "a") if log_path else None
     process = subprocess.Popen(
         [sys.executable, "-m", "miles.engine", *server_args_to_argv(server_args)],
@@ -94,13 +101,14 @@ def launch_engine(
     env: dict[str, str] | None = None,
     log_path: str | None = None,
     startup_timeout: float = 300.0,
+    api_key: str | None = None,
 ) -> EngineProcess:
     """Spawn `python -m miles.engine` with these args; returns once it printed its URL (model loaded, bound).
 
     `env` entries are added to the current environment (e.g. CUDA_VISIBLE_DEVICES). The engine's logs go to
-    `log_path` (appended) or to this process's stderr.
+    `log_path` (appended) or to this process's stderr. `api_key`: see `spawn_engine`.
     """
-    process = spawn_engine(server_args, env, log_path)
+    process = spawn_engine(server_args, env, log_path, api_key)
     return wait_engine(process, log_path, startup_timeout, f"engine for {server_args.model_path!r}")
 
 

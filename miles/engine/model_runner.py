@@ -163,7 +163,8 @@ class ModelRunner:
 
     # ---- one request ------------------------------------------------------------------------------------
     def _backend(self, request: GenerateRequest) -> SdeStepBackend:
-        key = (request.sde_type, request.noise_level, request.log_prob_no_const, request.sde_backend_path)
+        # the backend class comes from the engine's own flags: a request never names code to import
+        key = (request.sde_type, request.noise_level, request.log_prob_no_const, self.server_args.sde_step_backend_path)
         if key not in self._backends:
             try:
                 self._backends[key] = build_sde_backend(*key)

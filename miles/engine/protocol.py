@@ -5,6 +5,11 @@ every tensor travels as a msgpack extension holding (dtype name, shape, raw litt
 response with latents and conditioning costs one memcpy per tensor on each side. Never pickle, never base64
 JSON for generate traffic.
 
+A request is decoded defensively (`decode_request`): no msgpack extensions, only known fields, each of its
+declared type (a wrong type is a ProtocolError, i.e. a 400, never a crash deeper in), and the engine's
+`RequestLimits` on samples, steps, size and frames. A request names no code: the SDE step backend the engine
+imports comes from its own start-up flags (`--sde-step-backend-path`), never from the body.
+
 The dataclasses here are the only place that knows the wire layout: `encode_request` / `decode_request` and
 `encode_response` / `decode_response` convert both ways; the client turns a `SampleResult` into a
 `miles.types.Sample` with `SampleResult.fill_sample`.
@@ -41,6 +46,17 @@ _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 class ProtocolError(ValueError):
     """A body that does not follow this protocol (wrong version, missing field, bad tensor payload)."""
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The most one generate request may ask of an engine (ServerArgs `--max-*`; 400 beyond)."""
+
+    max_samples: int = 64
+    max_steps: int = 1000
+    max_image_size: int = 4096  # height and width, pixels
+    max_frames: int = 1024
+    max_text_chars: int = 65536  # prompt, negative prompt, request id, sde type
 
 
 # ---- tensors ---------------------------------------------------------------------------------------------
@@ -120,7 +136,6 @@ class GenerateRequest:
     noise_level: float = 0.7
     sde_type: str = "sde"
     log_prob_no_const: bool = False
-    sde_backend_path: str | None = None
     sde_step_indices: list[int] = field(default_factory=list)
     return_latent_indices: list[int] = field(default_factory=list)
     height: int = 512
@@ -139,6 +154,8 @@ class GenerateRequest:
             raise ProtocolError(f"num_samples must be >= 1, got {self.num_samples}")
         if self.num_steps < 1:
             raise ProtocolError(f"num_steps must be >= 1, got {self.num_steps}")
+        if not 0 <= self.seed <= _MAX_SEED - self.num_samples:
+            raise ProtocolError(f"seed must be in [0, 2^63 - num_samples], got {self.seed}")
         for name in ("sde_step_indices", "return_latent_indices"):
             values = getattr(self, name)
             limit = self.num_steps if name == "sde_step_indices" else self.num_steps + 1
@@ -149,6 +166,23 @@ class GenerateRequest:
                 raise ProtocolError(f"{name} {values} has duplicates")
         if self.height <= 0 or self.width <= 0 or self.num_frames <= 0:
             raise ProtocolError(f"bad output size {self.height}x{self.width}x{self.num_frames}")
+
+    def check_limits(self, limits: RequestLimits) -> None:
+        """Reject requests larger than this engine serves (each limit is a server flag)."""
+        for name, value, limit, flag in (
+            ("num_samples", self.num_samples, limits.max_samples, "max-samples-per-request"),
+            ("num_steps", self.num_steps, limits.max_steps, "max-num-steps"),
+            ("height", self.height, limits.max_image_size, "max-image-size"),
+            ("width", self.width, limits.max_image_size, "max-image-size"),
+            ("num_frames", self.num_frames, limits.max_frames, "max-num-frames"),
+        ):
+            if value > limit:
+                raise ProtocolError(f"{name} {value} exceeds this engine's limit {limit} (engine flag --{flag}, "
+                                    f"--sglang-{flag} in train_diffusion.py)")
+        for name in ("prompt", "negative_prompt", "sde_type", "request_id"):
+            text = getattr(self, name)
+            if text is not None and len(text) > limits.max_text_chars:
+                raise ProtocolError(f"{name} has {len(text)} characters; the limit is {limits.max_text_chars}")
 
 
 @dataclass
@@ -201,25 +235,116 @@ def _check_version(body: Any, what: str) -> dict:
     if not isinstance(body, dict):
         raise ProtocolError(f"{what} body must be a msgpack map")
     version = body.pop("protocol_version", None)
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(f"{what} protocol_version {version!r}; this side speaks {PROTOCOL_VERSION}")
     return body
 
 
-def decode_request(data: bytes) -> GenerateRequest:
-    body = _check_version(unpackb(data), "request")
-    known = {f.name for f in fields(GenerateRequest)}
-    unknown = set(body) - known
+_MAX_SEED = (1 << 63) - 1
+_MAX_INDEX_COUNT = 1 << 16  # more step indices than any --max-num-steps; checked before the list is walked
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _as_int(name: str, value: Any) -> int:
+    if type(value) is not int:  # not isinstance: True is an int to Python, not a sample count to us
+        raise ProtocolError(f"{name} must be an integer, got {_short(value)}")
+    return value
+
+
+def _as_float(name: str, value: Any) -> float:
+    if type(value) not in (int, float) or value != value or value in (float("inf"), float("-inf")):
+        raise ProtocolError(f"{name} must be a finite number, got {_short(value)}")
+    return float(value)
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if type(value) is not bool:
+        raise ProtocolError(f"{name} must be true or false, got {_short(value)}")
+    return value
+
+
+def _as_str(name: str, value: Any) -> str:
+    if type(value) is not str:
+        raise ProtocolError(f"{name} must be a string, got {_short(value)}")
+    return value
+
+
+def _as_index_list(name: str, value: Any) -> list[int]:
+    if type(value) is not list or len(value) > _MAX_INDEX_COUNT:
+        raise ProtocolError(f"{name} must be a list of step indices, got {_short(value)}")
+    return [_as_int(f"{name} entry", k) for k in value]
+
+
+def _optional(convert):
+    return lambda name, value: None if value is None else convert(name, value)
+
+
+# every field a request may carry, with the converter that checks its wire type
+_REQUEST_FIELDS = {
+    "prompt": _as_str,
+    "num_samples": _as_int,
+    "seed": _as_int,
+    "num_steps": _as_int,
+    "negative_prompt": _optional(_as_str),
+    "noise_level": _as_float,
+    "sde_type": _as_str,
+    "log_prob_no_const": _as_bool,
+    "sde_step_indices": _as_index_list,
+    "return_latent_indices": _as_index_list,
+    "height": _as_int,
+    "width": _as_int,
+    "num_frames": _as_int,
+    "fps": _optional(_as_float),
+    "flow_shift": _optional(_as_float),
+    "debug": _as_bool,
+    "evaluation": _as_bool,
+    "return_images": _as_bool,
+    "request_id": _as_str,
+}
+_GUIDANCE_FIELDS = {
+    "guidance_scale": _as_float,
+    "guidance_scale_2": _optional(_as_float),
+    "true_cfg_scale": _optional(_as_float),
+}
+assert set(_REQUEST_FIELDS) | {"guidance"} == {f.name for f in fields(GenerateRequest)}
+assert set(_GUIDANCE_FIELDS) == {f.name for f in fields(GuidanceConfig)}
+
+
+def _reject_extension(code: int, data: bytes) -> Any:
+    raise ProtocolError(f"a generate request carries no msgpack extensions (got code {code})")
+
+
+def decode_request(data: bytes, limits: RequestLimits | None = None) -> GenerateRequest:
+    """Parse, type-check and validate one request body (ProtocolError names the first bad field)."""
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_reject_extension)
+    except ProtocolError:
+        raise
+    except Exception as err:  # msgpack raises several unrelated types for a broken body
+        raise ProtocolError(f"body is not valid msgpack: {type(err).__name__}: {err}") from err
+    body = _check_version(raw, "request")
+    unknown = set(body) - set(_REQUEST_FIELDS) - {"guidance"}
     if unknown:
-        raise ProtocolError(f"request has unknown fields {sorted(unknown)}")
+        raise ProtocolError(f"request has unknown fields {sorted(map(str, unknown))}")
     if "prompt" not in body:
         raise ProtocolError("request has no 'prompt'")
-    try:
-        body["guidance"] = GuidanceConfig(**body.get("guidance", {}))
-        request = GenerateRequest(**body)
-    except TypeError as err:
-        raise ProtocolError(f"bad request fields: {err}") from err
+    values = {name: _REQUEST_FIELDS[name](name, value) for name, value in body.items() if name != "guidance"}
+    guidance = body.get("guidance", {})
+    if type(guidance) is not dict:
+        raise ProtocolError(f"guidance must be a map, got {_short(guidance)}")
+    unknown = set(guidance) - set(_GUIDANCE_FIELDS)
+    if unknown:
+        raise ProtocolError(f"guidance has unknown fields {sorted(map(str, unknown))}")
+    values["guidance"] = GuidanceConfig(
+        **{name: _GUIDANCE_FIELDS[name](f"guidance.{name}", value) for name, value in guidance.items()}
+    )
+    request = GenerateRequest(**values)
     request.validate()
+    request.check_limits(limits or RequestLimits())
     return request
 
 

@@ -42,6 +42,7 @@ class _Job:
 class SchedulerCounters:
     requests_total: int = 0
     requests_failed: int = 0
+    requests_cancelled: int = 0  # the client went away (disconnect, timeout) before the answer
     samples_total: int = 0
     forward_batches: int = 0
     forward_samples: int = 0
@@ -137,7 +138,8 @@ class StepScheduler:
     async def _admit(self, loop: asyncio.AbstractEventLoop) -> None:
         pending, self._pending = self._pending, []
         for job in pending:
-            if job.future.done():
+            if job.future.done():  # cancelled while queued: never admitted
+                self.counters.requests_cancelled += 1
                 continue
             try:
                 job.trajectory = await loop.run_in_executor(self.executor, self.runner.start, job.request)
@@ -148,7 +150,13 @@ class StepScheduler:
 
     def _drop_cancelled(self) -> None:
         # a client that went away (timeout, disconnect) cancels its future: stop spending steps on it
-        self._active = [job for job in self._active if not job.future.done()]
+        kept = [job for job in self._active if not job.future.done()]
+        for job in self._active:
+            if job.future.done():
+                self.counters.requests_cancelled += 1
+                logger.info("request %s cancelled by its client at step %d", job.request.request_id,
+                            job.trajectory.step if job.trajectory is not None else 0)
+        self._active = kept
 
     def _pick_batch(self) -> list[_Job]:
         groups: dict[tuple, list[_Job]] = {}

@@ -8,8 +8,10 @@ Endpoints (see docs/engine.md):
                                       `?include_buffers=1`)
 - `POST /release_memory_occupation`, `POST /resume_memory_occupation`, `GET /health`
 
-Errors: 400 with {"error": ...} for a malformed or unservable request, 503 while the memory is released,
-409 when releasing memory with requests in flight, 500 for an internal failure.
+Every endpoint requires `Authorization: Bearer <api key>` (401 otherwise; docs/security.md). Errors are one-line
+JSON {"error": ...}: 400 for a malformed or unservable request (wrong type, value beyond a `--max-*` limit),
+413 for a body over `--max-request-bytes`, 503 while the memory is released, 409 when releasing memory with
+requests in flight, 500 for an internal failure. A client that disconnects cancels its request.
 """
 
 from __future__ import annotations
@@ -24,26 +26,37 @@ import torch
 from aiohttp import web
 
 from miles.engine.model_runner import ModelRunner
-from miles.engine.protocol import CONTENT_TYPE, ProtocolError, decode_request, encode_response
+from miles.engine.protocol import CONTENT_TYPE, ProtocolError, RequestLimits, decode_request, encode_response
 from miles.engine.scheduler import StepScheduler
 from miles.engine.server_args import ServerArgs
 from miles.engine.weight_sync import WeightReceiver, decode_update_message, module_checksums
+from miles.utils.auth import bearer_auth_middleware, json_errors_middleware, resolve_api_key, warn_if_exposed
 from miles.utils.errors import MilesUserError
 
 logger = logging.getLogger(__name__)
-
-MAX_BODY_BYTES = 1 << 30
 
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
+def request_limits(server_args: ServerArgs) -> RequestLimits:
+    return RequestLimits(
+        max_samples=server_args.max_samples_per_request,
+        max_steps=server_args.max_num_steps,
+        max_image_size=server_args.max_image_size,
+        max_frames=server_args.max_num_frames,
+    )
+
+
 class EngineServer:
     """One engine: owns the runner, the scheduler, the weight receiver and the HTTP app (tests can start two)."""
 
-    def __init__(self, server_args: ServerArgs, runner: ModelRunner | None = None):
+    def __init__(self, server_args: ServerArgs, runner: ModelRunner | None = None, api_key: str | None = None):
+        """`api_key`: what clients must send (default $MILES_API_KEY; an engine without a key refuses to start)."""
         self.server_args = server_args
+        api_key = resolve_api_key(api_key, "the engine")  # before the model loads: fail in a second, not a minute
+        self.limits = request_limits(server_args)
         self.runner = runner if runner is not None else ModelRunner(server_args)
         self.scheduler = StepScheduler(self.runner, server_args.max_batch_size, server_args.batch_wait_ms)
         self.receiver = WeightReceiver({name: getattr(self.runner.pipe, name) for name in self.runner.module_names})
@@ -51,7 +64,10 @@ class EngineServer:
         self.counters: dict[str, Any] = {
             "generate_requests": 0, "weight_updates": 0, "weight_buckets": 0, "bad_requests": 0
         }
-        self.app = web.Application(client_max_size=MAX_BODY_BYTES)
+        self.app = web.Application(
+            client_max_size=server_args.max_request_bytes,
+            middlewares=[json_errors_middleware, bearer_auth_middleware(api_key)],
+        )
         self.app.add_routes(
             [
                 web.post("/rollout/generate", self.handle_generate),
@@ -77,10 +93,13 @@ class EngineServer:
     # ---- serving --------------------------------------------------------------------------------------------
     async def start(self) -> str:
         """Bind (port 0 picks a free port) and serve; returns the URL."""
+        warn_if_exposed(self.server_args.host, "the engine")
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.server_args.host, self.server_args.port))
-        self._runner = web.AppRunner(self.app, access_log=None)
+        # handler_cancellation: a client that disconnects cancels its handler, whose cancelled future makes the
+        # scheduler drop the request at the next step
+        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         await web.SockSite(self._runner, sock).start()
         host, port = sock.getsockname()[:2]
@@ -102,7 +121,7 @@ class EngineServer:
             return _error(503, "engine memory is released; POST /resume_memory_occupation first")
         body = await request.read()
         try:
-            generate_request = decode_request(body)
+            generate_request = decode_request(body, self.limits)
         except ProtocolError as err:
             self.counters["bad_requests"] += 1
             return _error(400, str(err))
@@ -120,18 +139,24 @@ class EngineServer:
     async def handle_update_weights(self, request: web.Request) -> web.Response:
         body = await request.read()
         try:
-            message = decode_update_message(body)
-            result = await self.scheduler.run_exclusive(self.receiver.apply, message)
+            message = decode_update_message(body, torch.cuda.device_count())
+            # shielded: a sender that disconnects must not leave copied weights under the old version number
+            result = await asyncio.shield(self._apply_update(message))
         except ProtocolError as err:
+            self.counters["bad_requests"] += 1
             return _error(400, str(err))
         except Exception as err:
             logger.exception("weight update failed")
             return _error(500, f"{type(err).__name__}: {err}")
-        self.counters["weight_buckets"] += 1
-        if message.get("flush"):
-            self.runner.weight_version = int(message["weight_version"])
-            self.counters["weight_updates"] += 1
         return web.json_response({"ok": True, "weight_version": self.runner.weight_version, **result})
+
+    async def _apply_update(self, message) -> dict[str, Any]:
+        result = await self.scheduler.run_exclusive(self.receiver.apply, message)
+        self.counters["weight_buckets"] += 1
+        if message.flush:
+            self.runner.weight_version = message.weight_version
+            self.counters["weight_updates"] += 1
+        return result
 
     async def handle_server_info(self, request: web.Request) -> web.Response:
         runner = self.runner
@@ -169,16 +194,18 @@ class EngineServer:
     async def handle_release(self, request: web.Request) -> web.Response:
         if self.scheduler.num_running:
             return _error(409, f"{self.scheduler.num_running} request(s) in flight; release memory when idle")
-        if not self.memory_released:
-            await self.scheduler.run_exclusive(self.runner.release_memory)
-            self.memory_released = True
+        # shielded (also below): a client that disconnects must not leave the flag disagreeing with the memory
+        await asyncio.shield(self._set_memory_released(True))
         return web.json_response({"ok": True, "memory_released": True, **_cuda_memory()})
 
     async def handle_resume(self, request: web.Request) -> web.Response:
-        if self.memory_released:
-            await self.scheduler.run_exclusive(self.runner.resume_memory)
-            self.memory_released = False
+        await asyncio.shield(self._set_memory_released(False))
         return web.json_response({"ok": True, "memory_released": False, **_cuda_memory()})
+
+    async def _set_memory_released(self, released: bool) -> None:
+        if released != self.memory_released:
+            await self.scheduler.run_exclusive(self.runner.release_memory if released else self.runner.resume_memory)
+            self.memory_released = released
 
     async def handle_health(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "weight_version": self.runner.weight_version})
@@ -203,9 +230,9 @@ def _cuda_memory() -> dict[str, int]:
     return {"cuda_memory_allocated": torch.cuda.memory_allocated(), "cuda_memory_reserved": torch.cuda.memory_reserved()}
 
 
-async def serve_forever(server_args: ServerArgs, on_ready=None) -> None:
+async def serve_forever(server_args: ServerArgs, on_ready=None, api_key: str | None = None) -> None:
     """Load the model, bind, call `on_ready(url)`, and serve until cancelled."""
-    server = EngineServer(server_args)
+    server = EngineServer(server_args, api_key=api_key)
     url = await server.start()
     if on_ready is not None:
         on_ready(url)

@@ -17,7 +17,11 @@ class ServerArgs:
     train_pipeline_config_path: str | None = field(
         default=None, metadata={"help": "Dotted path of a user TrainPipelineConfig class."}
     )
-    host: str = field(default="127.0.0.1", metadata={"help": "Address to bind."})
+    host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "Address to bind. Loopback by default; anything wider exposes the engine to the network "
+                  "(every request still needs the API key) and logs a warning."},
+    )
     port: int = field(default=0, metadata={"help": "Port to bind; 0 picks a free one."})
     base_gpu_id: int = field(default=0, metadata={"help": "First GPU of this engine."})
     tp_size: int = field(default=1, metadata={"help": "GPUs of this engine."})
@@ -56,6 +60,19 @@ class ServerArgs:
         metadata={"help": "Run every DiT forward on exactly this many samples (the batch_invariant group; 0: off)."},
     )
     url_file: str | None = field(default=None, metadata={"help": "Write the bound URL to this file once serving."})
+    sde_step_backend_path: str | None = field(
+        default=None,
+        metadata={"help": "--sde-step-backend-path: dotted path of the SdeStepBackend subclass for SDE steps (requests "
+                  "cannot name one)."},
+    )
+    # ---- limits on what one request may ask (a request beyond them is a 400) ------------------------------
+    max_samples_per_request: int = field(default=64, metadata={"help": "Most samples in one generate request."})
+    max_num_steps: int = field(default=1000, metadata={"help": "Most denoising steps in one generate request."})
+    max_image_size: int = field(default=4096, metadata={"help": "Largest height or width (pixels) of a request."})
+    max_num_frames: int = field(default=1024, metadata={"help": "Most video frames in one generate request."})
+    max_request_bytes: int = field(
+        default=16 << 20, metadata={"help": "Largest HTTP request body in bytes (larger bodies get 413)."}
+    )
     crash_after_requests: int = field(
         default=0,
         metadata={"help": "Fault-injection drill: the process dies abruptly when its N-th generate request arrives "
@@ -83,5 +100,6 @@ SET_BY_MILES = frozenset(
 
 # appended by the engine engineer: the new fields miles sets itself
 SET_BY_MILES = SET_BY_MILES | {
-    "model_backend_path", "pipeline_builder_path", "rollout_patch_group", "forward_tile", "url_file"
+    "model_backend_path", "pipeline_builder_path", "rollout_patch_group", "forward_tile", "url_file",
+    "sde_step_backend_path",
 }

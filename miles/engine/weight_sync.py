@@ -1,13 +1,20 @@
 """Weight sync from a trainer process into running engines (`POST /update_weights_from_tensor`).
 
 Sender (`push_weights`, called in the trainer process): named tensors are packed into one flat byte buffer per
-bucket of at most `bucket_bytes`; the buffer travels as a *handle*, never as bytes: a CUDA IPC handle when it
-lives on a GPU, a shared-memory file handle when it lives on the CPU (both made by
-`torch.multiprocessing.reductions.reduce_tensor`, pickled with the multiprocessing `ForkingPickler`, with the
-`file_system` sharing strategy in both processes, ENVIRONMENT.md). The control message (names, dtypes, shapes,
-byte offsets) is msgpack. The sender keeps the buffer alive until every engine answered, and an engine answers
-only after it copied the bucket into its parameters, so the receiver never reads freed memory. Two buffers
-alternate: the next bucket is packed while the engines copy the previous one.
+bucket of at most `bucket_bytes`; the buffer travels by reference, never as bytes:
+
+- CPU: a shared-memory file `/dev/shm/miles_<32 hex>` that the sender creates (mode 0600) and unlinks when the
+  push ends; the message names it and gives its size.
+- GPU: a CUDA IPC handle, sent as its raw fields (what `UntypedStorage._share_cuda_()` returns: device index,
+  memory handle bytes, storage size and offset, ref-counter file and offset, event handle, event_sync_required)
+  and rebuilt engine-side with `UntypedStorage._new_shared_cuda` once every field passed its type and range
+  check. Every engine gets its own handle per bucket (CUDA IPC counts its consumers).
+
+The message is plain msgpack (`encode_update_message` / `decode_update_message`): no pickle, no msgpack
+extensions, only known keys of known types. Per tensor it carries name, dtype, shape and byte offset. The sender
+keeps the buffer alive until every engine answered, and an engine answers only after it copied the bucket into
+its parameters, so the receiver never reads freed memory. Two buffers alternate: the next bucket is packed
+while the engines copy the previous one.
 
 Names are `<module>.<parameter name>` (e.g. `transformer.transformer_blocks.0.attn.to_q.weight`), where
 `<module>` is a pipeline component (`--update-weight-target-module`).
@@ -18,36 +25,51 @@ LoRA (`lora=True`, `--lora-ipc-weight-sync`): the tensors are PEFT A/B pairs
 merged layer, so the next LoRA update replaces the previous delta instead of adding to it. A full-weight update
 of a layer makes the pushed weight its new base.
 
-The receiving side is `WeightReceiver`; `module_checksums` / `named_tensor_checksums` give the same digest on
-both sides, so tests can prove the engine holds exactly the trainer's weights (`GET /weights_checksum`).
-
-The handles are pickles: an engine must only listen on an address the trainer side trusts (127.0.0.1 by
-default).
+The receiving side is `WeightReceiver`: it checks every entry of a bucket (known parameter of an allowed
+module, dtype in the allow-list, shape equal to the parameter's, bytes inside the buffer) before it copies
+anything, so a rejected bucket changes nothing. `module_checksums` / `named_tensor_checksums` give the same
+digest on both sides, so tests can prove the engine holds exactly the trainer's weights (`GET
+/weights_checksum`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
-import io
 import logging
-import pickle
+import mmap
+import os
 import re
+import secrets
+import stat
 import time
 from dataclasses import dataclass
-from multiprocessing.reduction import ForkingPickler
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+import msgpack
 import torch
-import torch.multiprocessing
 from torch import nn
 
-from miles.engine.protocol import ProtocolError, packb, unpackb
+from miles.engine.protocol import ProtocolError
 from miles.utils.async_utils import run_sync
+from miles.utils.auth import auth_headers
 
 logger = logging.getLogger(__name__)
 
+WEIGHT_SYNC_PROTOCOL_VERSION = 2  # 1 carried pickled handles; a version-1 sender is refused
 ALIGN_BYTES = 256  # every tensor starts at a multiple of this inside a bucket (any dtype can view it)
+SHM_DIR = "/dev/shm"
+SHM_NAME = re.compile(r"miles_[0-9a-f]{32}")
+# torch names its CUDA IPC ref-counter files /torch_<pid>_<random>_<counter> (older releases: /torch_<pid>_<n>)
+REF_COUNTER_NAME = re.compile(rb"/torch_[0-9]{1,10}(?:_[0-9]{1,20}){1,2}")
+CUDA_IPC_EVENT_HANDLE_BYTES = 64  # sizeof(cudaIpcEventHandle_t)
+MAX_IPC_HANDLE_BYTES = 1 << 16  # a cudaIpcMemHandle_t is 64 bytes (+1 type byte); expandable segments add more
+MAX_BUFFER_BYTES = 1 << 40
+MAX_ENTRIES = 1 << 20
+MAX_NAME_CHARS = 1024
+MAX_NDIM = 8
+MAX_WEIGHT_VERSION = (1 << 63) - 1
 _DTYPE_NAMES = {
     torch.float32: "float32",
     torch.float16: "float16",
@@ -64,18 +86,256 @@ _LORA_NAME = re.compile(
 )
 
 
-def use_file_system_sharing() -> None:
-    """Shared-memory tensors between unrelated processes need this strategy on both sides (ENVIRONMENT.md)."""
-    if torch.multiprocessing.get_sharing_strategy() != "file_system":
-        torch.multiprocessing.set_sharing_strategy("file_system")
-
-
 def _align(n: int) -> int:
     return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the wire message
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a bucket: `nbytes` bytes at `offset` of the bucket's buffer."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for dim in self.shape:
+            numel *= dim
+        return numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class SharedMemoryRef:
+    """A CPU bucket: the shared-memory file `SHM_DIR/<name>` of at least `size` bytes."""
+
+    name: str
+    size: int
+
+
+@dataclass(frozen=True)
+class CudaIpcRef:
+    """A GPU bucket: the fields of `UntypedStorage._share_cuda_()`, in its order."""
+
+    device: int
+    handle: bytes
+    storage_size: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+    @property
+    def size(self) -> int:
+        return self.storage_size
+
+
+@dataclass(frozen=True)
+class UpdateMessage:
+    """One bucket (entries in `buffer`) or the final flush that commits `weight_version`."""
+
+    weight_version: int
+    flush: bool = False
+    lora: bool = False
+    lora_scaling: float = 1.0
+    target_modules: tuple[str, ...] | None = None
+    buffer: SharedMemoryRef | CudaIpcRef | None = None
+    entries: tuple[TensorEntry, ...] = ()
+
+
+def encode_update_message(message: UpdateMessage) -> bytes:
+    buffer: dict[str, Any] | None = None
+    if isinstance(message.buffer, SharedMemoryRef):
+        buffer = {"kind": "shm", "name": message.buffer.name, "size": message.buffer.size}
+    elif isinstance(message.buffer, CudaIpcRef):
+        ref = message.buffer
+        buffer = {
+            "kind": "cuda_ipc",
+            "device": ref.device,
+            "handle": ref.handle,
+            "storage_size": ref.storage_size,
+            "storage_offset": ref.storage_offset,
+            "ref_counter_handle": ref.ref_counter_handle,
+            "ref_counter_offset": ref.ref_counter_offset,
+            "event_handle": ref.event_handle,
+            "event_sync_required": ref.event_sync_required,
+        }
+    body = {
+        "protocol_version": WEIGHT_SYNC_PROTOCOL_VERSION,
+        "weight_version": message.weight_version,
+        "flush": message.flush,
+        "lora": message.lora,
+        "lora_scaling": message.lora_scaling,
+        "target_modules": list(message.target_modules) if message.target_modules is not None else None,
+        "buffer": buffer,
+        "entries": [[e.name, _DTYPE_NAMES[e.dtype], list(e.shape), e.offset] for e in message.entries],
+    }
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _expect_int(value: Any, what: str, lo: int, hi: int) -> int:
+    if type(value) is not int or not lo <= value <= hi:  # type(...) is int: a bool is not a number here
+        raise ProtocolError(f"{what} must be an integer in [{lo}, {hi}], got {_short(value)}")
+    return value
+
+
+def _expect_bool(value: Any, what: str) -> bool:
+    if type(value) is not bool:
+        raise ProtocolError(f"{what} must be a boolean, got {_short(value)}")
+    return value
+
+
+def _expect_bytes(value: Any, what: str, lo: int, hi: int) -> bytes:
+    if type(value) is not bytes or not lo <= len(value) <= hi:
+        raise ProtocolError(f"{what} must be {lo}..{hi} raw bytes, got {_short(value)}")
+    return value
+
+
+def _expect_map(value: Any, what: str, keys: set[str]) -> dict:
+    if not isinstance(value, dict):
+        raise ProtocolError(f"{what} must be a map, got {_short(value)}")
+    if set(value) != keys:
+        raise ProtocolError(
+            f"{what} must have exactly the keys {sorted(keys)}; unknown {sorted(map(str, set(value) - keys))}, "
+            f"missing {sorted(keys - set(value))}"
+        )
+    return value
+
+
+_MESSAGE_KEYS = {"protocol_version", "weight_version", "flush", "lora", "lora_scaling", "target_modules", "buffer",
+                 "entries"}
+_SHM_KEYS = {"kind", "name", "size"}
+_CUDA_KEYS = {"kind", "device", "handle", "storage_size", "storage_offset", "ref_counter_handle",
+              "ref_counter_offset", "event_handle", "event_sync_required"}
+
+
+def _reject_extension(code: int, data: bytes) -> Any:
+    raise ProtocolError(f"weight update bodies carry no msgpack extensions (got code {code})")
+
+
+def decode_update_message(body: bytes, cuda_device_count: int | None = None) -> UpdateMessage:
+    """Parse and check one body; raises ProtocolError (a 400) for anything but a well-formed message.
+
+    `cuda_device_count`: the devices a CUDA IPC handle may name (default: this process's count)."""
+    try:
+        raw = msgpack.unpackb(body, raw=False, strict_map_key=True, ext_hook=_reject_extension)
+    except ProtocolError:
+        raise
+    except Exception as err:  # msgpack raises several unrelated types for a broken body
+        raise ProtocolError(f"weight update body is not valid msgpack: {type(err).__name__}: {err}") from err
+    raw = _expect_map(raw, "weight update message", _MESSAGE_KEYS)
+    if type(raw["protocol_version"]) is not int or raw["protocol_version"] != WEIGHT_SYNC_PROTOCOL_VERSION:
+        raise ProtocolError(f"weight update protocol_version {_short(raw['protocol_version'])}; this engine speaks "
+                            f"{WEIGHT_SYNC_PROTOCOL_VERSION}")
+    lora_scaling = raw["lora_scaling"]
+    if type(lora_scaling) not in (int, float) or not abs(lora_scaling) < float("inf"):
+        raise ProtocolError(f"lora_scaling must be a finite number, got {_short(lora_scaling)}")
+    target_modules = raw["target_modules"]
+    if target_modules is not None:
+        if not isinstance(target_modules, list) or not all(
+            isinstance(m, str) and 0 < len(m) <= MAX_NAME_CHARS for m in target_modules
+        ):
+            raise ProtocolError(f"target_modules must be a list of module names, got {_short(target_modules)}")
+        target_modules = tuple(target_modules)
+    flush = _expect_bool(raw["flush"], "flush")
+    buffer = None if raw["buffer"] is None else _decode_buffer(raw["buffer"], cuda_device_count)
+    entries = _decode_entries(raw["entries"], buffer)
+    if flush and (buffer is not None or entries):
+        raise ProtocolError("a flush message carries no buffer and no entries")
+    return UpdateMessage(
+        weight_version=_expect_int(raw["weight_version"], "weight_version", 0, MAX_WEIGHT_VERSION),
+        flush=flush,
+        lora=_expect_bool(raw["lora"], "lora"),
+        lora_scaling=float(lora_scaling),
+        target_modules=target_modules,
+        buffer=buffer,
+        entries=entries,
+    )
+
+
+def _decode_buffer(raw: Any, cuda_device_count: int | None) -> SharedMemoryRef | CudaIpcRef:
+    kind = raw.get("kind") if isinstance(raw, dict) else None
+    if kind == "shm":
+        raw = _expect_map(raw, "shm buffer", _SHM_KEYS)
+        name = raw["name"]
+        if not isinstance(name, str) or SHM_NAME.fullmatch(name) is None:
+            raise ProtocolError(f"shm buffer name must match {SHM_NAME.pattern}, got {_short(name)}")
+        return SharedMemoryRef(name, _expect_int(raw["size"], "shm buffer size", 1, MAX_BUFFER_BYTES))
+    if kind == "cuda_ipc":
+        if cuda_device_count is None:
+            cuda_device_count = torch.cuda.device_count()
+        return validate_cuda_ipc_fields(_expect_map(raw, "cuda_ipc buffer", _CUDA_KEYS), cuda_device_count)
+    raise ProtocolError(f"buffer must be a map with kind 'shm' or 'cuda_ipc', got {_short(raw)}")
+
+
+def validate_cuda_ipc_fields(raw: Mapping[str, Any], cuda_device_count: int) -> CudaIpcRef:
+    """Type- and range-check the raw CUDA IPC fields before anything is handed to the CUDA driver."""
+    if cuda_device_count < 1:
+        raise ProtocolError("a cuda_ipc buffer was sent to an engine without a CUDA device")
+    ref_counter_handle = _expect_bytes(raw["ref_counter_handle"], "cuda_ipc ref_counter_handle", 1, 256)
+    if REF_COUNTER_NAME.fullmatch(ref_counter_handle) is None:
+        raise ProtocolError(f"cuda_ipc ref_counter_handle must name a torch ref-counter file, got "
+                            f"{_short(ref_counter_handle)}")
+    return CudaIpcRef(
+        device=_expect_int(raw["device"], "cuda_ipc device", 0, cuda_device_count - 1),
+        handle=_expect_bytes(raw["handle"], "cuda_ipc handle", 1, MAX_IPC_HANDLE_BYTES),
+        storage_size=_expect_int(raw["storage_size"], "cuda_ipc storage_size", 1, MAX_BUFFER_BYTES),
+        storage_offset=_expect_int(raw["storage_offset"], "cuda_ipc storage_offset", 0, MAX_BUFFER_BYTES),
+        ref_counter_handle=ref_counter_handle,
+        ref_counter_offset=_expect_int(raw["ref_counter_offset"], "cuda_ipc ref_counter_offset", 0, 1 << 32),
+        event_handle=_expect_bytes(raw["event_handle"], "cuda_ipc event_handle", CUDA_IPC_EVENT_HANDLE_BYTES,
+                                   CUDA_IPC_EVENT_HANDLE_BYTES),
+        event_sync_required=_expect_bool(raw["event_sync_required"], "cuda_ipc event_sync_required"),
+    )
+
+
+def _decode_entries(raw: Any, buffer: SharedMemoryRef | CudaIpcRef | None) -> tuple[TensorEntry, ...]:
+    if not isinstance(raw, list) or len(raw) > MAX_ENTRIES:
+        raise ProtocolError(f"entries must be a list of at most {MAX_ENTRIES} [name, dtype, shape, offset]")
+    if raw and buffer is None:
+        raise ProtocolError("entries without a buffer")
+    entries = []
+    names: set[str] = set()
+    for item in raw:
+        if not isinstance(item, list) or len(item) != 4:
+            raise ProtocolError(f"an entry must be [name, dtype, shape, offset], got {_short(item)}")
+        name, dtype_name, shape, offset = item
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
+            raise ProtocolError(f"entry name must be a string of 1..{MAX_NAME_CHARS} characters, got {_short(name)}")
+        if name in names:
+            raise ProtocolError(f"weight {name!r} appears twice in one bucket")
+        names.add(name)
+        if not isinstance(dtype_name, str) or dtype_name not in _DTYPES:
+            raise ProtocolError(f"weight {name!r}: dtype {_short(dtype_name)} is not one of {sorted(_DTYPES)}")
+        if not isinstance(shape, list) or len(shape) > MAX_NDIM:
+            raise ProtocolError(f"weight {name!r}: shape must be a list of at most {MAX_NDIM} sizes")
+        dims = tuple(_expect_int(dim, f"weight {name!r} shape entry", 0, MAX_BUFFER_BYTES) for dim in shape)
+        entry = TensorEntry(name, _DTYPES[dtype_name], dims, _expect_int(offset, f"weight {name!r} offset", 0,
+                                                                         MAX_BUFFER_BYTES))
+        if entry.offset % entry.dtype.itemsize:
+            raise ProtocolError(f"weight {name!r}: offset {entry.offset} is not a multiple of its element size")
+        assert buffer is not None
+        if entry.offset + entry.nbytes > buffer.size:
+            raise ProtocolError(f"weight {name!r}: bytes [{entry.offset}, {entry.offset + entry.nbytes}) lie outside "
+                                f"the {buffer.size}-byte buffer")
+        entries.append(entry)
+    return tuple(entries)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -135,19 +395,40 @@ def _checksum_dict(tensors: Mapping[str, torch.Tensor], per_tensor: bool) -> Any
 
 
 class _BucketBuffer:
-    """A reusable flat byte buffer on one device, shareable with other processes."""
+    """A reusable flat byte buffer on one device that engine processes can map: a /dev/shm file on the CPU,
+    a CUDA allocation (shared through CUDA IPC) on a GPU."""
 
     def __init__(self, nbytes: int, device: torch.device):
         self.device = device
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        if device.type == "cpu":
-            self.buffer.share_memory_()
+        self.shm_name: str | None = None
+        self._mapping: mmap.mmap | None = None
+        nbytes = max(1, nbytes)
+        if device.type == "cuda":
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            return
+        self.shm_name = f"miles_{secrets.token_hex(16)}"
+        # O_EXCL: never adopt a file someone else planted under that name; 0600: only this user's engines read it
+        fd = os.open(self._shm_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            self._mapping = mmap.mmap(fd, nbytes)
+        except BaseException:
+            os.unlink(self._shm_path)
+            raise
+        finally:
+            os.close(fd)
+        self.buffer = torch.frombuffer(self._mapping, dtype=torch.uint8)
+
+    @property
+    def _shm_path(self) -> str:
+        assert self.shm_name is not None
+        return os.path.join(SHM_DIR, self.shm_name)
 
     @property
     def capacity(self) -> int:
         return self.buffer.numel()
 
-    def pack(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> list[list[Any]]:
+    def pack(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[TensorEntry, ...]:
         entries = []
         offset = 0
         for name, tensor in tensors:
@@ -156,17 +437,32 @@ class _BucketBuffer:
                 raise TypeError(f"weight {name!r} has dtype {tensor.dtype}, which weight sync does not carry")
             target = self.buffer[offset : offset + nbytes].view(tensor.dtype)
             target.copy_(tensor.detach().reshape(-1), non_blocking=True)
-            entries.append([name, _DTYPE_NAMES[tensor.dtype], list(tensor.shape), offset])
+            entries.append(TensorEntry(name, tensor.dtype, tuple(tensor.shape), offset))
             offset = _align(offset + nbytes)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the receiver reads on its own stream
-        return entries
+        return tuple(entries)
 
-    def handle(self) -> bytes:
-        """A fresh pickled handle: one per receiving engine and bucket (CUDA IPC counts its consumers)."""
-        stream = io.BytesIO()
-        ForkingPickler(stream, pickle.HIGHEST_PROTOCOL).dump(self.buffer)
-        return stream.getvalue()
+    def describe(self) -> SharedMemoryRef | CudaIpcRef:
+        """How an engine finds this buffer; on CUDA a fresh IPC handle per receiving engine and bucket."""
+        if self.shm_name is not None:
+            return SharedMemoryRef(self.shm_name, self.capacity)
+        (device, handle, storage_size, storage_offset, ref_counter_handle, ref_counter_offset, event_handle,
+         event_sync_required) = self.buffer.untyped_storage()._share_cuda_()
+        return CudaIpcRef(int(device), bytes(handle), int(storage_size), int(storage_offset),
+                          bytes(ref_counter_handle), int(ref_counter_offset), bytes(event_handle),
+                          bool(event_sync_required))
+
+    def close(self) -> None:
+        """Unlink the shared-memory file (engines that still map it keep their mapping until they drop it)."""
+        if self.shm_name is None:
+            return
+        del self.buffer  # the tensor exports the mapping's buffer; drop it before closing the mapping
+        assert self._mapping is not None
+        self._mapping.close()
+        with contextlib.suppress(FileNotFoundError):  # already gone: someone cleaned /dev/shm; nothing to undo
+            os.unlink(self._shm_path)
+        self.shm_name = None
 
 
 def _buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int):
@@ -187,14 +483,14 @@ class WeightSyncError(RuntimeError):
     """An engine rejected or failed a weight update; the message names the engine and its reason."""
 
 
-async def _post_bucket(session, url: str, body: bytes, timeout: float) -> dict:
+async def _post_bucket(session, url: str, body: bytes, timeout: float, headers: dict[str, str]) -> dict:
     import aiohttp
 
     try:
         async with session.post(
             f"{url}/update_weights_from_tensor",
             data=body,
-            headers={"Content-Type": "application/x-msgpack"},
+            headers={"Content-Type": "application/x-msgpack", **headers},
             timeout=aiohttp.ClientTimeout(total=timeout),
         ) as response:
             payload = await response.json(content_type=None)
@@ -215,64 +511,77 @@ async def push_weights_async(
     lora_scaling: float = 1.0,
     target_modules: Sequence[str] | None = None,
     timeout: float = 600.0,
+    api_key: str | None = None,
 ) -> dict[str, Any]:
     """See `push_weights`."""
     import aiohttp
 
-    use_file_system_sharing()
     began = time.perf_counter()
     stats = {"num_tensors": 0, "num_buckets": 0, "bytes": 0}
     buffers: dict[tuple[torch.device, int], _BucketBuffer] = {}
     in_flight: asyncio.Future | None = None
     in_flight_slot: int | None = None
+    headers = auth_headers(api_key)
 
     def buffer_for(device: torch.device, size: int, slot: int) -> _BucketBuffer:
         key = (device, slot)
         current = buffers.get(key)
         if current is None or current.capacity < size:
+            if current is not None:
+                current.close()
             current = _BucketBuffer(max(size, bucket_bytes), device)
             buffers[key] = current
         return current
 
     async def send(bodies: Sequence[bytes]) -> list[dict]:
         return await asyncio.gather(
-            *(_post_bucket(session, url, body, timeout) for url, body in zip(engine_urls, bodies))
+            *(_post_bucket(session, url, body, timeout, headers) for url, body in zip(engine_urls, bodies))
         )
 
-    base = {
-        "weight_version": int(weight_version),
-        "lora": bool(lora),
-        "lora_scaling": float(lora_scaling),
-        "target_modules": list(target_modules) if target_modules else None,
-    }
+    def message(**fields) -> bytes:
+        return encode_update_message(
+            UpdateMessage(
+                weight_version=int(weight_version),
+                lora=bool(lora),
+                lora_scaling=float(lora_scaling),
+                target_modules=tuple(target_modules) if target_modules else None,
+                **fields,
+            )
+        )
+
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        slot = 0
-        for bucket, size in _buckets(named_tensors, bucket_bytes):
-            devices = {tensor.device for _, tensor in bucket}
-            if len(devices) != 1:  # one buffer per bucket: split a mixed bucket by device
-                raise ValueError(f"a weight bucket mixes devices {devices}; put all synced tensors on one device")
-            if in_flight is not None and in_flight_slot == slot:
-                await in_flight  # this slot's buffer is still being read by the engines
-                in_flight = None
-            buffer = buffer_for(devices.pop(), size, slot)
-            entries = buffer.pack(bucket)
-            bodies = [
-                packb({**base, "flush": False, "handle": buffer.handle(), "entries": entries}) for _ in engine_urls
-            ]
+    try:
+        async with aiohttp.ClientSession(connector=connector) as session:
+            slot = 0
+            for bucket, size in _buckets(named_tensors, bucket_bytes):
+                devices = {tensor.device for _, tensor in bucket}
+                if len(devices) != 1:  # one buffer per bucket: split a mixed bucket by device
+                    raise ValueError(f"a weight bucket mixes devices {devices}; put all synced tensors on one device")
+                if in_flight is not None and in_flight_slot == slot:
+                    await in_flight  # this slot's buffer is still being read by the engines
+                    in_flight = None
+                buffer = buffer_for(devices.pop(), size, slot)
+                entries = buffer.pack(bucket)
+                bodies = [message(buffer=buffer.describe(), entries=entries) for _ in engine_urls]
+                if in_flight is not None:
+                    await in_flight
+                in_flight = asyncio.ensure_future(send(bodies))
+                in_flight_slot = slot
+                slot = 1 - slot
+                stats["num_tensors"] += len(bucket)
+                stats["num_buckets"] += 1
+                stats["bytes"] += sum(_nbytes(t) for _, t in bucket)
             if in_flight is not None:
                 await in_flight
-            in_flight = asyncio.ensure_future(send(bodies))
-            in_flight_slot = slot
-            slot = 1 - slot
-            stats["num_tensors"] += len(bucket)
-            stats["num_buckets"] += 1
-            stats["bytes"] += sum(_nbytes(t) for _, t in bucket)
+                in_flight = None
+            # the flush message commits the version (and checks that every LoRA pair arrived)
+            answers = await send([message(flush=True)] * len(engine_urls))
+    finally:
         if in_flight is not None:
-            await in_flight
-        # the flush message commits the version (and checks that every LoRA pair arrived)
-        flush = packb({**base, "flush": True, "handle": None, "entries": []})
-        answers = await send([flush] * len(engine_urls))
+            # a failed push: let the engines finish with the buffers before they are unmapped and unlinked
+            await asyncio.gather(in_flight, return_exceptions=True)
+        for buffer in buffers.values():
+            buffer.close()
     stats["seconds"] = time.perf_counter() - began
     stats["engine_weight_versions"] = [answer.get("weight_version") for answer in answers]
     return stats
@@ -288,14 +597,16 @@ def push_weights(
     lora_scaling: float = 1.0,
     target_modules: Sequence[str] | None = None,
     timeout: float = 600.0,
+    api_key: str | None = None,
 ) -> dict[str, Any]:
     """Push `named_tensors` (`<module>.<param>` names) to every engine, in buckets of at most `bucket_bytes`.
 
-    GPU tensors travel as CUDA IPC handles, CPU tensors as shared-memory handles; every engine receives the
-    same handles concurrently. `lora=True` pushes PEFT A/B pairs that the engines merge with `lora_scaling`
-    (PEFT's alpha / rank). Returns {"num_tensors", "num_buckets", "bytes", "seconds", "engine_weight_versions"}.
-    Raises WeightSyncError naming the engine on any failure. Safe to call from sync code, also while an event
-    loop runs in this thread (the push then runs on a helper thread).
+    GPU tensors travel as CUDA IPC handles, CPU tensors through shared-memory files; every engine receives the
+    same buckets concurrently. `lora=True` pushes PEFT A/B pairs that the engines merge with `lora_scaling`
+    (PEFT's alpha / rank). `api_key`: the engines' key (default $MILES_API_KEY). Returns {"num_tensors",
+    "num_buckets", "bytes", "seconds", "engine_weight_versions"}. Raises WeightSyncError naming the engine on any
+    failure. Safe to call from sync code, also while an event loop runs in this thread (the push then runs on a
+    helper thread).
     """
     coroutine = push_weights_async(
         engine_urls,
@@ -306,6 +617,7 @@ def push_weights(
         lora_scaling=lora_scaling,
         target_modules=target_modules,
         timeout=timeout,
+        api_key=api_key,
     )
     return run_sync(coroutine)
 
@@ -314,10 +626,70 @@ def push_weights(
 # receiver
 
 
+@contextlib.contextmanager
+def _map_shared_memory(ref: SharedMemoryRef) -> Iterator[torch.Tensor]:
+    """The sender's /dev/shm file as a flat uint8 tensor (a private, copy-on-write view: we only read)."""
+    if SHM_NAME.fullmatch(ref.name) is None:  # decode_update_message checked it; this is the last line
+        raise ProtocolError(f"shm buffer name {ref.name!r} is not a miles bucket")
+    try:
+        # O_NOFOLLOW: a symlink planted under that name is refused rather than followed
+        fd = os.open(os.path.join(SHM_DIR, ref.name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as err:
+        raise ProtocolError(f"shm buffer {ref.name!r} cannot be opened: {err.strerror}") from err
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            raise ProtocolError(f"shm buffer {ref.name!r} is not a regular file owned by this engine's user")
+        if info.st_size < ref.size:
+            raise ProtocolError(f"shm buffer {ref.name!r} has {info.st_size} bytes, the message claims {ref.size}")
+        mapping = mmap.mmap(fd, ref.size, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
+    # the mapping is unmapped when the last tensor viewing it is gone (after the copies; see apply)
+    yield torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+@contextlib.contextmanager
+def _map_cuda_ipc(ref: CudaIpcRef) -> Iterator[torch.Tensor]:
+    """The sender's CUDA allocation as a flat uint8 tensor on its device (fields checked by the decoder)."""
+    torch.cuda._lazy_init()
+    storage = torch.UntypedStorage._new_shared_cuda(
+        ref.device, ref.handle, ref.storage_size, ref.storage_offset, ref.ref_counter_handle, ref.ref_counter_offset,
+        ref.event_handle, ref.event_sync_required,
+    )
+    device = torch.device("cuda", ref.device)
+    flat = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (ref.storage_size,), (1,))
+    try:
+        yield flat
+    finally:
+        # the copies are queued on this process's stream; the sender reuses (or frees) the buffer as soon as
+        # we answer, so they must have finished reading it
+        torch.cuda.current_stream(device).synchronize()
+
+
+def _map_buffer(ref: SharedMemoryRef | CudaIpcRef):
+    return _map_shared_memory(ref) if isinstance(ref, SharedMemoryRef) else _map_cuda_ipc(ref)
+
+
 @dataclass
 class _PendingLora:
     lora_a: torch.Tensor | None = None
     lora_b: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _FullCopy:
+    entry: TensorEntry
+    module_name: str
+    param_name: str
+    target: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _LoraPart:
+    entry: TensorEntry
+    key: tuple[str, str]  # (module, layer)
+    which: str  # "A" or "B"
 
 
 class WeightReceiver:
@@ -331,14 +703,11 @@ class WeightReceiver:
         self._lora_scaling = 1.0
         self.tensors_received = 0
         self.updates_applied = 0
-        use_file_system_sharing()
 
     def _table(self, module_name: str) -> dict[str, torch.Tensor]:
+        # parameters only: what a trainer syncs; buffers (fixed tables, running stats) are not writable remotely
         if module_name not in self._tables:
-            module = self.modules[module_name]
-            table = {name: p for name, p in module.named_parameters()}
-            table.update({name: b for name, b in module.named_buffers()})
-            self._tables[module_name] = table
+            self._tables[module_name] = dict(self.modules[module_name].named_parameters())
         return self._tables[module_name]
 
     def _resolve(self, full_name: str, target_modules: Sequence[str] | None) -> tuple[str, str, torch.Tensor]:
@@ -352,77 +721,89 @@ class WeightReceiver:
             raise ProtocolError(f"weight {full_name!r}: module {module_name!r} has no parameter {name!r}")
         return module_name, name, table[name]
 
+    def plan(self, message: UpdateMessage) -> list[_FullCopy | _LoraPart]:
+        """Check every entry against this engine's modules; nothing is read or written (a bad bucket is
+        rejected whole)."""
+        steps: list[_FullCopy | _LoraPart] = []
+        # LoRA ranks seen so far per (module, layer): the halves of a pair may arrive in different buckets
+        ranks: dict[tuple[str, str], dict[str, int]] = {
+            key: {which: t.shape[0 if which == "A" else 1] for which, t in (("A", p.lora_a), ("B", p.lora_b))
+                  if t is not None}
+            for key, p in self._pending_lora.items()
+        }
+        in_bucket: set[tuple[tuple[str, str], str]] = set()
+        for entry in message.entries:
+            if not message.lora:
+                module_name, param_name, target = self._resolve(entry.name, message.target_modules)
+                if tuple(target.shape) != entry.shape:
+                    raise ProtocolError(f"weight {entry.name!r}: shape {list(entry.shape)} != engine's "
+                                        f"{list(target.shape)}")
+                steps.append(_FullCopy(entry, module_name, param_name, target))
+                continue
+            match = _LORA_NAME.match(entry.name)
+            if match is None:
+                raise ProtocolError(f"LoRA update: {entry.name!r} is not a "
+                                    "'<module>.<layer>.lora_A|lora_B[.adapter].weight' name")
+            key, which = (match["module"], match["layer"]), match["which"]
+            _, _, weight = self._resolve(f"{key[0]}.{key[1]}.weight", message.target_modules)
+            if (key, which) in in_bucket:
+                raise ProtocolError(f"LoRA update: two lora_{which} tensors for {key[0]}.{key[1]} in one bucket")
+            in_bucket.add((key, which))
+            if weight.ndim != 2 or len(entry.shape) != 2:
+                raise ProtocolError(f"LoRA {entry.name!r}: shape {list(entry.shape)} for weight {list(weight.shape)}; "
+                                    "LoRA pairs merge into 2-D weights only")
+            rank, matched = (entry.shape[0], entry.shape[1] == weight.shape[1]) if which == "A" else (
+                entry.shape[1], entry.shape[0] == weight.shape[0])
+            other = ranks.setdefault(key, {}).get("B" if which == "A" else "A")
+            if not matched or (other is not None and other != rank):
+                raise ProtocolError(f"LoRA {entry.name!r}: shape {list(entry.shape)} does not fit weight "
+                                    f"{list(weight.shape)}" + (f" with rank {other}" if other is not None else ""))
+            ranks[key][which] = rank
+            steps.append(_LoraPart(entry, key, which))
+        return steps
+
     @torch.no_grad()
-    def apply(self, message: dict) -> dict[str, Any]:
+    def apply(self, message: UpdateMessage) -> dict[str, Any]:
         """Apply one bucket message (or the final flush); returns what the engine reports back."""
-        lora = bool(message.get("lora"))
-        target_modules = message.get("target_modules")
-        if lora:
-            self._lora_scaling = float(message.get("lora_scaling", 1.0))
-        applied = 0
-        if message.get("handle") is not None:
-            flat = pickle.loads(message["handle"])
-            try:
-                for name, dtype_name, shape, offset in message["entries"]:
-                    if dtype_name not in _DTYPES:
-                        raise ProtocolError(f"weight {name!r}: unsupported dtype {dtype_name!r}")
-                    dtype = _DTYPES[dtype_name]
-                    numel = 1
-                    for dim in shape:
-                        numel *= dim
-                    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-                    view = flat[offset : offset + nbytes].view(dtype).view(shape)
-                    if lora:
-                        self._receive_lora(name, view, target_modules)
+        steps = self.plan(message)
+        if message.flush and self._pending_lora:
+            missing = sorted(f"{m}.{layer}" for m, layer in self._pending_lora)
+            self._pending_lora.clear()  # the update is broken either way; the next one starts clean
+            raise ProtocolError(f"LoRA update ended with unpaired lora_A/lora_B for {missing[:5]}")
+        if message.lora:
+            self._lora_scaling = message.lora_scaling
+        if steps:
+            assert message.buffer is not None
+            with _map_buffer(message.buffer) as flat:
+                for step in steps:
+                    entry = step.entry
+                    view = flat[entry.offset : entry.offset + entry.nbytes].view(entry.dtype).view(entry.shape)
+                    if isinstance(step, _FullCopy):
+                        step.target.copy_(view)
+                        # the pushed weight is the new base for later LoRA merges
+                        self._lora_base.pop((step.module_name, step.param_name), None)
                     else:
-                        self._receive_full(name, view, target_modules)
-                    applied += 1
-            finally:
-                if flat.is_cuda:
-                    # the copies above are queued on this process's stream; the sender reuses (or frees) the
-                    # buffer as soon as we answer, so they must have finished reading it
-                    torch.cuda.current_stream(flat.device).synchronize()
-                del flat  # drop the mapping of the sender's memory before answering
-        self.tensors_received += applied
-        if message.get("flush"):
-            if self._pending_lora:
-                missing = sorted(f"{m}.{layer}" for m, layer in self._pending_lora)
-                self._pending_lora.clear()
-                raise ProtocolError(f"LoRA update ended with unpaired lora_A/lora_B for {missing[:5]}")
+                        self._receive_lora(step, view, message.target_modules)
+                del flat, view  # drop the mapping of the sender's memory before answering
+        self.tensors_received += len(steps)
+        if message.flush:
             self.updates_applied += 1
-        return {"applied": applied}
+        return {"applied": len(steps)}
 
-    def _receive_full(self, name: str, view: torch.Tensor, target_modules) -> None:
-        module_name, param_name, target = self._resolve(name, target_modules)
-        if tuple(target.shape) != tuple(view.shape):
-            raise ProtocolError(f"weight {name!r}: shape {list(view.shape)} != engine's {list(target.shape)}")
-        target.copy_(view)
-        # the pushed weight is the new base for later LoRA merges
-        self._lora_base.pop((module_name, param_name), None)
-
-    def _receive_lora(self, name: str, view: torch.Tensor, target_modules) -> None:
-        match = _LORA_NAME.match(name)
-        if match is None:
-            raise ProtocolError(f"LoRA update: {name!r} is not a '<module>.<layer>.lora_A|lora_B[.adapter].weight' name")
-        key = (match["module"], match["layer"])
-        pending = self._pending_lora.setdefault(key, _PendingLora())
+    def _receive_lora(self, step: _LoraPart, view: torch.Tensor, target_modules) -> None:
+        pending = self._pending_lora.setdefault(step.key, _PendingLora())
         # the view aliases the sender's buffer, which the next bucket overwrites: keep a copy until paired
-        if match["which"] == "A":
+        if step.which == "A":
             pending.lora_a = view.clone()
         else:
             pending.lora_b = view.clone()
         if pending.lora_a is not None and pending.lora_b is not None:
-            del self._pending_lora[key]
-            self._merge_lora(key, pending.lora_a, pending.lora_b, target_modules)
+            del self._pending_lora[step.key]
+            self._merge_lora(step.key, pending.lora_a, pending.lora_b, target_modules)
 
     def _merge_lora(self, key: tuple[str, str], lora_a: torch.Tensor, lora_b: torch.Tensor, target_modules) -> None:
         module_name, layer = key
         _, param_name, weight = self._resolve(f"{module_name}.{layer}.weight", target_modules)
-        if weight.ndim != 2 or lora_b.shape[0] != weight.shape[0] or lora_a.shape[1] != weight.shape[1]:
-            raise ProtocolError(
-                f"LoRA pair for {module_name}.{layer}: B{list(lora_b.shape)} @ A{list(lora_a.shape)} does not match "
-                f"weight {list(weight.shape)}"
-            )
         base_key = (module_name, param_name)
         if base_key not in self._lora_base:
             self._lora_base[base_key] = weight.detach().clone()
@@ -434,10 +815,3 @@ def merge_lora_weight(base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Te
     """`W = W_base + scaling · B @ A` in fp32, cast to W_base's dtype (the engine's merge, exactly)."""
     delta = lora_b.to(device=base.device, dtype=torch.float32) @ lora_a.to(device=base.device, dtype=torch.float32)
     return (base.to(torch.float32) + scaling * delta).to(base.dtype)
-
-
-def decode_update_message(body: bytes) -> dict:
-    message = unpackb(body)
-    if not isinstance(message, dict) or "entries" not in message or "weight_version" not in message:
-        raise ProtocolError("update_weights_from_tensor body must be a map with 'entries' and 'weight_version'")
-    return message

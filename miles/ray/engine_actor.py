@@ -20,6 +20,7 @@ import urllib.request
 
 from miles.engine.launcher import EngineProcess, launch_engine
 from miles.engine.server_args import ServerArgs
+from miles.utils.auth import auth_headers
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,8 @@ def wait_for_health(url: str, timeout: float) -> None:
     last_error: Exception | None = None
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=min(5.0, timeout)) as response:
+            request = urllib.request.Request(f"{url}/health", headers=auth_headers())
+            with urllib.request.urlopen(request, timeout=min(5.0, timeout)) as response:
                 if response.status == 200:
                     return
         except OSError as err:  # URLError and connection errors are OSErrors

@@ -1,7 +1,8 @@
 """The engines of a run and their router: start, address, restart, stop.
 
 Each engine is an OS process supervised by a Ray actor (`miles.ray.engine_actor`) on its placement slot; the
-router (`python -m miles.router`) is a child process of the driver. Engines are added to the router as they
+router (`python -m miles.router`) is a child process of the driver. Engines and router bind 127.0.0.1 and
+require the run's key, which every process inherits as $MILES_API_KEY (`init_ray` creates it). Engines are added to the router as they
 come up, and removed and re-added when fault tolerance restarts one.
 """
 
@@ -15,6 +16,7 @@ import urllib.request
 from typing import Callable
 
 from miles.engine.server_args import SET_BY_MILES, ServerArgs
+from miles.utils.auth import auth_headers
 from miles.utils.errors import MilesUserError
 
 logger = logging.getLogger(__name__)
@@ -32,6 +34,8 @@ def build_server_args(args, device: str) -> ServerArgs:
         model_family=None if args.train_pipeline_config_path else args.diffusion_model_family_resolved,
         train_pipeline_config_path=args.train_pipeline_config_path,
         model_backend_path=args.model_backend_path,
+        # the engines import the SDE step backend from their own flags; requests never carry a module path
+        sde_step_backend_path=getattr(args, "sde_step_backend_path", None),
         rollout_patch_group=",".join(args.rollout_patch_group) if isinstance(args.rollout_patch_group, list) else args.rollout_patch_group,
         forward_tile=args.parity_forward_tile,
         tp_size=args.rollout_num_gpus_per_engine,
@@ -44,13 +48,15 @@ def build_server_args(args, device: str) -> ServerArgs:
 
 
 def _get_json(url: str, timeout: float = 60.0) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
+    request = urllib.request.Request(url, headers=auth_headers())
+    with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read())
 
 
 def _post_json(url: str, payload: dict | None = None, timeout: float = 600.0) -> dict:
     data = json.dumps(payload or {}).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    headers = {"Content-Type": "application/json", **auth_headers()}
+    request = urllib.request.Request(url, data=data, headers=headers, method="POST")
     with urllib.request.urlopen(request, timeout=timeout) as response:
         body = response.read()
     return json.loads(body) if body else {}

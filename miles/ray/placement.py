@@ -54,13 +54,19 @@ def train_world_size(args) -> int:
 
 
 def init_ray(args) -> None:
-    """Start (no address) or join (RAY_ADDRESS set) a Ray cluster, forwarding the offline environment."""
+    """Start (no address) or join (RAY_ADDRESS set) a Ray cluster, forwarding the offline environment and the
+    run's API key (created here unless $MILES_API_KEY is set)."""
     import ray
 
+    from miles.utils.auth import API_KEY_ENV, ensure_run_api_key
+
+    # the run's key for engines, router and trainer ranks: through the environment, never a command line or args
+    api_key = ensure_run_api_key()
     if ray.is_initialized():
         return
     env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
     env.update(args.train_env_vars or {})
+    env[API_KEY_ENV] = api_key
     runtime_env = {"env_vars": env}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=True)

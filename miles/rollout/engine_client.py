@@ -15,6 +15,8 @@
   trajectory bodies never stall the event loop that keeps the other requests flowing.
 - `--use-distributed-post`: the POSTs go through per-node Ray actors (`HttpPostActor`,
   MILES_HTTP_POST_ACTORS_PER_NODE per node, default 1) instead of this process's HTTP client.
+- Auth: every request carries `Authorization: Bearer $MILES_API_KEY` (the run's key); a 401 is a
+  `MilesUserError` that says so.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 import aiohttp
 
 from miles.engine.protocol import CONTENT_TYPE, GenerateRequest, GenerateResponse, decode_response, encode_request
+from miles.utils.auth import API_KEY_ENV, auth_headers
 from miles.utils.errors import MilesUserError
 
 logger = logging.getLogger(__name__)
@@ -49,12 +52,15 @@ class HttpPostActor:
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
 
-    async def post(self, url: str, body: bytes, timeout: float | None) -> tuple[int, dict[str, str], bytes]:
+    async def post(self, url: str, body: bytes, timeout: float | None,
+                   headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+        """`headers`: the caller's auth header (passed per call: the actor keeps no key of its own)."""
         if self._session is None:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self._max_connections))
         try:
             async with self._session.post(
-                url, data=body, headers={"Content-Type": CONTENT_TYPE}, timeout=aiohttp.ClientTimeout(total=timeout)
+                url, data=body, headers={"Content-Type": CONTENT_TYPE, **(headers or {})},
+                timeout=aiohttp.ClientTimeout(total=timeout)
             ) as response:
                 return response.status, dict(response.headers), await response.read()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
@@ -113,6 +119,7 @@ class EngineClient:
         self._actor_cycle = None
         self._session: aiohttp.ClientSession | None = None
         self._semaphore: asyncio.Semaphore | None = None
+        self._headers = auth_headers()
         self.stats = {"requests": 0, "retries": 0, "failed_engines": set()}
 
     async def __aenter__(self) -> "EngineClient":
@@ -134,7 +141,10 @@ class EngineClient:
     async def _count_engines(self) -> int:
         assert self._session is not None
         try:
-            async with self._session.get(f"{self.router_url}/workers", timeout=aiohttp.ClientTimeout(total=10)) as r:
+            async with self._session.get(f"{self.router_url}/workers", timeout=aiohttp.ClientTimeout(total=10),
+                                         headers=self._headers) as r:
+                if r.status == 401:
+                    raise MilesUserError(_unauthorized(self.router_url))
                 return len((await r.json())["workers"])
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, KeyError, ValueError) as err:
             raise EngineRequestError(f"router {self.router_url} unreachable: {type(err).__name__}: {err}") from err
@@ -142,13 +152,13 @@ class EngineClient:
     async def _post(self, body: bytes) -> tuple[int, dict[str, str], bytes]:
         url = f"{self.router_url}/rollout/generate"
         if self._distributed:
-            return await next(self._actor_cycle).post.remote(url, body, self.timeout)
+            return await next(self._actor_cycle).post.remote(url, body, self.timeout, self._headers)
         assert self._session is not None
         try:
             async with self._session.post(
                 url,
                 data=body,
-                headers={"Content-Type": CONTENT_TYPE},
+                headers={"Content-Type": CONTENT_TYPE, **self._headers},
                 timeout=aiohttp.ClientTimeout(total=self.timeout),
             ) as response:
                 return response.status, dict(response.headers), await response.read()
@@ -178,6 +188,8 @@ class EngineClient:
             message = _error_text(payload)
             if status == 400:
                 raise MilesUserError(f"the engine rejected request {request.request_id}: {message}")
+            if status == 401:
+                raise MilesUserError(_unauthorized(self.router_url))
             errors.append(f"[{status}] {message}")
             if not self.fault_tolerant or (status not in RETRYABLE_STATUS and status != 599):
                 break
@@ -203,6 +215,11 @@ class EngineClient:
         raise EngineRequestError(
             f"generate request {request.request_id} failed after {len(errors)} attempt(s){hint}: " + "; ".join(errors)
         )
+
+
+def _unauthorized(router_url: str) -> str:
+    return (f"router {router_url} refused the API key (401): this process must have the run's key in "
+            f"${API_KEY_ENV}")
 
 
 def _error_text(payload: bytes) -> str:

@@ -101,7 +101,6 @@ def build_request(
         noise_level=float(getattr(args, "diffusion_noise_level", 0.7)),
         sde_type=getattr(args, "diffusion_sde_type", "sde"),
         log_prob_no_const=bool(getattr(args, "diffusion_log_prob_no_const", False)),
-        sde_backend_path=getattr(args, "sde_step_backend_path", None),
         sde_step_indices=list(sde_step_indices),
         return_latent_indices=list(return_latent_indices),
         height=int(getattr(args, "diffusion_height", 512)),

@@ -10,19 +10,37 @@
   `health_check_timeout`); after `failure_threshold` consecutive failures the engine is dead; a success brings
   it back.
 - `POST /add_worker` / `POST /remove_worker` (JSON {"url": ...} or `?url=`), `GET /workers`, `GET /health`.
+  A worker URL is exactly `http[s]://host:port` (no path, query, fragment or user info; 400 otherwise), so the
+  router can only ever be pointed at an engine's root.
+- Every endpoint requires `Authorization: Bearer <api key>` (401 otherwise); the router sends the same key to
+  the engines (one key per run, $MILES_API_KEY; docs/security.md). A client that disconnects cancels its
+  forward, which cancels the request on the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import itertools
+import json
 import logging
+import re
 import socket
 import time
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
+
+from miles.utils.auth import (
+    API_KEY_ENV,
+    auth_headers,
+    bearer_auth_middleware,
+    json_errors_middleware,
+    resolve_api_key,
+    warn_if_exposed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +56,7 @@ class RouterConfig:
     failure_threshold: int = 3
     timeout: float | None = None  # per forwarded request; None = no limit
     max_connections: int | None = None  # total open connections to engines; None = unlimited
+    max_request_bytes: int = 16 << 20  # largest request body a client may send (generate bodies are small)
 
     @classmethod
     def from_args(cls, args) -> "RouterConfig":
@@ -76,16 +95,55 @@ class WorkerState:
         }
 
 
-def _normalize(url: str) -> str:
-    url = url.strip().rstrip("/")
-    return url if "://" in url else f"http://{url}"
+class WorkerUrlError(ValueError):
+    """A worker URL that is not exactly `http[s]://host:port`."""
+
+
+_HOST_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
+
+
+def normalize_worker_url(url: object) -> str:
+    """`http[s]://host:port` of an engine, or WorkerUrlError. A bare `host:port` means http.
+
+    Nothing but scheme, host and port is accepted: a path, query or fragment would make the router send its
+    requests (and its API key) somewhere other than an engine's root, and user info could smuggle credentials."""
+    if not isinstance(url, str) or not 0 < len(url) <= 512:
+        raise WorkerUrlError(f"a worker URL must be a non-empty string, got {str(url)[:80]!r}")
+    if any(ch.isspace() or not ch.isprintable() for ch in url):
+        raise WorkerUrlError(f"worker URL {url[:80]!r} contains whitespace or control characters")
+    text = url if "://" in url else f"http://{url}"
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https"):
+        raise WorkerUrlError(f"worker URL {url!r}: the scheme must be http or https")
+    if "@" in parts.netloc:
+        raise WorkerUrlError(f"worker URL {url!r}: user info is not allowed")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or "?" in text or "#" in text:
+        raise WorkerUrlError(f"worker URL {url!r}: only http[s]://host:port, no path, query or fragment")
+    try:
+        port = parts.port
+    except ValueError as err:
+        raise WorkerUrlError(f"worker URL {url!r}: {err}") from err
+    host = parts.hostname
+    if not host or port is None or port == 0:
+        raise WorkerUrlError(f"worker URL {url!r}: needs a host and a port (http://host:port)")
+    try:
+        address = ipaddress.ip_address(host)
+        netloc_host = f"[{address.compressed}]" if address.version == 6 else address.compressed
+    except ValueError:
+        if _HOST_NAME.fullmatch(host) is None:
+            raise WorkerUrlError(f"worker URL {url!r}: {host!r} is not a valid host name") from None
+        netloc_host = host.lower()
+    return f"{parts.scheme}://{netloc_host}:{port}"
 
 
 class Router:
     """The router's state and HTTP app; `start()` binds it in the running event loop."""
 
-    def __init__(self, config: RouterConfig, worker_urls: list[str] | None = None):
+    def __init__(self, config: RouterConfig, worker_urls: list[str] | None = None, api_key: str | None = None):
+        """`api_key`: what clients must send and what the router sends to the engines (default $MILES_API_KEY)."""
         self.config = config
+        api_key = resolve_api_key(api_key, "the router")
+        self._engine_headers = auth_headers(api_key)
         self.workers: dict[str, WorkerState] = {}
         for url in worker_urls or []:
             self.add_worker(url)
@@ -94,7 +152,10 @@ class Router:
         self._health_task: asyncio.Task | None = None
         self._app_runner: web.AppRunner | None = None
         self.url: str | None = None
-        self.app = web.Application(client_max_size=1 << 30)
+        self.app = web.Application(
+            client_max_size=config.max_request_bytes,
+            middlewares=[json_errors_middleware, bearer_auth_middleware(api_key)],
+        )
         self.app.add_routes(
             [
                 web.post("/rollout/generate", self.handle_forward),
@@ -107,14 +168,14 @@ class Router:
 
     # ---- workers --------------------------------------------------------------------------------------------
     def add_worker(self, url: str) -> WorkerState:
-        url = _normalize(url)
+        url = normalize_worker_url(url)
         if url not in self.workers:
             self.workers[url] = WorkerState(url)
             logger.info("router: added engine %s", url)
         return self.workers[url]
 
     def remove_worker(self, url: str) -> bool:
-        return self.workers.pop(_normalize(url), None) is not None
+        return self.workers.pop(normalize_worker_url(url), None) is not None
 
     def pick_worker(self) -> WorkerState | None:
         live = [w for w in self.workers.values() if w.alive]
@@ -134,10 +195,12 @@ class Router:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         connector = aiohttp.TCPConnector(limit=self.config.max_connections or 0)
         self._session = aiohttp.ClientSession(connector=connector)
+        warn_if_exposed(host, "the router")
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        self._app_runner = web.AppRunner(self.app, access_log=None)
+        # handler_cancellation: a client that disconnects cancels the forward, and so the engine's request
+        self._app_runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await self._app_runner.setup()
         await web.SockSite(self._app_runner, sock).start()
         bound_host, bound_port = sock.getsockname()[:2]
@@ -162,7 +225,8 @@ class Router:
         assert self._session is not None
         try:
             timeout = aiohttp.ClientTimeout(total=self.config.health_check_timeout)
-            async with self._session.get(f"{worker.url}/health", timeout=timeout) as response:
+            async with self._session.get(f"{worker.url}/health", timeout=timeout,
+                                         headers=self._engine_headers) as response:
                 healthy = response.status == 200
                 reason = f"/health answered {response.status}"
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
@@ -199,7 +263,8 @@ class Router:
         worker.last_used = next(self._tick)
         assert self._session is not None
         timeout = aiohttp.ClientTimeout(total=self.config.timeout)
-        headers = {"Content-Type": request.headers.get("Content-Type", "application/octet-stream")}
+        headers = {"Content-Type": request.headers.get("Content-Type", "application/octet-stream"),
+                   **self._engine_headers}
         try:
             async with self._session.post(
                 worker.url + request.path, data=body, headers=headers, timeout=timeout
@@ -232,28 +297,36 @@ class Router:
             body=payload, status=status, headers={ENGINE_URL_HEADER: worker.url, "Content-Type": content_type}
         )
 
-    async def _url_from(self, request: web.Request) -> str | None:
+    async def _url_from(self, request: web.Request) -> str:
+        """The normalized worker URL of `?url=` or a JSON body {"url": ...}; WorkerUrlError (a 400) otherwise."""
         url = request.query.get("url")
         if url is None and request.can_read_body:
             try:
-                url = (await request.json()).get("url")
-            except Exception:
-                url = None
-        return url
+                body = json.loads(await request.read())
+            except (ValueError, UnicodeDecodeError) as err:
+                raise WorkerUrlError(f"the body must be JSON {{\"url\": ...}}: {err}") from err
+            if not isinstance(body, dict):
+                raise WorkerUrlError('the body must be a JSON object {"url": ...}')
+            url = body.get("url")
+        if url is None:
+            raise WorkerUrlError(f"{request.path} needs a url (JSON {{\"url\": ...}} or ?url=)")
+        return normalize_worker_url(url)
 
     async def handle_add_worker(self, request: web.Request) -> web.Response:
-        url = await self._url_from(request)
-        if not url:
-            return web.json_response({"error": "add_worker needs a url"}, status=400)
+        try:
+            url = await self._url_from(request)
+        except WorkerUrlError as err:
+            return web.json_response({"error": str(err)}, status=400)
         worker = self.add_worker(url)
         # a re-added engine (restarted on the same URL) starts alive with a clean record
         worker.alive, worker.consecutive_failures = True, 0
         return web.json_response({"ok": True, "workers": [w.url for w in self.workers.values()]})
 
     async def handle_remove_worker(self, request: web.Request) -> web.Response:
-        url = await self._url_from(request)
-        if not url:
-            return web.json_response({"error": "remove_worker needs a url"}, status=400)
+        try:
+            url = await self._url_from(request)
+        except WorkerUrlError as err:
+            return web.json_response({"error": str(err)}, status=400)
         removed = self.remove_worker(url)
         return web.json_response({"ok": removed, "workers": [w.url for w in self.workers.values()]},
                                  status=200 if removed else 404)
@@ -284,6 +357,7 @@ def router_argv(config: RouterConfig, worker_urls: list[str], host: str = "127.0
         argv += ["--timeout", str(config.timeout)]
     if config.max_connections is not None:
         argv += ["--max-connections", str(config.max_connections)]
+    argv += ["--max-request-bytes", str(config.max_request_bytes)]
     if url_file:
         argv += ["--url-file", url_file]
     for url in worker_urls:
@@ -292,14 +366,20 @@ def router_argv(config: RouterConfig, worker_urls: list[str], host: str = "127.0
 
 
 def launch_router_process(config: RouterConfig, worker_urls: list[str], host: str = "127.0.0.1",
-                          startup_timeout: float = 60.0):
-    """Start `python -m miles.router` and wait for its URL; returns (subprocess.Popen, url)."""
+                          startup_timeout: float = 60.0, api_key: str | None = None):
+    """Start `python -m miles.router` and wait for its URL; returns (subprocess.Popen, url).
+
+    The key (`api_key`, default this process's $MILES_API_KEY) reaches the child through its environment."""
+    import os
     import subprocess
     import sys
 
+    env = dict(os.environ)
+    env[API_KEY_ENV] = resolve_api_key(api_key, "the router")
     process = subprocess.Popen(
         [sys.executable, "-m", "miles.router", *router_argv(config, worker_urls, host)],
         stdout=subprocess.PIPE,
+        env=env,
         text=True,
     )
     url = read_announced_url(process, "MILES_ROUTER_URL=", startup_timeout, "router")

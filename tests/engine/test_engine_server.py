@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -17,9 +18,11 @@ from miles.diffusion.sde import build_sde_backend
 from miles.engine.model_runner import ModelRunner
 from miles.engine.protocol import GenerateRequest, decode_response, encode_request
 from miles.engine.server_args import ServerArgs
+from miles.router.router import Router, RouterConfig
 from miles.models.base import GenerationShape
 from miles.testing.reference_loop import sample_reference
 from miles.types import GuidanceConfig
+from miles.utils.auth import auth_headers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,13 +47,14 @@ def _request(**overrides) -> GenerateRequest:
 
 
 def _post(url: str, request: GenerateRequest):
-    http = urllib.request.Request(f"{url}/rollout/generate", data=encode_request(request), method="POST")
+    http = urllib.request.Request(f"{url}/rollout/generate", data=encode_request(request), method="POST",
+                                  headers=auth_headers())
     with urllib.request.urlopen(http, timeout=60) as response:
         return decode_response(response.read())
 
 
 def _get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=30) as response:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=auth_headers()), timeout=30) as response:
         return json.loads(response.read())
 
 
@@ -131,7 +135,7 @@ def test_concurrent_requests_are_batched_and_match_serial_serving(engine):
     before = _get_json(f"{engine.url}/server_info")["counters"]
 
     async def burst():
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(headers=auth_headers()) as session:
             async def one(r):
                 async with session.post(f"{engine.url}/rollout/generate", data=encode_request(r)) as resp:
                     assert resp.status == 200
@@ -152,7 +156,7 @@ def test_concurrent_requests_are_batched_and_match_serial_serving(engine):
 
 def test_release_and_resume_memory(engine):
     def post(path):
-        http = urllib.request.Request(f"{engine.url}{path}", data=b"", method="POST")
+        http = urllib.request.Request(f"{engine.url}{path}", data=b"", method="POST", headers=auth_headers())
         with urllib.request.urlopen(http, timeout=30) as response:
             return json.loads(response.read())
 
@@ -165,7 +169,8 @@ def test_release_and_resume_memory(engine):
 
 
 def test_bad_requests_get_400_with_a_reason(engine):
-    http = urllib.request.Request(f"{engine.url}/rollout/generate", data=b"\xc1garbage", method="POST")
+    http = urllib.request.Request(f"{engine.url}/rollout/generate", data=b"\xc1garbage", method="POST",
+                                  headers=auth_headers())
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(http, timeout=30)
     assert err.value.code == 400 and "msgpack" in json.loads(err.value.read())["error"]
@@ -176,6 +181,46 @@ def test_bad_requests_get_400_with_a_reason(engine):
         _post(engine.url, _request(sde_type="langevin"))
     assert err.value.code == 400 and "sde-type" in json.loads(err.value.read())["error"]
     assert _get_json(f"{engine.url}/health")["ok"] is True  # the engine survived all of them
+
+
+def _wait_idle(url: str, deadline_s: float = 20.0) -> dict:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        info = _get_json(f"{url}/server_info")
+        if info["running_requests"] == 0:
+            return info["counters"]
+        time.sleep(0.05)  # polling another process's state; there is no event to wait on
+    raise AssertionError(f"engine {url} still runs requests after {deadline_s}s")
+
+
+@pytest.mark.parametrize("through_router", [False, True])
+def test_a_client_that_disconnects_cancels_its_request(engine, through_router):
+    """A 1000-step request whose client gives up after 0.5 s stops at the next step instead of running on."""
+    long_request = _request(num_samples=1, num_steps=1000, sde_step_indices=[], return_latent_indices=[],
+                            request_id="abandoned")
+    before = _wait_idle(engine.url)
+
+    async def give_up():
+        router = None
+        url = engine.url
+        if through_router:
+            router = Router(RouterConfig(health_check_interval=3600, health_check_first_wait=3600), [engine.url])
+            url = await router.start()
+        try:
+            async with aiohttp.ClientSession(headers=auth_headers()) as session:
+                with pytest.raises(asyncio.TimeoutError):
+                    async with session.post(f"{url}/rollout/generate", data=encode_request(long_request),
+                                            timeout=aiohttp.ClientTimeout(total=0.5)):
+                        pass
+        finally:
+            if router is not None:
+                await router.stop()
+
+    asyncio.run(give_up())
+    after = _wait_idle(engine.url)
+    assert after["requests_cancelled"] == before["requests_cancelled"] + 1
+    assert after["forward_batches"] - before["forward_batches"] < 900  # stopped long before step 1000
+    assert len(_post(engine.url, _request(num_samples=1)).samples) == 1  # and the engine serves on
 
 
 def test_wan_video_runner_two_experts_and_score_mode(tiny_checkpoint, make_server_args):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgpack
 import pytest
 import torch
@@ -10,6 +12,7 @@ from miles.engine.protocol import (
     GenerateRequest,
     GenerateResponse,
     ProtocolError,
+    RequestLimits,
     SampleResult,
     decode_request,
     decode_response,
@@ -162,3 +165,67 @@ def test_bad_tensor_payloads_are_rejected():
     bad_ext = msgpack.packb(msgpack.ExtType(7, b"xx"), use_bin_type=True)
     with pytest.raises(ProtocolError, match="extension"):
         unpackb(bad_ext)
+
+
+def _body(**overrides) -> bytes:
+    body = msgpack.unpackb(encode_request(_request()), raw=False)
+    body.update(overrides)
+    return packb(body)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"num_samples": "3"}, "num_samples must be an integer"),
+        ({"num_samples": True}, "num_samples must be an integer"),
+        ({"num_steps": 6.0}, "num_steps must be an integer"),
+        ({"prompt": ["a", "b"]}, "prompt must be a string"),
+        ({"noise_level": float("nan")}, "noise_level must be a finite number"),
+        ({"debug": 1}, "debug must be true or false"),
+        ({"sde_step_indices": [1, "2"]}, "sde_step_indices entry must be an integer"),
+        ({"sde_step_indices": {"1": 1}}, "sde_step_indices must be a list"),
+        ({"guidance": [4.0]}, "guidance must be a map"),
+        ({"guidance": {"guidance_scale": "high"}}, "guidance.guidance_scale must be a finite number"),
+        ({"guidance": {"scale_fn": "os.system"}}, "guidance has unknown fields"),
+        ({"seed": -1}, "seed must be in"),
+        ({"seed": 2**63 - 1}, "seed must be in"),
+    ],
+)
+def test_wrong_types_are_protocol_errors_naming_the_field(overrides, message):
+    with pytest.raises(ProtocolError, match=message):
+        decode_request(_body(**overrides))
+
+
+def test_a_module_path_in_the_body_is_rejected_and_the_request_has_no_such_field():
+    """The SDE backend comes from the engine's flags: a body naming code to import is refused, not obeyed."""
+    assert "sde_backend_path" not in {f.name for f in dataclasses.fields(GenerateRequest)}
+    for field_name in ("sde_backend_path", "sde_step_backend_path", "model_backend_path", "pipeline_builder_path"):
+        with pytest.raises(ProtocolError, match="unknown fields"):
+            decode_request(_body(**{field_name: "os.system"}))
+
+
+def test_limits_bound_every_size_and_are_configurable():
+    limits = RequestLimits(max_samples=4, max_steps=8, max_image_size=64, max_frames=2, max_text_chars=10)
+    for overrides, message in [
+        ({"num_samples": 5}, "num_samples 5 exceeds this engine's limit 4"),
+        ({"num_steps": 9}, "num_steps 9 exceeds"),
+        ({"height": 96}, "height 96 exceeds"),
+        ({"width": 96}, "width 96 exceeds"),
+        ({"num_frames": 3}, "num_frames 3 exceeds"),
+        ({"prompt": "x" * 11}, "prompt has 11 characters"),
+    ]:
+        with pytest.raises(ProtocolError, match=message):
+            small = dict(num_samples=2, num_steps=6, height=32, width=48, num_frames=1, prompt="short",
+                         negative_prompt=None, sde_type="sde", request_id="r")
+            decode_request(encode_request(_request(**{**small, **overrides})), limits)
+    # the defaults: 64 samples, 1000 steps, 4096 px, 1024 frames
+    with pytest.raises(ProtocolError, match="num_samples 65"):
+        decode_request(encode_request(_request(num_samples=65)))
+    with pytest.raises(ProtocolError, match="num_steps 1001"):
+        decode_request(encode_request(_request(num_steps=1001)))
+    assert decode_request(encode_request(_request(num_samples=64, height=4096, width=4096))).num_samples == 64
+
+
+def test_request_bodies_carry_no_msgpack_extensions():
+    with pytest.raises(ProtocolError, match="no msgpack extensions"):
+        decode_request(_body(prompt=torch.zeros(2)))

@@ -10,10 +10,15 @@ import urllib.request
 
 import pytest
 import torch
+from torch import nn
 
 from miles.engine.model_runner import ModelRunner
-from miles.engine.protocol import GenerateRequest, decode_response, encode_request
+from miles.engine.protocol import GenerateRequest, ProtocolError, decode_response, encode_request
 from miles.engine.weight_sync import (
+    _BucketBuffer,
+    SharedMemoryRef,
+    TensorEntry,
+    UpdateMessage,
     WeightReceiver,
     WeightSyncError,
     merge_lora_weight,
@@ -22,6 +27,7 @@ from miles.engine.weight_sync import (
 )
 from miles.models.sd3 import SD3TrainPipelineConfig
 from miles.types import GuidanceConfig
+from miles.utils.auth import auth_headers
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -55,13 +61,15 @@ REQUEST = GenerateRequest(prompt="a tiny house", num_samples=2, seed=3, num_step
 
 
 def _generate(url: str):
-    http = urllib.request.Request(f"{url}/rollout/generate", data=encode_request(REQUEST), method="POST")
+    http = urllib.request.Request(f"{url}/rollout/generate", data=encode_request(REQUEST), method="POST",
+                                  headers=auth_headers())
     with urllib.request.urlopen(http, timeout=60) as response:
         return decode_response(response.read())
 
 
 def _engine_state(url: str) -> tuple[dict, int]:
-    with urllib.request.urlopen(f"{url}/weights_checksum", timeout=60) as response:
+    with urllib.request.urlopen(urllib.request.Request(f"{url}/weights_checksum", headers=auth_headers()),
+                                timeout=60) as response:
         body = json.loads(response.read())
     return body["checksums"], body["weight_version"]
 
@@ -176,8 +184,37 @@ def test_rejected_updates_name_the_problem_and_keep_the_version(engine, base_tra
 
 def test_receiver_rejects_targets_outside_target_modules(base_transformer):
     receiver = WeightReceiver({"transformer": base_transformer})
-    with pytest.raises(Exception, match="outside target_modules"):
-        receiver._receive_full("transformer.pos_embed.proj.weight", torch.zeros(1), ["transformer_2"])
+    weight = base_transformer.pos_embed.proj.weight
+    entry = TensorEntry("transformer.pos_embed.proj.weight", torch.float32, tuple(weight.shape), 0)
+    message = UpdateMessage(weight_version=1, target_modules=("transformer_2",),
+                            buffer=SharedMemoryRef("miles_" + "0" * 32, entry.nbytes), entries=(entry,))
+    with pytest.raises(ProtocolError, match="outside target_modules"):
+        receiver.apply(message)
+
+
+def test_a_lora_bucket_with_a_mismatched_rank_changes_nothing():
+    """The halves of a LoRA pair may arrive in different buckets; a B whose rank differs from the pending A is
+    refused before anything is copied, and the pending A stays as it was."""
+    layer = nn.Linear(4, 3, bias=False)
+    weight_before = layer.weight.detach().clone()
+    receiver = WeightReceiver({"transformer": nn.ModuleDict({"proj": layer})})
+    buffer = _BucketBuffer(4096, torch.device("cpu"))
+    try:
+        def bucket(*named):
+            entries = buffer.pack(list(named))
+            return UpdateMessage(weight_version=3, lora=True, lora_scaling=0.5, buffer=buffer.describe(),
+                                 entries=entries)
+
+        receiver.apply(bucket(("transformer.proj.lora_A.weight", torch.ones(2, 4))))  # rank 2, waits for its B
+        with pytest.raises(ProtocolError, match="with rank 2"):
+            receiver.apply(bucket(("transformer.proj.lora_B.weight", torch.ones(3, 5)),))
+        with pytest.raises(ProtocolError, match="does not fit"):  # out-features 2, the weight has 3
+            receiver.apply(bucket(("transformer.proj.lora_B.weight", torch.ones(2, 2))))
+        assert torch.equal(layer.weight, weight_before) and receiver.tensors_received == 1
+        receiver.apply(bucket(("transformer.proj.lora_B.weight", torch.ones(3, 2))))  # the right B merges
+        torch.testing.assert_close(layer.weight, weight_before + 0.5 * torch.ones(3, 2) @ torch.ones(2, 4))
+    finally:
+        buffer.close()
 
 
 @pytest.mark.gpu

@@ -18,6 +18,7 @@ from miles.ray.engine_actor import engine_actor_class  # noqa: E402
 from miles.rollout.sglang_diffusion_rollout import generate_rollout  # noqa: E402
 from miles.router.router import Router, RouterConfig  # noqa: E402
 from miles.types import Sample  # noqa: E402
+from miles.utils.auth import auth_headers  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -31,7 +32,8 @@ def ray_cluster():
 
 def _health(url: str) -> bool:
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=10) as response:
+        with urllib.request.urlopen(urllib.request.Request(f"{url}/health", headers=auth_headers()),
+                                    timeout=10) as response:
             return json.loads(response.read())["ok"]
     except OSError:
         return False

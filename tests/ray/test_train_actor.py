@@ -25,6 +25,7 @@ from miles.backends.fsdp_utils.tiny_rollout import (
 )
 from miles.backends.fsdp_utils.weight_export import is_lora_param, strip_peft_name
 from miles.ray.train_actor import TrainActorGroup, parse_train_env_vars
+from miles.utils.auth import auth_headers
 from miles.utils.errors import MilesUserError
 
 pytestmark = pytest.mark.timeout(240)
@@ -107,7 +108,8 @@ def test_weight_push_reaches_a_live_engine(setup, tmp_path):
     try:
         report = group.update_weights([engine.url], weight_version=5)
         assert report["num_tensors"] > 0
-        with urllib.request.urlopen(f"{engine.url}/weights_checksum?per_tensor=1", timeout=60) as response:
+        request = urllib.request.Request(f"{engine.url}/weights_checksum?per_tensor=1", headers=auth_headers())
+        with urllib.request.urlopen(request, timeout=60) as response:
             body = json.loads(response.read())
         assert body["weight_version"] == 5
         pushed = named_tensor_checksums(group.named_tensors().items(), per_tensor=True)["transformer"]

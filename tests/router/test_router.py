@@ -18,8 +18,9 @@ from miles.engine.launcher import launch_engines
 from miles.engine.protocol import GenerateRequest, decode_response, encode_request
 from miles.engine.server_args import ServerArgs
 from miles.rollout.engine_client import EngineClient, EngineRequestError
-from miles.router.router import Router, RouterConfig, launch_router_process
+from miles.router.router import Router, RouterConfig, WorkerUrlError, launch_router_process, normalize_worker_url
 from miles.types import GuidanceConfig
+from miles.utils.auth import auth_headers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -55,7 +56,8 @@ def _request(num_steps=3, seed=1, prompt="a boat") -> GenerateRequest:
 
 
 def _workers(router_url: str) -> dict[str, dict]:
-    with urllib.request.urlopen(f"{router_url}/workers", timeout=10) as response:
+    with urllib.request.urlopen(urllib.request.Request(f"{router_url}/workers", headers=auth_headers()),
+                                timeout=10) as response:
         return {w["url"]: w for w in json.loads(response.read())["workers"]}
 
 
@@ -80,7 +82,8 @@ def test_least_in_flight_spreads_a_burst_and_forwards_bodies_unchanged(engines, 
     assert all(w["in_flight"] == 0 and w["requests_total"] == 2 for w in workers.values())
     # the same request through the router and straight to an engine gives the same bytes
     direct = urllib.request.urlopen(
-        urllib.request.Request(f"{engines[1].url}/rollout/generate", data=encode_request(requests[0]), method="POST"),
+        urllib.request.Request(f"{engines[1].url}/rollout/generate", data=encode_request(requests[0]), method="POST",
+                               headers=auth_headers()),
         timeout=60,
     )
     assert torch.equal(decode_response(direct.read()).samples[0].clean_latents, results[0][0].samples[0].clean_latents)
@@ -88,7 +91,8 @@ def test_least_in_flight_spreads_a_burst_and_forwards_bodies_unchanged(engines, 
 
 def test_workers_can_be_removed_and_added_at_run_time(engines, router):
     def post(path, url):
-        http = urllib.request.Request(f"{router}{path}", data=json.dumps({"url": url}).encode(), method="POST")
+        http = urllib.request.Request(f"{router}{path}", data=json.dumps({"url": url}).encode(), method="POST",
+                                      headers=auth_headers())
         with urllib.request.urlopen(http, timeout=10) as response:
             return json.loads(response.read())
 
@@ -102,7 +106,7 @@ def test_workers_can_be_removed_and_added_at_run_time(engines, router):
 async def _kill_when_in_flight(router_url: str, victim, deadline_s: float = 30.0) -> None:
     """Kill `victim` as soon as the router reports a request in flight on it."""
     deadline = time.monotonic() + deadline_s
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=auth_headers()) as session:
         while time.monotonic() < deadline:
             async with session.get(f"{router_url}/workers") as response:
                 workers = {w["url"]: w for w in (await response.json())["workers"]}
@@ -129,7 +133,7 @@ def test_health_checks_mark_dead_after_the_threshold_and_revive():
                 assert await router.check_worker(worker) is False
                 assert worker.alive is expected_alive
             # the router answers 503 when no engine is alive
-            async with aiohttp.ClientSession() as session:
+            async with aiohttp.ClientSession(headers=auth_headers()) as session:
                 async with session.post(f"{url}/rollout/generate", data=encode_request(_request())) as response:
                     assert response.status == 503 and "no live engine" in (await response.json())["error"]
             # a worker pointing at the router's own /health comes back on its first good check
@@ -151,6 +155,50 @@ def test_router_timeout_answers_504(engines):
             async with EngineClient(_client_args(url)) as client:
                 with pytest.raises(EngineRequestError, match="504.*did not answer within 0.05s"):
                     await client.generate(_request(num_steps=200, seed=9))
+        finally:
+            await router.stop()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:9/update_weights_from_tensor",  # a path: the router would post elsewhere than the root
+        "http://127.0.0.1:9?x=1",
+        "http://127.0.0.1:9#frag",
+        "http://user:pw@127.0.0.1:9",
+        "file:///etc/passwd",
+        "gopher://127.0.0.1:9",
+        "http://127.0.0.1",  # no port
+        "http://127.0.0.1:99999",
+        "http://bad_host:9",
+        "http://127.0.0.1:9\r\nX-Injected: 1",
+        "",
+        123,
+    ],
+)
+def test_worker_urls_other_than_scheme_host_port_are_refused(url):
+    with pytest.raises(WorkerUrlError):
+        normalize_worker_url(url)
+
+
+def test_add_and_remove_worker_answer_400_to_a_bad_url_and_keep_the_worker_set():
+    async def run():
+        router = Router(RouterConfig(health_check_interval=3600, health_check_first_wait=3600), ["127.0.0.1:9"])
+        url = await router.start()
+        try:
+            async with aiohttp.ClientSession(headers=auth_headers()) as session:
+                for path in ("/add_worker", "/remove_worker"):
+                    for body in ({"url": "http://127.0.0.1:9/rollout/generate?x=1"}, {"url": ["x"]}, [1], {}):
+                        async with session.post(f"{url}{path}", json=body) as response:
+                            assert response.status == 400, (path, body)
+                            assert "error" in await response.json()
+                    async with session.post(f"{url}{path}", data=b"{not json") as response:
+                        assert response.status == 400
+                async with session.post(f"{url}/add_worker?url=HTTP://LOCALHOST:8/") as response:
+                    assert response.status == 200
+            assert sorted(router.workers) == ["http://127.0.0.1:9", "http://localhost:8"]
         finally:
             await router.stop()
 
@@ -208,3 +256,4 @@ def test_fault_tolerant_client_waits_for_a_live_engine_then_gives_up_clearly():
             await router.stop()
 
     asyncio.run(run())
+

@@ -10,6 +10,10 @@ response  200 with {"rewards": [float | {str: float}, ...]} (one per sample, sam
 
 A connection error, a timeout or a 5xx status is retried (`--rm-max-retries`, exponential back-off); a
 4xx status or a malformed body is a user error at once.
+
+Auth: with $MILES_RM_API_KEY set, every request carries `Authorization: Bearer <that key>` for the service to
+check. It is a key of its own on purpose: the reward service lives outside the run, often on another host, and
+must never receive the run's engine key ($MILES_API_KEY), which controls the engines.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from typing import Any, Sequence
 
 import aiohttp
@@ -31,6 +36,15 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_MAX_RETRIES = 3
 MSGPACK_CONTENT_TYPE = "application/msgpack"
+RM_API_KEY_ENV = "MILES_RM_API_KEY"
+
+
+def request_headers() -> dict[str, str]:
+    headers = {"Content-Type": MSGPACK_CONTENT_TYPE}
+    key = os.environ.get(RM_API_KEY_ENV)
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    return headers
 
 
 def encode_request(samples: Sequence[Sample]) -> bytes:
@@ -74,7 +88,7 @@ async def remote_rm(args, samples: Sequence[Sample]) -> list[Any]:
     for attempt in range(max_retries + 1):
         try:
             async with aiohttp.ClientSession(timeout=timeout) as session:
-                async with session.post(url, data=body, headers={"Content-Type": MSGPACK_CONTENT_TYPE}) as response:
+                async with session.post(url, data=body, headers=request_headers()) as response:
                     content = await response.read()
                     if response.status >= 500:
                         last_error = f"HTTP {response.status}: {content[:200]!r}"

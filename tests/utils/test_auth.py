@@ -1,0 +1,95 @@
+"""The front door shared by engine and router: the bearer-key middleware (constant-time compare, 401), one-line
+JSON errors, the run's key in the environment, and the bind warning."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from miles.utils import auth
+from miles.utils.errors import MilesUserError
+
+KEY = "k" * 32
+
+
+async def _serve_and_call(calls):
+    async def ok(request):
+        await request.read()  # aiohttp enforces client_max_size while reading
+        return web.json_response({"ok": True})
+
+    async def boom(request):
+        raise RuntimeError("secret internals")
+
+    app = web.Application(client_max_size=64,
+                          middlewares=[auth.json_errors_middleware, auth.bearer_auth_middleware(KEY)])
+    app.add_routes([web.get("/x", ok), web.post("/x", ok), web.get("/boom", boom)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        async with aiohttp.ClientSession() as session:
+            results = []
+            for method, path, headers, data in calls:
+                async with session.request(method, f"http://127.0.0.1:{port}{path}", headers=headers,
+                                           data=data) as response:
+                    results.append((response.status, await response.json()))
+            return results
+    finally:
+        await runner.cleanup()
+
+
+def test_only_the_right_bearer_key_gets_in_and_errors_are_one_line_json():
+    good = {"Authorization": f"Bearer {KEY}"}
+    results = asyncio.run(_serve_and_call([
+        ("GET", "/x", {}, None),
+        ("GET", "/x", {"Authorization": "Bearer " + "x" * 32}, None),
+        ("GET", "/x", {"Authorization": KEY}, None),  # no scheme
+        ("GET", "/x", {"Authorization": f"Bearer {KEY}extra"}, None),
+        ("GET", "/nowhere", {}, None),  # unknown paths are not enumerable without the key
+        ("GET", "/x", good, None),
+        ("GET", "/nowhere", good, None),
+        ("POST", "/x", good, b"x" * 1000),  # over client_max_size
+        ("GET", "/boom", good, None),
+    ]))
+    statuses = [status for status, _ in results]
+    assert statuses == [401, 401, 401, 401, 401, 200, 404, 413, 500]
+    assert "Authorization: Bearer" in results[0][1]["error"]
+    for status, body in results:
+        assert status == 200 or ("\n" not in body["error"] and body["error"])
+    assert "secret internals" not in results[-1][1]["error"]  # a 500 names the type, not the details
+
+
+def test_the_run_key_is_created_once_and_kept_in_the_environment(monkeypatch):
+    monkeypatch.delenv(auth.API_KEY_ENV, raising=False)
+    key = auth.ensure_run_api_key()
+    assert len(key) == 64 and auth.api_key_from_env() == key
+    assert auth.ensure_run_api_key() == key  # the same key for every component of the run
+    assert auth.auth_headers() == {"Authorization": f"Bearer {key}"}
+    monkeypatch.setenv(auth.API_KEY_ENV, "mine-" + "9" * 20)
+    assert auth.ensure_run_api_key() == "mine-" + "9" * 20  # a key the user exported is kept
+
+
+def test_servers_refuse_to_run_without_a_usable_key(monkeypatch):
+    monkeypatch.delenv(auth.API_KEY_ENV, raising=False)
+    with pytest.raises(MilesUserError, match="needs an API key"):
+        auth.resolve_api_key(None, "the engine")
+    with pytest.raises(MilesUserError, match="at least 16"):
+        auth.resolve_api_key("short", "the engine")
+    with pytest.raises(MilesUserError, match="printable ASCII"):
+        auth.resolve_api_key("a key with spaces in it", "the engine")
+    assert auth.resolve_api_key(KEY, "the engine") == KEY
+
+
+def test_binding_beyond_loopback_is_warned(caplog):
+    with caplog.at_level(logging.WARNING, logger="miles.utils.auth"):
+        for host in ("127.0.0.1", "::1", "localhost", "127.0.0.5"):
+            auth.warn_if_exposed(host, "the engine")
+        assert not caplog.records
+        auth.warn_if_exposed("0.0.0.0", "the engine")
+    assert "reachable from other machines" in caplog.text
