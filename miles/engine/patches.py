@@ -78,6 +78,11 @@ def _patch_math_attention(modules: Mapping[str, nn.Module]) -> None:
         setter("_native_math")
 
 
+def _forward_dtype(modules: Mapping[str, nn.Module]) -> torch.dtype:
+    """The engine's forward dtype: the one its denoisers' weights were loaded in."""
+    return next(next(iter(modules.values())).parameters()).dtype
+
+
 @dataclass(frozen=True)
 class PatchGroup:
     name: str
@@ -98,7 +103,11 @@ register_patch_group(PatchGroup("math_attention", "attention via the math SDPA k
 register_patch_group(PatchGroup("sgld", "sglang-diffusion parity: fp32 norms", _patch_fp32_norms))
 register_patch_group(PatchGroup("ltx", "LTX parity: fp32 norms", _patch_fp32_norms))
 register_patch_group(
-    PatchGroup("batch_invariant", "bitwise engine/trainer parity: fixed tiles, flash attention", pin_attention)
+    PatchGroup(
+        "batch_invariant",
+        "bitwise engine/trainer parity: fixed tiles, one attention kernel",
+        lambda modules: pin_attention(modules, _forward_dtype(modules)),
+    )
 )
 # The groups the trainer applies to its own modules as well; the others are engine-side numerics choices that
 # FSDP's mixed precision would undo.

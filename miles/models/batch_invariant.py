@@ -4,13 +4,15 @@ A sample's DiT output depends on more than its own inputs: GEMM libraries (MKL/o
 pick their blocking and split-K from the row count, and the engine forwards a whole denoising step of every
 request at once while the trainer forwards micro-batches of pairs. The ratio π_new/π_old then is not 1 at the
 first step, and a clip range of 1e-4 clips on numerics alone. The `batch_invariant` patch group removes the
-three sources of difference (docs/sde-backends.md):
+sources of difference (docs/sde-backends.md):
 
 1. **Fixed forward tiles**: both sides run every DiT forward on exactly `tile` samples (the trainer's pairs per
    forward, `--micro-batch-size`), padding the last tile by repeating its last sample. Every kernel then sees
    the same shapes on both sides, and no kernel mixes rows, so a sample's output ignores its neighbours.
-2. **One attention kernel**: on CUDA both sides use PyTorch's flash SDPA kernel (without a pin the dispatcher
-   may choose differently with and without autograd).
+2. **One attention kernel**: on CUDA both sides use one PyTorch SDPA kernel (flash; memory-efficient in fp32),
+   since without a pin the dispatcher may choose differently with and without autograd.
+4. **Buffers in the forward dtype** on the trainer too (`cast_buffers_like_the_engine` in
+   miles/backends/fsdp_utils/parallelize.py): FSDP casts parameters, not buffers such as SD3's positional table.
 3. **LoRA seen as the engine sees it**: the engine runs the merged weight W' = W + s·B·A (rounded to the
    forward dtype, `merged_lora_weight`). The trainer's LoRA layers compute the forward value with that same
    W' and take the LoRA gradients from the unmerged path, whose value is added as `lora − lora.detach()`
@@ -32,7 +34,8 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 GROUP = "batch_invariant"
-FLASH_ATTENTION_BACKEND = "_native_flash"  # diffusers' name for PyTorch's flash SDPA kernel
+FLASH_ATTENTION_BACKEND = "_native_flash"  # diffusers' name for PyTorch's flash SDPA kernel (fp16/bf16 only)
+EFFICIENT_ATTENTION_BACKEND = "_native_efficient"  # the memory-efficient kernel, which also takes fp32
 
 
 def predict_velocity_in_tiles(
@@ -65,14 +68,16 @@ def predict_velocity_in_tiles(
     return torch.cat(velocities) if len(velocities) > 1 else velocities[0]
 
 
-def pin_attention(modules: Mapping[str, nn.Module], device_type: str | None = None) -> None:
-    """On CUDA, route attention through the flash SDPA kernel on every module that can choose.
+def pin_attention(modules: Mapping[str, nn.Module], dtype: torch.dtype, device_type: str | None = None) -> None:
+    """On CUDA, route attention through one SDPA kernel on every module that can choose: flash for 16-bit
+    forwards, memory-efficient for fp32 (flash has no fp32 kernel). Both treat each (sample, head) on its own.
 
     `device_type`: where the modules will run (default: where their parameters are now)."""
+    backend = EFFICIENT_ATTENTION_BACKEND if dtype == torch.float32 else FLASH_ATTENTION_BACKEND
     for module in modules.values():
         on_cuda = device_type == "cuda" if device_type else any(p.is_cuda for p in module.parameters())
         if on_cuda and hasattr(module, "set_attention_backend"):
-            module.set_attention_backend(FLASH_ATTENTION_BACKEND)
+            module.set_attention_backend(backend)
 
 
 def merged_lora_weight(

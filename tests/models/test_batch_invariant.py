@@ -29,9 +29,10 @@ def tiny(tiny_checkpoint):
     torch.distributed.destroy_process_group()
 
 
-def rollout(family, pipe, checkpoint: str, tile: int, weights: dict[str, torch.Tensor] | None = None) -> list[Sample]:
+def rollout(family, pipe, checkpoint: str, tile: int, weights: dict[str, torch.Tensor] | None = None,
+            dtype: str = "fp32") -> list[Sample]:
     """Two requests (3 + 2 samples, different prompts) denoised together, one batched forward per step."""
-    server_args = ServerArgs(model_path=checkpoint, device="cpu", dtype="fp32", generator_device="cpu",
+    server_args = ServerArgs(model_path=checkpoint, device="cpu", dtype=dtype, generator_device="cpu",
                              forward_tile=tile, max_batch_size=64)
     runner = ModelRunner(server_args, loaded=(family, pipe))
     if weights:
@@ -74,6 +75,16 @@ def test_rollout_and_training_agree_bitwise_with_mixed_requests(tiny):
     assert metrics["train/model_output_max_abs_diff"] == 0.0
     assert metrics["train/log_prob_mean_abs_diff"] == 0.0
     assert metrics["train/clipfrac"] == 0.0 and metrics["train/approx_kl"] == 0.0
+
+
+def test_bf16_engine_and_bf16_trainer_agree_bitwise(tiny):
+    """The engine holds its pipeline in bf16 (buffers included); the trainer casts fp32 masters and its buffers."""
+    args, family, _ = tiny
+    pipe = family.load_pipeline(args.hf_checkpoint, torch.bfloat16)
+    samples = rollout(family, pipe, args.hf_checkpoint, tile=3, dtype="bf16")
+    metrics, _ = replay(tiny, samples, tile=3, diffusion_forward_dtype="bf16")
+    assert metrics["train/model_output_max_abs_diff"] == 0.0
+    assert metrics["train/log_prob_mean_abs_diff"] == 0.0
 
 
 def test_without_the_group_batching_changes_the_numbers(tiny):

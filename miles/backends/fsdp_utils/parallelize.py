@@ -60,6 +60,21 @@ def apply_sequence_parallel(module: nn.Module, family, dims: ParallelDims, mesh,
     module.enable_parallelism(config=config, cp_plan=plan)
 
 
+def cast_buffers_like_the_engine(module: nn.Module, master_dtype: torch.dtype, forward_dtype: torch.dtype) -> None:
+    """Floating buffers (e.g. SD3's positional table) in the forward dtype, as the engine holds them.
+
+    FSDP's mixed precision casts parameters for the forward but never buffers: without this the trainer adds an
+    fp32 positional table where the engine (its pipeline loaded in the forward dtype) adds a bf16 one, and the
+    two velocities differ by ~1% in bf16. Only buffers in the master dtype are cast; fp64 or complex tables
+    (rotary frequencies) keep theirs."""
+    if forward_dtype == master_dtype:
+        return
+    for owner in module.modules():
+        for name, buffer in list(owner.named_buffers(recurse=False)):
+            if buffer is not None and buffer.dtype == master_dtype:
+                setattr(owner, name, buffer.to(forward_dtype))
+
+
 def enable_gradient_checkpointing(module: nn.Module, blocks: list[nn.ModuleList]) -> None:
     """Diffusers' own switch when the module has one, else per-block `checkpoint_wrapper` (non-reentrant)."""
     if hasattr(module, "enable_gradient_checkpointing") and getattr(module, "_supports_gradient_checkpointing", False):
@@ -96,6 +111,7 @@ def parallelize_module(module: nn.Module, family, args, dims: ParallelDims, mesh
 
     if any(param.dtype != master_dtype for param in module.parameters()):
         module.to(dtype=master_dtype)
+    cast_buffers_like_the_engine(module, master_dtype, forward_dtype)
     offload = bool(getattr(args, "fsdp_cpu_offload", False))
     if not offload:
         module.to(device)
