@@ -366,6 +366,9 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
     ("Checkpointing", [
         F("--save", str, None, "Checkpoint directory to write."),
         F("--save-interval", int, None, "Save every N rollouts. Requires --save.", ge=1),
+        F("--save-keep-latest", int, None, "Keep only the newest K checkpoints under --save: after each complete "
+          "save the older iter_* folders are deleted (the one just saved always stays). Unset keeps all.", ge=1,
+          extension=True, metavar="K"),
         S("--no-save-optim", "Smaller checkpoints, but no resumption."),
         F("--load", str, None, "Checkpoint directory to resume from."),
         F("--ckpt-step", int, None, "Defaults to latest_checkpointed_iteration.txt.", ge=0),
