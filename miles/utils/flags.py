@@ -156,8 +156,9 @@ class _OffloadAction(argparse.Action):
 MILES_GROUPS: list[tuple[str, list[Flag]]] = [
     ("Configuration", [
         F("--custom-config-path", str, None, "YAML file of flag values (keys: flag names with _ or -). Applied after "
-          "the command line; a key that names a flag overrides it with one logged warning (the YAML wins); unknown "
-          "keys are set too, with a warning. Validation runs on the final values.", metavar="FILE.yaml"),
+          "the command line; a key that names a flag overrides it with one logged warning (the YAML wins); an "
+          "unknown key close to a flag name is an error (\"did you mean\"), other unknown keys are set too, with a "
+          "warning, for your hooks. Validation runs on the final values.", metavar="FILE.yaml"),
         S("--dry-run", "Print the resolved configuration and the batch geometry, then exit 0 without starting "
           "anything.", extension=True),
     ]),

@@ -104,9 +104,10 @@ def _refused_global(message: str) -> str | None:
 
 def _weights_only_reason(message: str) -> str:
     """The informative line of torch's weights_only error (e.g. "Unsupported operand 110"); the rest is advice."""
+    advice = ("Weights only load failed", "Please file an issue", "Check the documentation")
     for line in message.splitlines():
         line = line.strip()
-        if line and not line.startswith(("Weights only load failed", "Please file an issue", "Check the documentation")):
+        if line and not line.startswith(advice):
             return " ".join(line.split())[:200]
     return "not a torch.save file"
 
