@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from miles.ray.engines import EngineFleet
+from miles.ray.shutdown import on_run_exit
 from miles.rollout.advantages import assign_advantages
 from miles.rollout.data_source import build_data_source
 from miles.rollout.eval_config import build_eval_datasets
@@ -46,6 +47,7 @@ class RolloutManager:
         self.weight_version = 0
         self._watcher: threading.Thread | None = None
         self._stop_watching = threading.Event()
+        on_run_exit("the rollout engines, the router and the engine watcher", self.shutdown)
 
     # ---- engines ------------------------------------------------------------------------------------
     @property
@@ -178,7 +180,11 @@ class RolloutManager:
             source.load_state_dict(state)
 
     def shutdown(self) -> None:
+        """Stop the engine watcher, the engines and the router; idempotent (the loop's end and the run's cleanup
+        both call it)."""
         self._stop_watching.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=self.args.rollout_health_check_timeout)
         if self.fleet is not None:
             self.fleet.shutdown()
 

@@ -134,7 +134,7 @@ def plain_value_problem(value: Any, where: str = "") -> str | None:
             if problem:
                 return problem
         return None
-    return f"{where}: a {type(value).__module__}.{type(value).__qualname__}"
+    return f"{where}: an object of type {type(value).__module__}.{type(value).__qualname__}"
 
 
 def save_plain(value: Any, path: str, what: str) -> None:

@@ -366,5 +366,5 @@ def test_a_state_that_would_need_the_unsafe_loader_fails_at_save(tiny, tmp_path)
     with pytest.raises(MilesUserError) as info:
         save_checkpoint(trainer, 1, extra_state={"data_source": {"rows": [1, RunsCode("x")]}})
     message = str(info.value)
-    assert "extra_state.data_source.rows[1]: a " in message and "RunsCode" in message
+    assert "extra_state.data_source.rows[1]: an object of type " in message and "RunsCode" in message
     assert read_latest_iteration(save_dir) == 0 and sorted(os.listdir(save_dir)) == ["iter_0000000", POINTER_FILE]

@@ -50,14 +50,14 @@ def test_load_plain_damaged_and_missing_files(tmp_path):
 def test_plain_value_problem_names_the_first_unloadable_value():
     plain = {"a": [1, 2.0, "s", None, True, (torch.zeros(1), b"x")], "b": {3: torch.float32}}
     assert plain_value_problem(plain) is None
-    assert plain_value_problem({"a": [1, argparse.Namespace()]}) == ".a[1]: a argparse.Namespace"
+    assert plain_value_problem({"a": [1, argparse.Namespace()]}) == ".a[1]: an object of type argparse.Namespace"
     assert plain_value_problem({"a": {(1, 2): 3}}) == ".a: a key of type tuple"
 
 
 def test_save_plain_refuses_before_writing(tmp_path):
     path = tmp_path / "out.pt"
     message = error_of(save_plain, {"state": {"obj": argparse.Namespace()}}, str(path), "--flag")
-    assert "it would hold state.obj: a argparse.Namespace" in message and not path.exists()
+    assert "it would hold state.obj: an object of type argparse.Namespace" in message and not path.exists()
 
 
 def test_samples_round_trip_as_plain_records(tmp_path):
