@@ -80,7 +80,7 @@ def load_plain(path: str, what: str, map_location: str | torch.device = "cpu") -
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
-        refused = _refused_global(str(err))
+        refused = refused_global(str(err))
         if refused:
             raise MilesUserError(f"{what}: refusing to load {path} with weights_only=True: it holds {refused}, not "
                                  "only tensors and plain values (miles writes only those there: the file was "
@@ -94,7 +94,7 @@ def _one_line(err: BaseException) -> str:
     return (" ".join(str(err).split()) or type(err).__name__)[:200]
 
 
-def _refused_global(message: str) -> str | None:
+def refused_global(message: str) -> str | None:
     """The global a weights_only load refused, from torch's many-line message ("... GLOBAL io.open was not ...")."""
     for line in message.splitlines():
         if "GLOBAL " in line:

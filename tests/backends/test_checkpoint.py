@@ -368,3 +368,25 @@ def test_a_state_that_would_need_the_unsafe_loader_fails_at_save(tiny, tmp_path)
     message = str(info.value)
     assert "extra_state.data_source.rows[1]: an object of type " in message and "RunsCode" in message
     assert read_latest_iteration(save_dir) == 0 and sorted(os.listdir(save_dir)) == ["iter_0000000", POINTER_FILE]
+
+
+def test_a_non_tensor_shard_item_with_a_reduce_payload_does_not_run(tmp_path):
+    """DCP stores non-tensor values (optimizer hyper-parameters) as pickled bytes inside the shards; miles' load
+    planner reads them with weights_only=True."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    marker, directory = tmp_path / "payload-ran", str(tmp_path / "ckpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"w": torch.ones(2), "hyper": {"lr": RunsCode(str(marker))}}, checkpoint_id=directory, no_dist=True)
+        state = {"w": torch.zeros(2), "hyper": {"lr": 0.1}}
+        with pytest.raises(BaseException) as info:  # DCP wraps it in a CheckpointException (a BaseException)
+            dcp.load(state, checkpoint_id=directory, planner=checkpoint._WeightsOnlyLoadPlanner(), no_dist=True)
+    assert "the item 'hyper.lr' holds io.open" in str(info.value) and not marker.exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(2), "hyper": {"lr": 0.5}}, checkpoint_id=directory, no_dist=True)
+        dcp.load(state, checkpoint_id=directory, planner=checkpoint._WeightsOnlyLoadPlanner(), no_dist=True)
+    assert state["hyper"]["lr"] == 0.5 and torch.equal(state["w"], torch.ones(2))

@@ -28,6 +28,7 @@ import errno
 import io
 import logging
 import os
+import pickle
 import re
 import shutil
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from miles.backends.fsdp_utils import deterministic
 from miles.utils.errors import MilesUserError
-from miles.utils.safe_load import load_dcp_metadata_pickle, load_plain, save_plain
+from miles.utils.safe_load import load_dcp_metadata_pickle, load_plain, refused_global, save_plain
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +236,8 @@ def _failed_on_any_rank(failed_here: bool) -> bool:
     """Whether any rank failed (a collective: every rank calls it), so no rank waits for one that gave up."""
     if not dist.is_initialized():
         return failed_here
-    flag = torch.tensor([1 if failed_here else 0], device="cuda" if torch.cuda.is_available() else "cpu")
+    device = "cuda" if str(dist.get_backend()) == "nccl" else "cpu"  # gloo, or a cpu:gloo,cuda:nccl group
+    flag = torch.tensor([1 if failed_here else 0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
@@ -389,7 +391,12 @@ class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
     """
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        torch.load(value, weights_only=True)
+        try:
+            torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as err:
+            refused = refused_global(str(err)) or "a type weights_only=True refuses"
+            raise MilesUserError(f"the item {read_item.dest_index.fqn!r} holds {refused}, not only tensors and plain "
+                                 "values (the shard was edited, or not written by miles)") from None
         value.seek(0)
         super().load_bytes(read_item, value)
 
