@@ -208,11 +208,16 @@ def _ema_template(trainer) -> dict[str, torch.Tensor]:
 
 def _write_pointer(root: str, rollout_id: int) -> None:
     temp = os.path.join(root, f".{POINTER_FILE}.tmp")
-    with open(temp, "w") as handle:
-        handle.write(f"{rollout_id}\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temp, os.path.join(root, POINTER_FILE))
+    try:
+        with open(temp, "w") as handle:
+            handle.write(f"{rollout_id}\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, os.path.join(root, POINTER_FILE))
+    except OSError as err:
+        if os.path.exists(temp):
+            os.remove(temp)  # the old pointer stays in force; no half-written copy next to it
+        raise OSError(err.errno, err.strerror, temp) from err  # name the file in the one-line error
 
 
 # ---- RNG states as plain values (weights_only=True loads them) -------------------------------------------
