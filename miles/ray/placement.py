@@ -12,6 +12,8 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from miles.ray.shutdown import reinstall_signal_handlers
+
 logger = logging.getLogger(__name__)
 
 # GPU shares of colocated actors on one device (they must add up to at most 1).
@@ -71,8 +73,6 @@ def init_ray(args) -> None:
         slots = train_world_size(args) + _num_engines(args) * max(1, args.rollout_num_gpus_per_engine) + 8
         num_cpus = None if use_gpus() else max(slots, os.cpu_count() or 1)
         ray.init(num_cpus=num_cpus, runtime_env=runtime_env, include_dashboard=False, log_to_driver=True)
-    from miles.ray.shutdown import reinstall_signal_handlers
-
     reinstall_signal_handlers()  # ray.init made SIGTERM a bare sys.exit, which would skip the run's cleanup
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import ray
 
+from miles.ray.shutdown import on_run_exit
 from miles.utils.errors import MilesUserError
 
 logger = logging.getLogger(__name__)
@@ -188,8 +189,6 @@ class TrainActorGroup:
                 )
             self.actors.append(remote_cls.options(**options).remote(args, rank, self.world_size, family_name))
         self.weight_version = 0
-        from miles.ray.shutdown import on_run_exit
-
         on_run_exit("the trainer actors", self.kill)
 
     def _all(self, method: str, *args) -> list:
