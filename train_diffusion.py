@@ -121,7 +121,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.dry_run:
         print(format_dry_run(args))
         return
-    train(args)
+    from miles.ray.shutdown import begin_run, stop_run
+
+    begin_run()  # SIGINT/SIGTERM become an exception, so the finally below runs
+    try:
+        train(args)
+    finally:
+        stop_run()  # engines, router, workers, shared memory: nothing outlives the run, however it ended
 
 
 if __name__ == "__main__":

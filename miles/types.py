@@ -6,7 +6,7 @@ Wire formats (HTTP bodies, Ray object refs) convert to and from these in one pla
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -63,6 +63,24 @@ class Sample:
     @property
     def num_steps(self) -> int:
         return 0 if self.timesteps is None else int(self.timesteps.shape[0])
+
+    def to_record(self) -> dict[str, Any]:
+        """The sample as a dict of plain values and tensors: what files store (`torch.load(weights_only=True)`
+        reads it back; a pickled `Sample` would need the unsafe loader)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_record(cls, record: Any, where: str) -> "Sample":
+        """Inverse of `to_record`; `where` (file and position) names a malformed record in the error."""
+        from miles.utils.errors import MilesUserError
+
+        if not isinstance(record, dict):
+            raise MilesUserError(f"{where}: expected a sample record (a dict), got {type(record).__name__}")
+        unknown = sorted(set(record) - {f.name for f in fields(cls)})
+        if unknown or "prompt" not in record:
+            raise MilesUserError(f"{where}: not a Sample record (unknown keys {unknown}, prompt present: "
+                                 f"{'prompt' in record})")
+        return cls(**record)
 
 
 @dataclass

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+import subprocess
 import urllib.request
 from typing import Callable
 
@@ -20,6 +21,8 @@ from miles.utils.auth import auth_headers
 from miles.utils.errors import MilesUserError
 
 logger = logging.getLogger(__name__)
+
+STOP_TIMEOUT_SECONDS = 20.0  # for the engines and the router to exit after being asked to
 
 
 def build_server_args(args, device: str) -> ServerArgs:
@@ -154,11 +157,32 @@ class EngineFleet:
 
         ray.get(self.actors[index].kill.remote())
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = STOP_TIMEOUT_SECONDS) -> None:
+        """Stop the engines (through their actors, then the actors) and the router; idempotent.
+
+        Bounded in time: an actor still busy starting or restarting its engine (a signal arrived meanwhile)
+        cannot take `stop` before it finishes, so it is killed after `timeout`; the run's cleanup sweep
+        (miles.ray.shutdown) then ends the engine process it leaves behind.
+        """
         import ray
 
-        if self.actors:
-            ray.get([actor.stop.remote() for actor in self.actors])
-        if self.router_process is not None:
-            self.router_process.terminate()
-            self.router_process.wait(timeout=30)
+        actors, self.actors = self.actors, []
+        if actors:
+            try:
+                ray.get([actor.stop.remote() for actor in actors], timeout=timeout)
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as err:
+                logger.warning("engines did not stop within %.0fs (%s); killing their actors", timeout,
+                               type(err).__name__)
+            for actor in actors:
+                ray.kill(actor)
+        router, self.router_process = self.router_process, None
+        if router is not None:
+            router.terminate()
+            try:
+                router.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                logger.warning("router (pid %d) ignored SIGTERM for %.0fs; killing it", router.pid, timeout)
+                router.kill()
+                router.wait()
+            if router.stdout is not None:
+                router.stdout.close()

@@ -12,6 +12,8 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from miles.ray.shutdown import reinstall_signal_handlers
+
 logger = logging.getLogger(__name__)
 
 # GPU shares of colocated actors on one device (they must add up to at most 1).
@@ -19,8 +21,10 @@ TRAIN_GPU_SHARE = 0.7
 ROLLOUT_GPU_SHARE = 0.25
 REWARD_GPU_SHARE = 0.05
 
-# Environment every Ray worker inherits: tests and CI must never reach a model hub.
-_FORWARDED_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME", "TOKENIZERS_PARALLELISM", "WANDB_MODE", "PYTHONPATH")
+# Environment every Ray worker inherits: tests and CI must never reach a model hub; MILES_RUN_ID marks the
+# run's processes for the cleanup sweep (miles.ray.shutdown).
+_FORWARDED_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME", "TOKENIZERS_PARALLELISM", "WANDB_MODE",
+                  "PYTHONPATH", "MILES_RUN_ID")
 
 
 def use_gpus() -> bool:
@@ -70,11 +74,12 @@ def init_ray(args) -> None:
     runtime_env = {"env_vars": env}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=True)
-        return
-    # A CPU machine gets logical CPU slots for every process the job starts (they mostly wait on each other).
-    slots = train_world_size(args) + _num_engines(args) * max(1, args.rollout_num_gpus_per_engine) + 8
-    num_cpus = None if use_gpus() else max(slots, os.cpu_count() or 1)
-    ray.init(num_cpus=num_cpus, runtime_env=runtime_env, include_dashboard=False, log_to_driver=True)
+    else:
+        # A CPU machine gets logical CPU slots for every process the job starts (they mostly wait on each other).
+        slots = train_world_size(args) + _num_engines(args) * max(1, args.rollout_num_gpus_per_engine) + 8
+        num_cpus = None if use_gpus() else max(slots, os.cpu_count() or 1)
+        ray.init(num_cpus=num_cpus, runtime_env=runtime_env, include_dashboard=False, log_to_driver=True)
+    reinstall_signal_handlers()  # ray.init made SIGTERM a bare sys.exit, which would skip the run's cleanup
 
 
 def _num_engines(args) -> int:

@@ -17,12 +17,14 @@ from typing import Any, Callable
 import torch
 
 from miles.ray.engines import EngineFleet
+from miles.ray.shutdown import on_run_exit
 from miles.rollout.advantages import assign_advantages
 from miles.rollout.data_source import build_data_source
 from miles.rollout.eval_config import build_eval_datasets
 from miles.rollout.hooks import apply_rollout_sample_filter, load_rollout_hooks
 from miles.types import Sample
 from miles.utils.errors import MilesUserError
+from miles.utils.safe_load import load_plain, save_plain
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class RolloutManager:
         self.weight_version = 0
         self._watcher: threading.Thread | None = None
         self._stop_watching = threading.Event()
+        on_run_exit("the rollout engines, the router and the engine watcher", self.shutdown)
 
     # ---- engines ------------------------------------------------------------------------------------
     @property
@@ -106,7 +109,8 @@ class RolloutManager:
         if self.args.save_debug_rollout_data:
             path = self.args.save_debug_rollout_data.format(rollout_id, rollout_id=rollout_id)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            torch.save({"rollout_id": rollout_id, "samples": samples}, path)
+            save_plain({"rollout_id": rollout_id, "samples": [sample.to_record() for sample in samples]}, path,
+                       "--save-debug-rollout-data")
         return samples
 
     def _produce_samples(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
@@ -125,7 +129,12 @@ class RolloutManager:
         path = self.args.load_debug_rollout_data.format(rollout_id, rollout_id=rollout_id)
         if not os.path.exists(path):
             raise MilesUserError(f"--load-debug-rollout-data: {path!r} does not exist (rollout {rollout_id})")
-        samples: list[Sample] = torch.load(path, weights_only=False)["samples"]
+        payload = load_plain(path, "--load-debug-rollout-data")
+        records = payload.get("samples") if isinstance(payload, dict) else None
+        if not isinstance(records, list):
+            raise MilesUserError(f"--load-debug-rollout-data: {path} holds no 'samples' list (not a saved rollout)")
+        samples = [Sample.from_record(record, f"--load-debug-rollout-data {path} sample {position}")
+                   for position, record in enumerate(records)]
         fraction = self.args.load_debug_rollout_data_subsample
         if fraction is not None:
             group_size = self.args.n_samples_per_prompt
@@ -175,7 +184,11 @@ class RolloutManager:
             source.load_state_dict(state)
 
     def shutdown(self) -> None:
+        """Stop the engine watcher, the engines and the router; idempotent (the loop's end and the run's cleanup
+        both call it)."""
         self._stop_watching.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=self.args.rollout_health_check_timeout)
         if self.fleet is not None:
             self.fleet.shutdown()
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import ray
 
+from miles.ray.shutdown import on_run_exit
 from miles.utils.errors import MilesUserError
 
 logger = logging.getLogger(__name__)
@@ -202,6 +203,7 @@ class TrainActorGroup:
                 )
             self.actors.append(remote_cls.options(**options).remote(args, rank, self.world_size, family_name))
         self.weight_version = 0
+        on_run_exit("the trainer actors", self.kill)
 
     def _all(self, method: str, *args) -> list:
         return ray.get([getattr(actor, method).remote(*args) for actor in self.actors])
@@ -248,5 +250,11 @@ class TrainActorGroup:
 
     def shutdown(self) -> None:
         self._all("shutdown")
-        for actor in self.actors:
+        self.kill()
+
+    def kill(self) -> None:
+        """End every rank's process now (idempotent). The run's cleanup uses this, not `shutdown`: a rank busy in
+        a collective (interrupted mid-train) would never get to a queued `shutdown` call."""
+        actors, self.actors = self.actors, []
+        for actor in actors:
             ray.kill(actor)

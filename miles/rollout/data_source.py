@@ -17,7 +17,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -37,16 +37,19 @@ class PromptRow:
     line: int = 0  # 1-based line number in the file
 
 
-def load_prompt_data(path: str, input_key: str = "input", metadata_key: str = "metadata") -> list[PromptRow]:
-    """Read and check a prompt JSONL file."""
+def iter_prompt_rows(path: str, input_key: str = "input", metadata_key: str = "metadata",
+                     flag: str = "--prompt-data") -> Iterator[PromptRow]:
+    """Read and check a prompt JSONL file row by row (lazily: a caller may stop after the first rows).
+
+    Errors name the flag, the file and the line: `--prompt-data data.jsonl:7: no key 'input' (--input-key) ...`.
+    """
     if not os.path.isfile(path):
-        raise MilesUserError(f"prompt file {path!r} does not exist")
-    rows: list[PromptRow] = []
+        raise MilesUserError(f"{flag} {path!r}: prompt file does not exist")
     with open(path, encoding="utf-8") as handle:
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
-            where = f"{path}:{line_number}"
+            where = f"{flag} {path}:{line_number}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
@@ -67,9 +70,31 @@ def load_prompt_data(path: str, input_key: str = "input", metadata_key: str = "m
                 raise MilesUserError(
                     f"{where}: {metadata_key!r} (--metadata-key) must be a JSON object, got {type(metadata).__name__}"
                 )
-            rows.append(PromptRow(prompt=prompt, metadata=metadata, line=line_number))
+            yield PromptRow(prompt=prompt, metadata=metadata, line=line_number)
+
+
+def check_prompt_file(path: str, input_key: str, metadata_key: str, flag: str, max_rows: int) -> int:
+    """Check the first `max_rows` rows of a prompt file (cheap for any file size); returns how many it read.
+
+    The entry point calls it before Ray starts, so an empty file or a wrong --input-key fails in a second.
+    """
+    count = 0
+    for _ in iter_prompt_rows(path, input_key, metadata_key, flag):
+        count += 1
+        if count >= max_rows:
+            break
+    if count == 0:
+        raise MilesUserError(f"{flag} {path!r}: the file holds no prompts (only blank lines)" if os.path.getsize(path)
+                             else f"{flag} {path!r}: the file is empty")
+    return count
+
+
+def load_prompt_data(path: str, input_key: str = "input", metadata_key: str = "metadata",
+                     flag: str = "--prompt-data") -> list[PromptRow]:
+    """Read and check a whole prompt JSONL file."""
+    rows = list(iter_prompt_rows(path, input_key, metadata_key, flag))
     if not rows:
-        raise MilesUserError(f"prompt file {path!r} holds no prompts")
+        raise MilesUserError(f"{flag} {path!r}: the file holds no prompts")
     return rows
 
 

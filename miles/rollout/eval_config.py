@@ -40,7 +40,7 @@ class EvalDataset:
     rm_type: str | None = None
 
     def load_prompts(self) -> list[PromptRow]:
-        return load_prompt_data(self.path, self.input_key, self.metadata_key)
+        return load_prompt_data(self.path, self.input_key, self.metadata_key, flag=f"eval dataset {self.name!r}")
 
     def scalar_reward(self, reward: float | dict | None) -> float:
         """The logged eval reward: a float as is, or the value at this dataset's `reward_key`."""

@@ -32,6 +32,7 @@ import torch
 from miles.models.base import GenerationShape
 from miles.types import GuidanceConfig, Sample
 from miles.utils.errors import MilesUserError
+from miles.utils.safe_load import load_plain
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +249,8 @@ def build_sft_samples(
                 os.replace(temporary, row_files[i])  # atomic: a crash never leaves a half-written cache entry
     samples = []
     for index, (row, file) in enumerate(zip(rows, row_files)):
-        record = torch.load(file, weights_only=True)
+        # A damaged entry is one line naming the file; deleting it makes the next run encode that row again.
+        record = load_plain(file, f"SFT cache of {data_path}:{row.line} (--sft-cache-dir; delete the file to re-encode)")
         samples.append(
             Sample(
                 prompt=row.caption,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import logging
-import os
 import re
 from typing import Any
 
@@ -122,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---- --custom-config-path ---------------------------------------------------------------------------------
 ALIAS_DESTS = {"debug_train_only": "train_only"}
+# An unknown YAML key this similar to a flag (difflib ratio) is taken for a typo of it.
+YAML_TYPO_CUTOFF = 0.8
 
 
 def _coerce_yaml_value(flag: Flag, value: Any) -> Any:
@@ -149,7 +150,11 @@ def _coerce_yaml_value(flag: Flag, value: Any) -> Any:
 
 
 def apply_config_file(args: argparse.Namespace) -> None:
-    """Apply --custom-config-path: the YAML wins over the command line, with one warning per overridden flag."""
+    """Apply --custom-config-path: the YAML wins over the command line, with one warning per overridden flag.
+
+    An unknown key close to a flag name is an error with a "did you mean"; other unknown keys land on args (with
+    a warning) for custom hooks, as the reference does.
+    """
     import yaml
 
     path = args.custom_config_path
@@ -171,7 +176,14 @@ def apply_config_file(args: argparse.Namespace) -> None:
         key = ALIAS_DESTS.get(key, key)
         flag = flags.get(key)
         if flag is None:
-            logger.warning("%s: key %r is not a miles flag; setting args.%s = %r anyway", where, raw_key, key, value)
+            # Close to a flag: a typo that would silently leave the flag at its default. Far from every flag: a
+            # setting for the user's own hooks, which read it from args (the reference loads every YAML key).
+            close = difflib.get_close_matches(key, flags, n=1, cutoff=YAML_TYPO_CUTOFF)
+            if close:
+                raise MilesUserError(f"{where}: unknown key {raw_key!r}: did you mean {close[0]!r} "
+                                     f"({flags[close[0]].name})?")
+            logger.warning("%s: key %r is not a miles flag; setting args.%s = %r for your hooks", where, raw_key, key,
+                           value)
             setattr(args, key, value)
             continue
         try:
@@ -186,21 +198,20 @@ def apply_config_file(args: argparse.Namespace) -> None:
 
 # ---- parsing ------------------------------------------------------------------------------------------------
 def check_user_paths(args: argparse.Namespace) -> None:
-    """Import every user-given dotted path (defaults are the project's own) and check the data files exist.
+    """Import every user-given dotted path (defaults are the project's own), then check the files and folders the
+    run will use (`miles.utils.preflight`: prompt files, --save/--output-dir writable, the --load checkpoint).
 
-    Separate from `validate_args` because it imports user code; the entry point calls it right after parsing.
+    Separate from `validate_args` because it imports user code and reads files; the entry point calls it right
+    after parsing, before Ray starts, and `--dry-run` runs it too.
     """
     from miles.utils.imports import load_object
+    from miles.utils.preflight import check_run_inputs
 
     for dest, flag in all_flags().items():
         value = getattr(args, dest, None)
         if flag.dotted and value and value != flag.default:
             load_object(value, flag.name)
-    files = [("--prompt-data", args.prompt_data), ("--eval-config", args.eval_config)]
-    files += [("--eval-prompt-data", path) for _, path in getattr(args, "eval_prompt_data_pairs", [])]
-    for flag_name, path in files:
-        if path and not os.path.exists(path):
-            raise MilesUserError(f"{flag_name} {path!r}: no such file")
+    check_run_inputs(args)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

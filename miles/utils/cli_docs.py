@@ -31,8 +31,12 @@ Flags come from three places:
 | Engine passthrough | `ServerArgs` (`miles/engine/server_args.py`) | `--sglang-<field-name>`, minus `SET_BY_MILES` |
 
 `--custom-config-path FILE.yaml` applies YAML keys after parsing: a key naming a flag overrides it with one
-logged warning (the YAML wins), an unknown key is set too (with a warning), and validation then runs on the
-final values. A user mistake ends with one `error:` line naming the flags and values, exit status 2.
+logged warning (the YAML wins), an unknown key close to a flag name is an error with a "did you mean", other
+unknown keys are set too (with a warning) for your hooks, and validation then runs on the final values. A user
+mistake ends with one `error:` line naming the flags and values, exit status 2. Before Ray starts, the entry
+point (and `--dry-run`) also checks the files and folders the run will use: the first rows of the prompt
+files, that `--save` and `--output-dir` are writable, and that the `--load` checkpoint is complete and matches
+the run (`miles/utils/preflight.py`).
 
 Values: `"lo,hi"` and `"1,2,3"` are comma-separated integers; `str+` takes one or more words; JSON is an
 object; `–` means unset. Flags marked *Extension* are beyond the reference CLI.

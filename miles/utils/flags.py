@@ -156,8 +156,9 @@ class _OffloadAction(argparse.Action):
 MILES_GROUPS: list[tuple[str, list[Flag]]] = [
     ("Configuration", [
         F("--custom-config-path", str, None, "YAML file of flag values (keys: flag names with _ or -). Applied after "
-          "the command line; a key that names a flag overrides it with one logged warning (the YAML wins); unknown "
-          "keys are set too, with a warning. Validation runs on the final values.", metavar="FILE.yaml"),
+          "the command line; a key that names a flag overrides it with one logged warning (the YAML wins); an "
+          "unknown key close to a flag name is an error (\"did you mean\"), other unknown keys are set too, with a "
+          "warning, for your hooks. Validation runs on the final values.", metavar="FILE.yaml"),
         S("--dry-run", "Print the resolved configuration and the batch geometry, then exit 0 without starting "
           "anything.", extension=True),
     ]),
@@ -372,6 +373,9 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
     ("Checkpointing", [
         F("--save", str, None, "Checkpoint directory to write."),
         F("--save-interval", int, None, "Save every N rollouts. Requires --save.", ge=1),
+        F("--save-keep-latest", int, None, "Keep only the newest K checkpoints under --save: after each complete "
+          "save the older iter_* folders are deleted (the one just saved always stays). Unset keeps all.", ge=1,
+          extension=True, metavar="K"),
         S("--no-save-optim", "Smaller checkpoints, but no resumption."),
         F("--load", str, None, "Checkpoint directory to resume from."),
         F("--ckpt-step", int, None, "Defaults to latest_checkpointed_iteration.txt.", ge=0),

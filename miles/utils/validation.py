@@ -322,6 +322,8 @@ def _rule_eval(args: argparse.Namespace) -> None:
 def _rule_outputs(args: argparse.Namespace) -> None:
     if args.save_interval is not None and not args.save:
         _fail(f"--save-interval {args.save_interval} needs --save DIR")
+    if args.save_keep_latest is not None and not args.save:
+        _fail(f"--save-keep-latest {args.save_keep_latest} needs --save DIR")
     if args.metrics_path is None:
         args.metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import pickle
 import random
 
 import numpy as np
@@ -113,27 +115,59 @@ def test_full_parameter_policy_loss_resume_equals_uninterrupted_training(tiny, t
     assert_bitwise(snapshot(straight), snapshot(resumed), parts=("model", "optimizer"))
 
 
-def test_a_crash_mid_save_leaves_the_pointer_on_the_last_complete_checkpoint(tiny, tmp_path, monkeypatch):
+def test_a_failed_save_is_one_line_and_leaves_the_pointer_on_the_last_complete_checkpoint(tiny, tmp_path,
+                                                                                           monkeypatch):
     save_dir = str(tmp_path / "ckpt")
     trainer = make_trainer(tiny, use_lora=True, save=save_dir, micro_batch_size=4)
     trainer.train(0, tiny[3])
     save_checkpoint(trainer, 0)
 
-    def crash():
-        raise OSError("disk full")
+    written = []
+
+    def disk_full(value, path, what):  # the meta and RNG writer: the disk fills up after the DCP shards
+        written.append(path)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
     with monkeypatch.context() as patch:
-        patch.setattr(checkpoint.deterministic, "rng_state", crash)
-        with pytest.raises(OSError, match="disk full"):
+        patch.setattr(checkpoint, "save_plain", disk_full)
+        with pytest.raises(MilesUserError) as info:
             save_checkpoint(trainer, 1)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"--save {save_dir!r}: saving the checkpoint of rollout 1")
+    assert "No space left on device [ENOSPC]" in message and written[0] in message
+    assert f"{POINTER_FILE} still names iter_0000000" in message
     assert read_latest_iteration(save_dir) == 0
-    assert not os.path.exists(os.path.join(save_dir, "iter_0000001"))
-    assert os.path.exists(os.path.join(save_dir, "iter_0000001.tmp"))
+    assert sorted(os.listdir(save_dir)) == ["iter_0000000", POINTER_FILE]  # the half-written folder is gone
     resumed = make_trainer(tiny, use_lora=True, load=save_dir)
     assert resumed.start_rollout_id == 1
-    save_checkpoint(trainer, 1)  # the stale temp dir of the crash is replaced
+    save_checkpoint(trainer, 1)
     assert read_latest_iteration(save_dir) == 1
     assert sorted(os.listdir(save_dir)) == ["iter_0000000", "iter_0000001", POINTER_FILE]
+
+
+def test_a_crash_mid_save_leaves_the_pointer_on_the_last_complete_checkpoint(tiny, tmp_path, monkeypatch):
+    """A process killed mid-save (simulated: the temp folder stays) never moves the pointer; the next save
+    replaces the stale temp folder."""
+    save_dir = str(tmp_path / "ckpt")
+    trainer = make_trainer(tiny, use_lora=True, save=save_dir, micro_batch_size=4)
+    save_checkpoint(trainer, 0)
+    os.makedirs(os.path.join(save_dir, "iter_0000001.tmp", "rng"))
+    with open(os.path.join(save_dir, "iter_0000001.tmp", "__0_0.distcp"), "wb") as handle:
+        handle.write(b"half")
+    assert read_latest_iteration(save_dir) == 0 and make_trainer(tiny, use_lora=True, load=save_dir)
+    save_checkpoint(trainer, 1)
+    assert sorted(os.listdir(save_dir)) == ["iter_0000000", "iter_0000001", POINTER_FILE]
+
+
+def test_save_keep_latest_keeps_the_newest_checkpoints(tiny, tmp_path):
+    save_dir = str(tmp_path / "ckpt")
+    trainer = make_trainer(tiny, use_lora=True, save=save_dir, save_keep_latest=2)
+    for rollout_id in range(4):
+        save_checkpoint(trainer, rollout_id)
+    assert sorted(os.listdir(save_dir)) == ["iter_0000002", "iter_0000003", POINTER_FILE]
+    save_checkpoint(trainer, 1)  # a resumed run saving below newer ones keeps what it just wrote
+    assert sorted(os.listdir(save_dir)) == ["iter_0000001", "iter_0000002", "iter_0000003", POINTER_FILE]
+    assert read_latest_iteration(save_dir) == 1
 
 
 def test_full_model_checkpoint_and_load_flags(tiny, tmp_path, caplog):
@@ -164,8 +198,11 @@ def test_full_model_checkpoint_and_load_flags(tiny, tmp_path, caplog):
     kept = make_trainer(tiny, load=save_dir, ckpt_step=0, lr=5e-3)
     assert kept.lr_scheduler.max_lr == 1e-2
 
-    assert make_trainer(tiny, load=str(tmp_path / "empty")).start_rollout_id == 0
-    with pytest.raises(MilesUserError, match="--ckpt-step 7: no complete checkpoint"):
+    empty = str(tmp_path / "empty")
+    assert make_trainer(tiny, load=empty, save=empty).start_rollout_id == 0  # --load = --save: resume if present
+    with pytest.raises(MilesUserError, match="no such folder"):
+        make_trainer(tiny, load=empty)
+    with pytest.raises(MilesUserError, match="iter_0000007: no such folder"):
         make_trainer(tiny, load=save_dir, ckpt_step=7)
     with pytest.raises(MilesUserError, match="use_lora=False"):
         make_trainer(tiny, load=save_dir, use_lora=True)
@@ -209,3 +246,147 @@ def test_save_interval_rule():
     assert [r for r in range(8) if should_save(args, r)] == [2, 5, 7]  # every 3 rollouts and the last one
     args.save = None
     assert not any(should_save(args, r) for r in range(8))
+
+
+# ---- nothing in a checkpoint runs code; a damaged one is one line naming the file --------------------------
+class RunsCode:
+    """A pickle payload: loading it with the unsafe loader would create `marker`."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.fixture()
+def saved(tiny, tmp_path):
+    """A complete checkpoint (rollout 0) of a LoRA trainer, and a factory of trainers resuming from it."""
+    save_dir = str(tmp_path / "ckpt")
+    trainer = make_trainer(tiny, use_lora=True, save=save_dir, micro_batch_size=4)
+    save_checkpoint(trainer, 0, extra_state={"data_source": {"epoch": 0, "offset": 2}})
+    return save_dir, os.path.join(save_dir, "iter_0000000"), lambda **kw: make_trainer(tiny, use_lora=True,
+                                                                                       load=save_dir, **kw)
+
+
+def one_line_error(resume) -> str:
+    with pytest.raises(MilesUserError) as info:
+        resume()
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def test_an_edited_meta_with_a_reduce_payload_does_not_run(saved, tmp_path):
+    save_dir, directory, resume = saved
+    meta_path = os.path.join(directory, "meta.pt")
+    meta = torch.load(meta_path, weights_only=True)
+    marker = str(tmp_path / "payload-ran")
+    torch.save({**meta, "extra_state": RunsCode(marker)}, meta_path)
+    message = one_line_error(resume)
+    assert message.startswith(f"--load checkpoint meta: refusing to load {meta_path} with weights_only=True")
+    assert "it holds io.open" in message  # the payload's callable, named and refused
+    assert not os.path.exists(marker)
+
+
+def test_an_edited_shard_index_with_a_reduce_payload_does_not_run(saved, tmp_path):
+    _, directory, resume = saved
+    marker = str(tmp_path / "payload-ran")
+    index_path = os.path.join(directory, ".metadata")
+    with open(index_path, "wb") as handle:
+        pickle.dump(RunsCode(marker), handle)
+    message = one_line_error(resume)
+    assert f"refusing to load {index_path}: it refers to io.open" in message
+    assert not os.path.exists(marker)
+
+
+def test_a_damaged_checkpoint_is_one_line_naming_the_file(saved):
+    save_dir, directory, resume = saved
+    shards = sorted(name for name in os.listdir(directory) if name.endswith(".distcp"))
+    shard = os.path.join(directory, shards[0])
+    data = open(shard, "rb").read()
+    with open(shard, "wb") as handle:  # a copy cut short
+        handle.write(data[: len(data) // 2])
+    assert f"shard {shard} is truncated ({len(data) // 2} bytes" in one_line_error(resume)
+    os.remove(shard)
+    assert f"incomplete checkpoint: shard {shard} is missing" in one_line_error(resume)
+    with open(shard, "wb") as handle:
+        handle.write(data)
+    resume()  # restored: loads again
+    meta = os.path.join(directory, "meta.pt")
+    meta_bytes = open(meta, "rb").read()
+    with open(meta, "wb") as handle:
+        handle.write(meta_bytes[:40])
+    assert f"--load checkpoint meta: {meta} is truncated or corrupt" in one_line_error(resume)
+    os.remove(meta)
+    assert f"{directory}: incomplete checkpoint: meta.pt is missing" in one_line_error(resume)
+    os.remove(os.path.join(directory, ".metadata"))
+    with open(meta, "wb") as handle:
+        handle.write(meta_bytes)
+    assert "the shard index .metadata is missing" in one_line_error(resume)
+
+
+def test_an_edited_rng_state_is_refused_with_the_way_out(saved, tmp_path):
+    _, directory, resume = saved
+    rng = os.path.join(directory, "rng", "rank_0.pt")
+    torch.save({"numpy": RunsCode(str(tmp_path / "payload-ran"))}, rng)
+    message = one_line_error(resume)
+    assert f"refusing to load {rng}" in message and message.endswith("--no-load-rng resumes without the RNG states")
+    assert resume(no_load_rng=True).start_rollout_id == 1 and not os.path.exists(tmp_path / "payload-ran")
+
+
+def test_a_checkpoint_of_another_family_or_lora_setting_is_refused(saved, tiny):
+    save_dir, directory, resume = saved
+    meta_path = os.path.join(directory, "meta.pt")
+    meta = torch.load(meta_path, weights_only=True)
+    assert meta["family"] == "sd3"
+    torch.save({**meta, "family": "flux"}, meta_path)
+    message = one_line_error(resume)
+    assert f"--load {directory!r} holds model family 'flux', but this run trains 'sd3'" in message
+    torch.save({**meta, "family": None}, meta_path)  # checkpoints from before the family was recorded
+    assert resume().start_rollout_id == 1
+    assert "use_lora=True" in one_line_error(lambda: make_trainer(tiny, load=save_dir))
+
+
+def test_load_without_a_checkpoint(saved, tiny, tmp_path):
+    save_dir, directory, _ = saved
+    os.remove(os.path.join(save_dir, POINTER_FILE))
+    message = one_line_error(lambda: make_trainer(tiny, use_lora=True, load=save_dir))
+    assert f"no {POINTER_FILE}" in message and "pass --ckpt-step 0" in message
+    assert make_trainer(tiny, use_lora=True, load=save_dir, ckpt_step=0).start_rollout_id == 1
+    missing = str(tmp_path / "typo")
+    assert "no such folder" in one_line_error(lambda: make_trainer(tiny, use_lora=True, load=missing))
+    fresh = make_trainer(tiny, use_lora=True, load=missing, save=missing)  # --load = --save: resume if present
+    assert fresh.start_rollout_id == 0 and fresh.loaded_extra_state is None
+
+
+def test_a_state_that_would_need_the_unsafe_loader_fails_at_save(tiny, tmp_path):
+    save_dir = str(tmp_path / "ckpt")
+    trainer = make_trainer(tiny, use_lora=True, save=save_dir)
+    save_checkpoint(trainer, 0)
+    with pytest.raises(MilesUserError) as info:
+        save_checkpoint(trainer, 1, extra_state={"data_source": {"rows": [1, RunsCode("x")]}})
+    message = str(info.value)
+    assert "extra_state.data_source.rows[1]: an object of type " in message and "RunsCode" in message
+    assert read_latest_iteration(save_dir) == 0 and sorted(os.listdir(save_dir)) == ["iter_0000000", POINTER_FILE]
+
+
+def test_a_non_tensor_shard_item_with_a_reduce_payload_does_not_run(tmp_path):
+    """DCP stores non-tensor values (optimizer hyper-parameters) as pickled bytes inside the shards; miles' load
+    planner reads them with weights_only=True."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    marker, directory = tmp_path / "payload-ran", str(tmp_path / "ckpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"w": torch.ones(2), "hyper": {"lr": RunsCode(str(marker))}}, checkpoint_id=directory, no_dist=True)
+        state = {"w": torch.zeros(2), "hyper": {"lr": 0.1}}
+        with pytest.raises(BaseException) as info:  # DCP wraps it in a CheckpointException (a BaseException)
+            dcp.load(state, checkpoint_id=directory, planner=checkpoint._WeightsOnlyLoadPlanner(), no_dist=True)
+    assert "the item 'hyper.lr' holds io.open" in str(info.value) and not marker.exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(2), "hyper": {"lr": 0.5}}, checkpoint_id=directory, no_dist=True)
+        dcp.load(state, checkpoint_id=directory, planner=checkpoint._WeightsOnlyLoadPlanner(), no_dist=True)
+    assert state["hyper"]["lr"] == 0.5 and torch.equal(state["w"], torch.ones(2))

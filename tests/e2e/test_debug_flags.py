@@ -60,10 +60,10 @@ def test_saved_rollouts_replay_without_engines(sd3, prompts, tmp_path):
     assert "perf/train_time" not in {key for record in records for key in record}
     saved = {}
     for rollout_id in (0, 1):
-        payload = torch.load(template.format(rollout_id=rollout_id), weights_only=False)
+        payload = torch.load(template.format(rollout_id=rollout_id), weights_only=True)  # plain sample records
         assert payload["rollout_id"] == rollout_id
         assert len(payload["samples"]) == SAMPLES_PER_ROLLOUT
-        assert all(sample.rollout_log_probs is not None for sample in payload["samples"])
+        assert all(sample["rollout_log_probs"] is not None for sample in payload["samples"])
         saved[rollout_id] = payload["samples"]
 
     # (b) replay half of each saved rollout: --train-only is implied, so no engine starts and no weights sync.
@@ -74,7 +74,7 @@ def test_saved_rollouts_replay_without_engines(sd3, prompts, tmp_path):
     assert series(records, "rollout/num_samples") == [SAMPLES_PER_ROLLOUT / 2] * 2
     assert len(series(records, "train/loss")) == 2
     assert {"train/grad_norm", "train/num_pairs"} <= _train_keys(records)
-    pairs_per_sample = len(saved[0][0].sde_step_indices)
+    pairs_per_sample = len(saved[0][0]["sde_step_indices"])
     assert series(records, "train/num_pairs") == [SAMPLES_PER_ROLLOUT / 2 * pairs_per_sample] * 2
     all_keys = {key for record in records for key in record}
     assert "perf/weight_sync_time" not in all_keys and "perf/images_per_second" not in all_keys
@@ -88,7 +88,7 @@ def test_dump_details_and_dashboard_timeline(sd3, prompts, tmp_path):
 
     # (c) --dump-details: every rollout and every rank's train data (one trainer rank here)
     for rollout_id in (0, 1):
-        rollout = torch.load(details / "rollout_data" / f"{rollout_id}.pt", weights_only=False)
+        rollout = torch.load(details / "rollout_data" / f"{rollout_id}.pt", weights_only=True)
         assert rollout["rollout_id"] == rollout_id and len(rollout["samples"]) == SAMPLES_PER_ROLLOUT
         train = torch.load(details / "train_data" / f"{rollout_id}_0.pt", weights_only=False)
         assert train["rollout_id"] == rollout_id and train["dp_rank"] == 0

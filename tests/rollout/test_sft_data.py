@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from argparse import Namespace
 
 import numpy as np
@@ -153,6 +154,13 @@ def test_sd3_encoding_and_cache(tmp_path, sd3, monkeypatch):
     video_data = _write_jsonl(tmp_path / "video.jsonl", [{"input": "v", "video": str(tmp_path)}])
     with pytest.raises(MilesUserError, match="trains on images"):
         build_sft_samples(Namespace(**{**vars(args), "prompt_data": video_data}), family=family, pipe=pipe)
+
+    # A damaged cache entry is loaded with weights_only=True and named in one line.
+    for cache_file in (tmp_path / "cache").rglob("*.pt"):  # every entry (the edited row left a stale one too)
+        cache_file.write_bytes(cache_file.read_bytes()[:50])
+    damaged = rf"SFT cache of {re.escape(data)}:1 .*: {re.escape(str(tmp_path / 'cache'))}/.*\.pt is truncated or corrupt"
+    with pytest.raises(MilesUserError, match=damaged):
+        build_sft_samples(args, family=family, pipe=pipe)
 
 
 def test_wan2_2_video_samples_build_from_a_gif(tmp_path, tiny_checkpoint):

@@ -321,6 +321,7 @@ def test_over_sampling_batch_size_must_equal_rollout_batch_size():
 
 def test_save_interval_needs_save():
     assert "--save-interval 2 needs --save" in error("--save-interval", "2")
+    assert "--save-keep-latest 3 needs --save" in error("--save-keep-latest", "3")
 
 
 def test_eval_interval_needs_eval_datasets():

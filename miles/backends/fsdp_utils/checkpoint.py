@@ -4,35 +4,67 @@ Layout under `--save`:
     iter_0000007/            one checkpoint (7 = the rollout id it was saved after)
         *.distcp, .metadata  DCP shards: "model" (trainable parameters: the full model, or only the LoRA
                              adapter), "optimizer" (unless --no-save-optim), "ema" (θ̄, when --use-ema)
-        meta.pt              rank 0: rollout id, LR scheduler, EMA update count, grad scaler, extra_state
+        meta.pt              rank 0: rollout id, model family, LR scheduler, EMA update count, grad scaler,
+                             extra_state
         rng/rank_<r>.pt      each rank's RNG states (python, numpy, torch, cuda)
     latest_checkpointed_iteration.txt    "7"
 
-Atomicity: every rank writes into `iter_0000007.tmp/`; after a barrier rank 0 renames it to `iter_0000007/`
-and then replaces the pointer file with `os.replace` on a fully written temp file. A crash at any point leaves
-the pointer on the previous complete checkpoint.
+Atomicity: every rank writes into `iter_0000007.tmp/`; once every rank reports success, rank 0 renames it to
+`iter_0000007/` and then replaces the pointer file with `os.replace` on a fully written temp file. A crash at
+any point leaves the pointer on the previous complete checkpoint; a failed write (disk full, ...) also removes
+the temp folder and ends in one `MilesUserError` on every rank. `--save-keep-latest K` then deletes all but
+the newest K checkpoints.
+
+Loading trusts no file: `meta.pt` and the RNG files hold only tensors and plain values and are read with
+`weights_only=True`; the DCP `.metadata` index is checked with an allow-list unpickler before DCP reads it, and
+DCP's non-tensor items go through `weights_only=True` too (`miles.utils.safe_load`). `inspect_checkpoint` checks
+a checkpoint without loading weights (meta, index, every shard present and long enough, same model family and
+LoRA setting as the run); the entry point runs it before Ray starts and every rank again before loading.
 """
 
 from __future__ import annotations
 
+import errno
+import io
 import logging
 import os
+import pickle
+import re
 import shutil
+from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from miles.backends.fsdp_utils import deterministic
 from miles.utils.errors import MilesUserError
+from miles.utils.safe_load import load_dcp_metadata_pickle, load_plain, refused_global, save_plain
 
 logger = logging.getLogger(__name__)
 
 POINTER_FILE = "latest_checkpointed_iteration.txt"
+META_FILE = "meta.pt"
+DCP_INDEX_FILE = ".metadata"
+_ITERATION_DIR = re.compile(r"^iter_(\d{7,})$")
+META_KEYS = ("rollout_id", "global_step", "has_optimizer", "lr_scheduler", "grad_scaler", "ema_num_updates",
+             "use_lora", "world_size", "extra_state")
 
 
 def iteration_dir(root: str, rollout_id: int) -> str:
     return os.path.join(root, f"iter_{rollout_id:07d}")
+
+
+def saved_iterations(root: str) -> list[int]:
+    """Rollout ids of the complete-looking `iter_*` folders under `root` (temp folders excluded), ascending."""
+    if not os.path.isdir(root):
+        return []
+    found = (_ITERATION_DIR.match(name) for name in os.listdir(root))
+    return sorted(int(match.group(1)) for match in found if match and os.path.isdir(os.path.join(root, match.group(0))))
 
 
 def read_latest_iteration(root: str) -> int | None:
@@ -44,7 +76,117 @@ def read_latest_iteration(root: str) -> int | None:
     try:
         return int(text)
     except ValueError as err:
-        raise MilesUserError(f"--load {root!r}: {POINTER_FILE} holds {text!r}, not an iteration number") from err
+        raise MilesUserError(f"--load {root!r}: {pointer} holds {text!r}, not an iteration number") from err
+
+
+def same_directory(a: str | None, b: str | None) -> bool:
+    return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
+
+
+def run_family_label(args) -> str:
+    """The model a checkpoint of this run holds: the family key, or the --train-pipeline-config-path class."""
+    custom = getattr(args, "train_pipeline_config_path", None)
+    if custom:
+        return custom
+    resolved = getattr(args, "diffusion_model_family_resolved", None)
+    if resolved:
+        return resolved
+    from miles.models import resolve_family_name
+
+    return resolve_family_name(getattr(args, "hf_checkpoint", None), getattr(args, "diffusion_model_family", None))
+
+
+@dataclass
+class CheckpointToResume:
+    directory: str
+    meta: dict[str, Any]
+
+
+def checkpoint_to_resume(args) -> CheckpointToResume | None:
+    """The checkpoint `--load` (and `--ckpt-step`) names, checked (`inspect_checkpoint`); None to start fresh.
+
+    Starting fresh is allowed only when `--load` is the `--save` folder and holds no checkpoint yet (a job that
+    resumes itself after a restart, the reference's behaviour); any other `--load` without a checkpoint is an
+    error, so a typo in the path cannot silently train from scratch.
+    """
+    root = getattr(args, "load", None)
+    if not root:
+        return None
+    step = getattr(args, "ckpt_step", None)
+    resumes_itself = same_directory(root, getattr(args, "save", None))
+    if step is None:
+        if os.path.exists(root) and not os.path.isdir(root):
+            raise MilesUserError(f"--load {root!r} is a file, not a checkpoint folder")
+        step = read_latest_iteration(root) if os.path.isdir(root) else None
+        if step is None:
+            if resumes_itself:
+                logger.info("--load %s (= --save) holds no checkpoint yet: starting from scratch", root)
+                return None
+            if not os.path.isdir(root):
+                raise MilesUserError(f"--load {root!r}: no such folder (to start from scratch drop --load; "
+                                     "--load equal to --save resumes only if a checkpoint is there)")
+            found = saved_iterations(root)
+            hint = f"; it holds {os.path.basename(iteration_dir(root, found[-1]))}: pass --ckpt-step {found[-1]}" \
+                if found else ""
+            raise MilesUserError(f"--load {root!r}: no {POINTER_FILE}, so no checkpoint to resume{hint}")
+    directory = iteration_dir(root, int(step))
+    meta = inspect_checkpoint(directory, args)
+    return CheckpointToResume(directory, meta)
+
+
+def inspect_checkpoint(directory: str, args=None) -> dict[str, Any]:
+    """Check one checkpoint folder without loading its weights; returns its meta. Every problem is one line.
+
+    Checks: meta.pt loads (weights_only) and has every key; the DCP index loads through the allow-list; every
+    shard the index names exists and is at least as long as the index says (a truncated copy fails here, not
+    halfway through loading); with `args`, the model family and --use-lora match the run's.
+    """
+    what = f"--load checkpoint {directory}"
+    if not os.path.isdir(directory):
+        raise MilesUserError(f"{what}: no such folder (--ckpt-step or {POINTER_FILE} names a missing checkpoint)")
+    meta_path = os.path.join(directory, META_FILE)
+    if not os.path.isfile(meta_path):
+        raise MilesUserError(f"{what}: incomplete checkpoint: {META_FILE} is missing")
+    meta = load_plain(meta_path, "--load checkpoint meta")
+    missing = [key for key in META_KEYS if not isinstance(meta, dict) or key not in meta]
+    if missing:
+        raise MilesUserError(f"--load checkpoint meta {meta_path}: not a miles checkpoint meta (missing {missing})")
+    index_path = os.path.join(directory, DCP_INDEX_FILE)
+    if not os.path.isfile(index_path):
+        raise MilesUserError(f"{what}: incomplete checkpoint: the shard index {DCP_INDEX_FILE} is missing")
+    with open(index_path, "rb") as stream:
+        index = load_dcp_metadata_pickle(stream, index_path, "--load checkpoint index")
+    needed: dict[str, int] = {}  # shard file -> bytes the index says it holds at least
+    for info in (getattr(index, "storage_data", None) or {}).values():
+        relative, end = getattr(info, "relative_path", None), getattr(info, "offset", 0) + getattr(info, "length", 0)
+        if relative is None:
+            raise MilesUserError(f"{what}: the shard index {index_path} is not a file-system checkpoint index")
+        needed[relative] = max(needed.get(relative, 0), end)
+    for relative, size in sorted(needed.items()):
+        shard = os.path.join(directory, relative)
+        if not os.path.isfile(shard):
+            raise MilesUserError(f"{what}: incomplete checkpoint: shard {shard} is missing")
+        actual = os.path.getsize(shard)
+        if actual < size:
+            raise MilesUserError(f"{what}: shard {shard} is truncated ({actual} bytes, the index expects {size})")
+    if args is not None:
+        _check_meta_matches_run(directory, meta, args)
+    return meta
+
+
+def _check_meta_matches_run(directory: str, meta: dict[str, Any], args) -> None:
+    saved_family = meta.get("family")  # absent in checkpoints written before the family was recorded
+    run_family = run_family_label(args)
+    if saved_family is not None and saved_family != run_family:
+        raise MilesUserError(
+            f"--load {directory!r} holds model family {saved_family!r}, but this run trains {run_family!r} "
+            "(--hf-checkpoint / --diffusion-model-family / --train-pipeline-config-path)"
+        )
+    use_lora = bool(getattr(args, "use_lora", False))
+    if meta["use_lora"] != use_lora:
+        raise MilesUserError(
+            f"--load {directory!r} was saved with use_lora={meta['use_lora']}; this run has --use-lora={use_lora}"
+        )
 
 
 def _barrier() -> None:
@@ -66,28 +208,102 @@ def _ema_template(trainer) -> dict[str, torch.Tensor]:
 
 def _write_pointer(root: str, rollout_id: int) -> None:
     temp = os.path.join(root, f".{POINTER_FILE}.tmp")
-    with open(temp, "w") as handle:
-        handle.write(f"{rollout_id}\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temp, os.path.join(root, POINTER_FILE))
+    try:
+        with open(temp, "w") as handle:
+            handle.write(f"{rollout_id}\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, os.path.join(root, POINTER_FILE))
+    except OSError as err:
+        if os.path.exists(temp):
+            os.remove(temp)  # the old pointer stays in force; no half-written copy next to it
+        raise OSError(err.errno, err.strerror, temp) from err  # name the file in the one-line error
+
+
+# ---- RNG states as plain values (weights_only=True loads them) -------------------------------------------
+def _plain_rng_state() -> dict[str, Any]:
+    state = deterministic.rng_state()
+    bit_generator, key, position, has_gauss, cached_gaussian = state["numpy"]
+    state["numpy"] = {"bit_generator": bit_generator, "key": torch.from_numpy(key.astype(np.int64)),
+                      "pos": int(position), "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
+    return state
+
+
+def _restore_plain_rng_state(state: dict[str, Any]) -> None:
+    numpy_state = state["numpy"]
+    state = {**state, "numpy": (numpy_state["bit_generator"], numpy_state["key"].numpy().astype(np.uint32),
+                                numpy_state["pos"], numpy_state["has_gauss"], numpy_state["cached_gaussian"])}
+    deterministic.set_rng_state(state)
+
+
+# ---- saving ---------------------------------------------------------------------------------------------
+def _failed_on_any_rank(failed_here: bool) -> bool:
+    """Whether any rank failed (a collective: every rank calls it), so no rank waits for one that gave up."""
+    if not dist.is_initialized():
+        return failed_here
+    device = "cuda" if str(dist.get_backend()) == "nccl" else "cpu"  # gloo, or a cpu:gloo,cuda:nccl group
+    flag = torch.tensor([1 if failed_here else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _describe_failure(err: BaseException) -> str:
+    if isinstance(err, CheckpointException):  # DCP gathers every rank's exception; name the first
+        rank, (cause, _) = next(iter(sorted(err.failures.items(), key=lambda item: item[0])))
+        return f"rank {rank}: {_describe_failure(cause)}"
+    if isinstance(err, MilesUserError):
+        return str(err)
+    if isinstance(err, OSError) and err.errno is not None:
+        where = f" ({err.filename})" if err.filename else ""
+        return f"{os.strerror(err.errno)} [{errno.errorcode.get(err.errno, err.errno)}]{where}"
+    return " ".join(f"{type(err).__name__}: {err}".split())[:300]
 
 
 def save_checkpoint(trainer, rollout_id: int, extra_state: dict | None = None, root: str | None = None) -> str:
-    """Save everything needed to resume after `rollout_id`; every rank calls it. Returns the iteration dir."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    """Save everything needed to resume after `rollout_id`; every rank calls it. Returns the iteration dir.
 
+    A failed write on any rank (disk full, permissions, a state that is not plain values) removes the temp
+    folder and raises one `MilesUserError` on every rank; the pointer still names the previous checkpoint.
+    """
     args = trainer.args
     root = root or args.save
     if not root:
         raise MilesUserError("saving a checkpoint needs --save")
     final_dir = iteration_dir(root, rollout_id)
     temp_dir = final_dir + ".tmp"
-    if _rank() == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(temp_dir, ignore_errors=True)  # a stale half-written save of an earlier crash
-        os.makedirs(os.path.join(temp_dir, "rng"))
-    _barrier()
+    error: BaseException | None = None
+    try:
+        if _rank() == 0:
+            os.makedirs(root, exist_ok=True)
+            shutil.rmtree(temp_dir, ignore_errors=True)  # a stale half-written save of an earlier crash
+            os.makedirs(os.path.join(temp_dir, "rng"))
+    except OSError as err:
+        error = err
+    _stop_if_any_rank_failed(root, rollout_id, temp_dir, error)
+    try:
+        _write_checkpoint(trainer, rollout_id, extra_state, temp_dir)
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - every rank must hear of it, see below
+        error = err
+    _stop_if_any_rank_failed(root, rollout_id, temp_dir, error)
+    try:
+        if _rank() == 0:
+            _publish(root, rollout_id, temp_dir, final_dir)
+    except OSError as err:
+        error = err
+    _stop_if_any_rank_failed(root, rollout_id, temp_dir, error)
+    keep = getattr(args, "save_keep_latest", None)
+    if keep and _rank() == 0:
+        try:
+            delete_old_checkpoints(root, int(keep), keep_rollout_id=rollout_id)
+        except OSError as err:  # the new checkpoint is complete; an old one that stays only costs disk
+            logger.warning("--save-keep-latest %s: could not delete an old checkpoint under %s: %s", keep, root, err)
+    return final_dir
+
+
+def _write_checkpoint(trainer, rollout_id: int, extra_state: dict | None, temp_dir: str) -> None:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    args = trainer.args
     state: dict = {"model": _model_state(trainer)}
     save_optim = not getattr(args, "no_save_optim", False)
     if save_optim:
@@ -95,7 +311,7 @@ def save_checkpoint(trainer, rollout_id: int, extra_state: dict | None = None, r
     if trainer.ema is not None:
         state["ema"] = trainer.ema.shadow_tensors()
     dcp.save(state, checkpoint_id=temp_dir)
-    torch.save(deterministic.rng_state(), os.path.join(temp_dir, "rng", f"rank_{_rank()}.pt"))
+    save_plain(_plain_rng_state(), os.path.join(temp_dir, "rng", f"rank_{_rank()}.pt"), "--save RNG state")
     if _rank() == 0:
         meta = {
             "rollout_id": rollout_id,
@@ -105,24 +321,89 @@ def save_checkpoint(trainer, rollout_id: int, extra_state: dict | None = None, r
             "grad_scaler": trainer.scaler.state_dict(),
             "ema_num_updates": None if trainer.ema is None else trainer.ema.num_updates,
             "use_lora": bool(getattr(args, "use_lora", False)),
+            "family": run_family_label(args),
             "world_size": trainer.world_size,
             "extra_state": extra_state or {},
         }
-        torch.save(meta, os.path.join(temp_dir, "meta.pt"))
-    _barrier()
-    if _rank() == 0:
-        if os.path.exists(final_dir):  # re-saving the same iteration: keep the old one until the new one is in place
-            old_dir = final_dir + ".old"
-            shutil.rmtree(old_dir, ignore_errors=True)
-            os.rename(final_dir, old_dir)
-            os.rename(temp_dir, final_dir)
-            shutil.rmtree(old_dir, ignore_errors=True)
-        else:
-            os.rename(temp_dir, final_dir)
-        _write_pointer(root, rollout_id)
-        logger.info("saved checkpoint %s", final_dir)
-    _barrier()
-    return final_dir
+        save_plain(meta, os.path.join(temp_dir, META_FILE), "--save checkpoint meta (extra_state comes from the "
+                   "data source's state_dict())")
+
+
+def _publish(root: str, rollout_id: int, temp_dir: str, final_dir: str) -> None:
+    """Rank 0: the complete temp folder becomes the checkpoint, then the pointer moves to it."""
+    if os.path.exists(final_dir):  # re-saving the same iteration: keep the old one until the new one is in place
+        old_dir = final_dir + ".old"
+        shutil.rmtree(old_dir, ignore_errors=True)
+        os.rename(final_dir, old_dir)
+        os.rename(temp_dir, final_dir)
+        shutil.rmtree(old_dir, ignore_errors=True)
+    else:
+        os.rename(temp_dir, final_dir)
+    _write_pointer(root, rollout_id)
+    logger.info("saved checkpoint %s", final_dir)
+
+
+# Failures of a save that are the environment's or the user's (one line); anything else is a bug (traceback).
+_SAVE_ERRORS = (OSError, CheckpointException, MilesUserError)
+
+
+def _stop_if_any_rank_failed(root: str, rollout_id: int, temp_dir: str, error: BaseException | None) -> None:
+    """Every rank calls it after each step of a save: if any rank failed, all stop here (none waits forever in
+    the next collective), the temp folder goes, and each rank raises: one line for an environment or user
+    failure, the original exception (with its traceback) for a bug."""
+    if not _failed_on_any_rank(error is not None):
+        return
+    if _rank() == 0 and os.path.isdir(temp_dir):
+        try:
+            shutil.rmtree(temp_dir)  # a half-written checkpoint must not fill the disk further
+        except OSError as cleanup_error:
+            logger.warning("--save %s: could not remove the incomplete %s: %s", root, temp_dir, cleanup_error)
+    if error is not None and not isinstance(error, _SAVE_ERRORS):
+        raise error
+    latest = read_latest_iteration(root) if os.path.isdir(root) else None
+    still = f"{POINTER_FILE} still names {os.path.basename(iteration_dir(root, latest))}" if latest is not None \
+        else "no earlier checkpoint exists"
+    cause = _describe_failure(error) if error is not None else "another rank failed (its log says why)"
+    raise MilesUserError(f"--save {root!r}: saving the checkpoint of rollout {rollout_id} failed: {cause}; {still}")
+
+
+def delete_old_checkpoints(root: str, keep: int, keep_rollout_id: int | None = None) -> list[str]:
+    """`--save-keep-latest`: delete all but the newest `keep` checkpoints (by rollout id); returns what went.
+
+    The checkpoint just saved (`keep_rollout_id`) and the one the pointer names always stay, even when a resumed
+    run saves below an older run's later checkpoints.
+    """
+    iterations = saved_iterations(root)
+    protected = {keep_rollout_id, read_latest_iteration(root)}
+    kept = set(iterations[-keep:]) | protected
+    deleted = []
+    for rollout_id in iterations:
+        if rollout_id not in kept:
+            directory = iteration_dir(root, rollout_id)
+            shutil.rmtree(directory)
+            deleted.append(directory)
+    if deleted:
+        logger.info("--save-keep-latest %d: deleted %s", keep, ", ".join(os.path.basename(d) for d in deleted))
+    return deleted
+
+
+# ---- loading --------------------------------------------------------------------------------------------
+class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner, but a non-tensor item (optimizer hyper-parameters, ...) must load with weights_only=True.
+
+    DefaultLoadPlanner unpickles those items with weights_only=False; checking the same in-memory bytes first
+    means nothing else is ever unpickled.
+    """
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as err:
+            refused = refused_global(str(err)) or "a type weights_only=True refuses"
+            raise MilesUserError(f"the item {read_item.dest_index.fqn!r} holds {refused}, not only tensors and plain "
+                                 "values (the shard was edited, or not written by miles)") from None
+        value.seek(0)
+        super().load_bytes(read_item, value)
 
 
 def load_checkpoint(trainer) -> int:
@@ -134,24 +415,10 @@ def load_checkpoint(trainer) -> int:
 
     args = trainer.args
     trainer.loaded_extra_state = None
-    root = getattr(args, "load", None)
-    if not root:
+    resume = checkpoint_to_resume(args)  # also vets the index DCP unpickles below (allow-list)
+    if resume is None:
         return 0
-    step = getattr(args, "ckpt_step", None)
-    if step is None:
-        step = read_latest_iteration(root)
-        if step is None:
-            logger.warning("--load %s: no %s, starting from scratch", root, POINTER_FILE)
-            return 0
-    directory = iteration_dir(root, int(step))
-    if not os.path.exists(os.path.join(directory, "meta.pt")):
-        raise MilesUserError(f"--load {root!r} --ckpt-step {step}: no complete checkpoint at {directory}")
-    meta = torch.load(os.path.join(directory, "meta.pt"), weights_only=False)
-    if meta["use_lora"] != bool(getattr(args, "use_lora", False)):
-        raise MilesUserError(
-            f"--load {directory!r} was saved with use_lora={meta['use_lora']}; this run has "
-            f"--use-lora={bool(getattr(args, 'use_lora', False))}"
-        )
+    directory, meta = resume.directory, resume.meta
     load_optim = not getattr(args, "no_load_optim", False)
     if load_optim and not meta["has_optimizer"]:
         logger.warning("--load %s: saved with --no-save-optim, optimizer and LR scheduler start fresh", directory)
@@ -163,7 +430,11 @@ def load_checkpoint(trainer) -> int:
     if trainer.ema is not None and meta["ema_num_updates"] is not None:
         ema_template = _ema_template(trainer)
         state["ema"] = ema_template
-    dcp.load(state, checkpoint_id=directory)
+    try:
+        dcp.load(state, checkpoint_id=directory, planner=_WeightsOnlyLoadPlanner())
+    except (CheckpointException, OSError, RuntimeError) as err:
+        raise MilesUserError(f"--load {directory!r}: cannot read the checkpoint's shards: "
+                             f"{_describe_failure(err)}") from None
     if load_optim:
         set_optimizer_state_dict(trainer.model, trainer.optimizer, optim_state_dict=state["optimizer"])
         use_checkpoint_schedule = getattr(args, "use_checkpoint_lr_scheduler", True) and not getattr(
@@ -176,15 +447,26 @@ def load_checkpoint(trainer) -> int:
     elif trainer.ema is not None:
         logger.warning("--load %s holds no EMA: the EMA starts from the loaded weights", directory)
     trainer.global_step = int(meta["global_step"])
-    rng_path = os.path.join(directory, "rng", f"rank_{_rank()}.pt")
     if not getattr(args, "no_load_rng", False):
-        if os.path.exists(rng_path) and meta["world_size"] == trainer.world_size:
-            deterministic.set_rng_state(torch.load(rng_path, weights_only=False))
-        else:
-            logger.warning("--load %s: RNG states not restored (saved with %d ranks)", directory, meta["world_size"])
+        _load_rng(directory, meta, trainer.world_size)
     trainer.loaded_extra_state = meta["extra_state"]
     logger.info("loaded checkpoint %s (rollout %d)", directory, meta["rollout_id"])
     return int(meta["rollout_id"]) + 1
+
+
+def _load_rng(directory: str, meta: dict[str, Any], world_size: int) -> None:
+    rng_path = os.path.join(directory, "rng", f"rank_{_rank()}.pt")
+    if meta["world_size"] != world_size or not os.path.exists(rng_path):
+        logger.warning("--load %s: RNG states not restored (saved with %d ranks, %s)", directory, meta["world_size"],
+                       "no file for this rank" if not os.path.exists(rng_path) else f"this run has {world_size}")
+        return
+    try:
+        state = load_plain(rng_path, "--load checkpoint RNG state")
+    except MilesUserError as err:
+        raise MilesUserError(f"{err}; --no-load-rng resumes without the RNG states") from None
+    if not isinstance(state.get("numpy") if isinstance(state, dict) else None, dict):
+        raise MilesUserError(f"--load checkpoint RNG state {rng_path}: not a miles RNG state file")
+    _restore_plain_rng_state(state)
 
 
 def export_lora(trainer, path: str) -> None:

@@ -43,7 +43,8 @@ def _rank_main(rank: int, world_size: int, backend: str, port: int, fn, fn_args,
 
 
 def spawn_ranks(world_size: int, fn, fn_args: tuple = (), backend: str | None = None, threads: int = 1) -> list:
-    """Run `fn(rank, *fn_args)` on `world_size` fresh processes; returns their results (torch.save-able)."""
+    """Run `fn(rank, *fn_args)` on `world_size` fresh processes; returns their results (tensors and plain values,
+    read back with weights_only=True)."""
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     with tempfile.TemporaryDirectory(prefix="miles-spawn-") as result_dir:
         mp.start_processes(
@@ -53,4 +54,5 @@ def spawn_ranks(world_size: int, fn, fn_args: tuple = (), backend: str | None = 
             join=True,
             start_method="spawn",
         )
-        return [torch.load(os.path.join(result_dir, f"rank_{r}.pt"), weights_only=False) for r in range(world_size)]
+        # Results are plain values and tensors (metrics, state dicts): weights_only=True reads them.
+        return [torch.load(os.path.join(result_dir, f"rank_{r}.pt"), weights_only=True) for r in range(world_size)]

@@ -107,6 +107,7 @@ TRAINER_FLAG_DEFAULTS: dict[str, Any] = dict(
     ema_decay_flat_steps=0,
     save=None,
     save_interval=None,
+    save_keep_latest=None,
     load=None,
     ckpt_step=None,
     no_save_optim=False,
@@ -248,11 +249,16 @@ def trained_state(trainer) -> dict[str, torch.Tensor]:
 
 
 def train_rank_worker(rank: int, args, samples_path: str, rollout_ids: list[int]) -> dict:
-    """Spawned-rank body: build the trainer, train the given rollouts, return metrics and the trained weights."""
+    """Spawned-rank body: build the trainer, train the given rollouts, return metrics and the trained weights.
+
+    `samples_path`: a `torch.save`d list of `Sample.to_record()` dicts."""
     from miles.backends.fsdp_utils.actor import DiffusionTrainer
+    from miles.types import Sample
+    from miles.utils.safe_load import load_plain
 
     family = build_tiny_family(args)
-    samples = torch.load(samples_path, weights_only=False)
+    samples = [Sample.from_record(record, f"{samples_path} sample {position}")
+               for position, record in enumerate(load_plain(samples_path, "train_rank_worker samples"))]
     trainer = DiffusionTrainer(args, family)
     trainer.init()
     metrics = [trainer.train(rollout_id, samples) for rollout_id in rollout_ids]

@@ -1,0 +1,219 @@
+"""Ending a run, however it ends: nothing it started outlives it.
+
+A run starts processes at three depths: the router is the driver's child, engines are children of Ray actors,
+and the trainer ranks, reward workers and HTTP-post actors are Ray workers. A normal end stops them in order;
+an exception or a signal must too, or the router keeps its port, an engine keeps its GPU memory, and a weight-
+sync buffer stays in /dev/shm (all three happened before this module).
+
+The entry point brackets the run:
+
+    begin_run()            # marks the run's processes, SIGINT/SIGTERM raise RunInterrupted
+    try:
+        train(args)
+    finally:
+        stop_run()         # every registered stop, ray.shutdown(), then a sweep of what is left
+
+- Parts register how to stop themselves with `on_run_exit` (`RolloutManager`: engines, router, watcher;
+  `TrainActorGroup`: its actors). `stop_run` calls them newest first, each bounded in time, and logs (never
+  raises) what failed, so one broken part cannot keep the others alive.
+- Every process of the run carries `MILES_RUN_ID=<id>` in its environment: the driver's children inherit it,
+  Ray workers get it through the runtime environment (`miles.ray.placement.init_ray`), and engines inherit it
+  from their actor. After `ray.shutdown()`, `stop_run` sends SIGTERM, then SIGKILL, to any local process that
+  still carries the id (an engine orphaned by a killed actor, a router that did not exit), and removes the
+  torch shared-memory files (`/dev/shm/torch_<pid>_*`) those processes and the Ray workers left behind.
+- `RunInterrupted` (SIGINT or SIGTERM) is a KeyboardInterrupt, so no `except Exception` on the way swallows it
+  and Ray's blocking calls end on it; `miles.utils.errors.exit_on_user_error` prints it as one line and exits
+  128 + the signal number.
+
+Only processes on this machine are swept; on other nodes of a cluster the Ray actors' own stops and Ray's
+job cleanup apply.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from typing import Callable
+
+from miles.utils.errors import RunInterrupted
+
+logger = logging.getLogger(__name__)
+
+RUN_ID_ENV = "MILES_RUN_ID"
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SWEEP_GRACE_SECONDS = 5.0  # between SIGTERM and SIGKILL for a leftover process
+SHM_DIR = "/dev/shm"
+
+_stops: list[tuple[str, Callable[[], None]]] = []
+_run_id: str | None = None
+_lock = threading.Lock()
+
+
+def begin_run() -> str:
+    """Start a run: a fresh run id in the environment every process of the run inherits, and SIGINT/SIGTERM
+    handlers that raise `RunInterrupted` in the main thread. Returns the run id."""
+    global _run_id
+    with _lock:
+        _stops.clear()
+        _run_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        os.environ[RUN_ID_ENV] = _run_id
+    reinstall_signal_handlers()
+    return _run_id
+
+
+def reinstall_signal_handlers() -> None:
+    """(Re)install the run's SIGINT/SIGTERM handlers; `ray.init` replaces SIGTERM's with its own `sys.exit`, so
+    `init_ray` calls this right after it. A no-op outside a run (tests that use Ray directly)."""
+    if _run_id is None or threading.current_thread() is not threading.main_thread():
+        return
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _raise_run_interrupted)
+
+
+def _raise_run_interrupted(signum: int, frame) -> None:
+    RunInterrupted.received = signum
+    raise RunInterrupted(signum)
+
+
+def on_run_exit(what: str, stop: Callable[[], None]) -> None:
+    """Register `stop` (idempotent, bounded in time) for `stop_run`; `what` names it in a failure warning.
+
+    Outside a run (no `begin_run`, e.g. a test building a part directly) nothing is registered.
+    """
+    with _lock:
+        if _run_id is not None:
+            _stops.append((what, stop))
+
+
+def stop_run() -> None:
+    """Stop everything the run started (see the module docstring). Safe to call on any path, and twice."""
+    global _run_id
+    if _run_id is None:
+        return
+    marker = f"{RUN_ID_ENV}={_run_id}".encode()
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    if in_main_thread:  # a second Ctrl-C must not abandon the cleanup halfway
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+    # Killed actors turn their pending results into errors that Ray would print as "Unhandled error" lines.
+    os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"
+    try:
+        seen = set(marked_processes(marker))  # before the stops: the Ray workers they end own shm files too
+        with _lock:
+            stops = list(reversed(_stops))
+            _stops.clear()
+        for what, stop in stops:
+            try:
+                stop()
+            except Exception as err:  # noqa: BLE001 - log and go on: the remaining parts must still stop
+                logger.warning("stopping %s failed (%s: %s); the final sweep ends what is left", what,
+                               type(err).__name__, err)
+        _shutdown_ray()
+        leftovers = marked_processes(marker)
+        if leftovers:
+            logger.warning("processes of the run still alive after the stops, ending them: %s",
+                           ", ".join(f"{pid} ({_command(pid)})" for pid in leftovers))
+            end_processes(leftovers)
+        remove_shared_memory(seen | set(leftovers))
+    finally:
+        _run_id = None
+        os.environ.pop(RUN_ID_ENV, None)
+        if in_main_thread:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
+def _shutdown_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        try:
+            ray.shutdown(wait_for_processes=True)  # so the sweep below finds only real leftovers
+        except Exception as err:  # noqa: BLE001 - the sweep still ends the local Ray processes
+            logger.warning("ray.shutdown() failed (%s: %s)", type(err).__name__, err)
+
+
+# ---- the sweep ---------------------------------------------------------------------------------------------
+def marked_processes(marker: bytes) -> list[int]:
+    """Live local processes (not this one) whose environment holds `marker` (b"MILES_RUN_ID=<id>")."""
+    pids = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                environ = handle.read().split(b"\0")
+        except OSError:  # gone meanwhile, or another user's process: not ours either way
+            continue
+        if marker in environ and _alive(int(entry)):
+            pids.append(int(entry))
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie has exited already: only its exit status is left)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            state = handle.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _command(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read().replace(b"\0", b" ").decode(errors="replace").strip()[:120]
+    except OSError:
+        return "?"
+
+
+def end_processes(pids: list[int], grace: float = SWEEP_GRACE_SECONDS) -> None:
+    """SIGTERM, then SIGKILL after `grace` seconds for those still running; reap the ones that are our children."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                continue
+        deadline = time.monotonic() + (grace if sig == signal.SIGTERM else 2.0)
+        while time.monotonic() < deadline:
+            _reap(pids)
+            if not any(_alive(pid) for pid in pids):
+                return
+            time.sleep(0.05)  # polling other processes' exit: there is no portable event to wait on
+    still = [pid for pid in pids if _alive(pid)]
+    if still:
+        logger.warning("processes %s did not exit even after SIGKILL", still)
+
+
+def _reap(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # not our child: its own parent (or init) reaps it
+            continue
+
+
+def remove_shared_memory(pids: set[int]) -> list[str]:
+    """Remove the torch shared-memory files (`file_system` sharing: /dev/shm/torch_<pid>_...) that processes of
+    the run created and that outlived them; returns the removed paths."""
+    removed = []
+    for pid in sorted(pids):
+        if _alive(pid):
+            continue  # still running (it did not stop): its buffers may be in use
+        for path in glob.glob(os.path.join(SHM_DIR, f"torch_{pid}_*")):
+            try:
+                os.remove(path)
+                removed.append(path)
+            except FileNotFoundError:
+                continue
+    if removed:
+        logger.debug("removed %d shared-memory file(s) the run left in %s", len(removed), SHM_DIR)
+    return removed

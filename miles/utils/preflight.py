@@ -1,0 +1,71 @@
+"""Checks of the files and folders a run will use, done before Ray starts (and by `--dry-run`).
+
+`check_run_inputs` is what the entry point calls after parsing (through `check_user_paths`): a mistake that
+would otherwise surface minutes later, after engines loaded their models (or never: a `--load` typo used to
+train from scratch) is one `MilesUserError` naming the flag and the file, printed as one line with exit code 2:
+- prompt files (`--prompt-data`, `--eval-prompt-data`): present, not empty, and their first rows are JSON
+  objects with the prompt under `--input-key` (`--eval-input-key`); the first bad line is named as file:line.
+  Only the first `PROMPT_ROWS_CHECKED` rows are read, so a huge file costs nothing; the data source checks the
+  rest when it loads the file.
+- `--save` and `--output-dir`: a folder (or creatable under one) in which a probe file can be created and removed.
+- `--load`: the checkpoint it names is complete and matches the run (`checkpoint.checkpoint_to_resume`); a
+  missing `--load` is an error unless it is the `--save` folder (resume-if-present).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+from miles.utils.errors import MilesUserError
+
+PROMPT_ROWS_CHECKED = 100
+
+
+def check_run_inputs(args: argparse.Namespace) -> None:
+    _check_prompt_files(args)
+    for flag, path in (("--save", args.save), ("--output-dir", args.output_dir)):
+        if path:
+            check_writable_folder(path, flag)
+    if args.load:
+        from miles.backends.fsdp_utils.checkpoint import checkpoint_to_resume
+
+        checkpoint_to_resume(args)
+
+
+def _check_prompt_files(args: argparse.Namespace) -> None:
+    from miles.rollout.data_source import check_prompt_file
+
+    input_key, metadata_key = args.input_key or "input", args.metadata_key or "metadata"
+    if args.prompt_data:
+        if not os.path.isfile(args.prompt_data):
+            raise MilesUserError(f"--prompt-data {args.prompt_data!r}: no such file")
+        if not args.disable_rollout_global_dataset:  # otherwise a custom data source reads it, in its own format
+            check_prompt_file(args.prompt_data, input_key, metadata_key, "--prompt-data", PROMPT_ROWS_CHECKED)
+    eval_key = args.eval_input_key or input_key
+    for name, path in getattr(args, "eval_prompt_data_pairs", None) or []:
+        if not os.path.isfile(path):
+            raise MilesUserError(f"--eval-prompt-data {name} {path!r}: no such file")
+        check_prompt_file(path, eval_key, metadata_key, f"--eval-prompt-data {name}", PROMPT_ROWS_CHECKED)
+    if args.eval_config and not os.path.isfile(args.eval_config):
+        raise MilesUserError(f"--eval-config {args.eval_config!r}: no such file")
+
+
+def check_writable_folder(path: str, flag: str) -> None:
+    """`path` is a folder, or can be created, and a file can be created and removed in it (or in the nearest
+    existing folder above it, which is where creating it starts)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise MilesUserError(f"{flag} {path!r} is a file, not a folder")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise MilesUserError(f"{flag} {path!r} cannot be created: {existing} is a file")
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".miles-write-probe-", dir=existing)
+        os.close(handle)
+        os.remove(probe)
+    except OSError as err:
+        where = "" if existing == os.path.abspath(path) else f" (in {existing}, where it would be created)"
+        raise MilesUserError(f"{flag} {path!r} is not writable{where}: {err.strerror}") from None

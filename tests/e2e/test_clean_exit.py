@@ -1,0 +1,84 @@
+"""A run ended by SIGTERM leaves nothing behind: real Ray, a real engine process and router, tiny SD3 on CPU.
+
+The driver is signalled once the engine is up and the loop runs; afterwards no process of the run (found by the
+MILES_RUN_ID every one of them carries) and no shared-memory file of theirs remains, and the driver's last
+words are one line.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def run_processes(driver_pid: int) -> dict[int, str]:
+    """pid -> command line of the live processes carrying the run id of this driver (`<driver pid>-...`)."""
+    prefix = f"MILES_RUN_ID={driver_pid}-".encode()
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            command = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError):
+            continue
+        if state != "Z" and any(item.startswith(prefix) for item in environ):
+            found[int(entry)] = command
+    return found
+
+
+def test_sigterm_stops_engines_router_and_workers_with_one_line(tiny_checkpoint, tmp_path):
+    from miles.testing.make_prompts import write_prompts
+
+    prompts = write_prompts(str(tmp_path / "prompts.jsonl"), count=8)
+    out = tmp_path / "run"
+    argv = [
+        "--hf-checkpoint", tiny_checkpoint("sd3"), "--diffusion-model-family", "sd3", "--prompt-data", prompts,
+        "--rm-type", "brightness", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1",
+        "--num-gpus-per-node", "1", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+        "--rollout-microgroup-size", "4", "--diffusion-num-steps", "4", "--diffusion-height", "32",
+        "--diffusion-width", "32", "--diffusion-guidance-scale", "1.0", "--diffusion-forward-dtype", "fp32",
+        "--micro-batch-size", "4", "--num-rollout", "1000", "--output-dir", str(out),
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled",
+           "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("RAY_ADDRESS", None)
+    stderr_path = tmp_path / "stderr.txt"
+    with open(stderr_path, "w") as stderr:
+        driver = subprocess.Popen([sys.executable, str(REPO / "train_diffusion.py"), *argv], cwd=REPO, env=env,
+                                  stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        deadline = time.monotonic() + 300
+        while "rollout 1:" not in stderr_path.read_text():  # engine and router up, the loop in its 2nd rollout
+            assert driver.poll() is None, f"the run ended early:\n{stderr_path.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, "the run did not reach rollout 1 within 300s"
+            time.sleep(0.2)
+        before = run_processes(driver.pid)
+        commands = " ".join(before.values())
+        assert "-m miles.engine" in commands and "-m miles.router" in commands and "TrainRayActor" in commands
+        lines_before = len(stderr_path.read_text().splitlines())
+        driver.send_signal(signal.SIGTERM)
+        assert driver.wait(timeout=120) == 128 + signal.SIGTERM
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    after = stderr_path.read_text().splitlines()[lines_before:]
+    final = "error: stopped by SIGTERM; the run's engines, router and workers were shut down"
+    # Log lines of work that was already under way may still arrive; after them, exactly one line, no traceback.
+    assert after[-1] == final and final not in after[:-1], "\n".join(after)
+    assert not any(word in line for line in after[:-1] for word in ("Traceback", "ERROR", "Unhandled error")), after
+    assert run_processes(driver.pid) == {}, f"processes outlived the run: {run_processes(driver.pid)}"
+    shm = os.listdir("/dev/shm")
+    assert [name for name in shm if any(name.startswith(f"torch_{pid}_") for pid in before)] == []

@@ -1,0 +1,181 @@
+"""Checks before Ray starts (miles.utils.preflight via check_user_paths): every mistake is one line naming the
+flag and the file, and --dry-run runs the same checks."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles.backends.fsdp_utils.checkpoint import POINTER_FILE
+from miles.utils import preflight
+from miles.utils.arguments import check_user_paths, parse_args
+from miles.utils.errors import MilesUserError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _no_family_env(monkeypatch):
+    monkeypatch.delenv("MILES_DIFFUSION_MODEL_FAMILY", raising=False)
+
+
+@pytest.fixture()
+def prompts(tmp_path) -> str:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"input": "a cat"}\n{"input": "a dog"}\n')
+    return str(path)
+
+
+def argv(prompts: str, tmp_path, *extra: str) -> list[str]:
+    return ["--hf-checkpoint", "org/sd3-tiny", "--prompt-data", prompts, "--rollout-batch-size", "2",
+            "--n-samples-per-prompt", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "1",
+            "--output-dir", str(tmp_path / "out"), *extra]
+
+
+def check(prompts: str, tmp_path, *extra: str) -> None:
+    check_user_paths(parse_args(argv(prompts, tmp_path, *extra)))
+
+
+def error(prompts: str, tmp_path, *extra: str) -> str:
+    with pytest.raises(MilesUserError) as info:
+        check(prompts, tmp_path, *extra)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def fake_checkpoint(root: Path, rollout_id: int = 3, **meta_overrides) -> Path:
+    """A checkpoint folder as save_checkpoint lays it out (one tiny DCP shard, meta.pt, the pointer)."""
+    import torch.distributed.checkpoint as dcp
+
+    directory = root / f"iter_{rollout_id:07d}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"model": {"w": torch.ones(4)}}, checkpoint_id=str(directory), no_dist=True)
+    meta = {"rollout_id": rollout_id, "global_step": 1, "has_optimizer": False, "lr_scheduler": {},
+            "grad_scaler": {}, "ema_num_updates": None, "use_lora": False, "family": "sd3", "world_size": 1,
+            "extra_state": {}, **meta_overrides}
+    torch.save(meta, directory / "meta.pt")
+    (root / POINTER_FILE).write_text(f"{rollout_id}\n")
+    return directory
+
+
+# ---- --load -------------------------------------------------------------------------------------------------
+def test_load_of_a_missing_folder_fails_unless_it_is_the_save_folder(prompts, tmp_path):
+    missing = str(tmp_path / "ckpt-typo")
+    message = error(prompts, tmp_path, "--load", missing)
+    assert message.startswith(f"--load {missing!r}: no such folder")
+    check(prompts, tmp_path, "--load", missing, "--save", missing)  # resume-if-present (the reference's rule)
+    assert not os.path.exists(missing)  # checking creates nothing
+
+
+def test_load_of_a_folder_without_a_checkpoint(prompts, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert f"no {POINTER_FILE}, so no checkpoint to resume" in error(prompts, tmp_path, "--load", str(empty))
+    directory = fake_checkpoint(tmp_path / "ckpt")
+    os.remove(tmp_path / "ckpt" / POINTER_FILE)
+    assert "pass --ckpt-step 3" in error(prompts, tmp_path, "--load", str(tmp_path / "ckpt"))
+    check(prompts, tmp_path, "--load", str(tmp_path / "ckpt"), "--ckpt-step", "3")
+    assert f"{directory.parent / 'iter_0000005'}: no such folder" in error(
+        prompts, tmp_path, "--load", str(tmp_path / "ckpt"), "--ckpt-step", "5")
+
+
+def test_load_checks_the_checkpoint_before_ray(prompts, tmp_path):
+    directory = fake_checkpoint(tmp_path / "ckpt")
+    load = ["--load", str(tmp_path / "ckpt")]
+    check(prompts, tmp_path, *load)
+    shard = next(directory.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:8])
+    assert f"shard {shard} is truncated (8 bytes" in error(prompts, tmp_path, *load)
+    fake_checkpoint(tmp_path / "ckpt", family="wan2_2")
+    message = error(prompts, tmp_path, *load)
+    assert message == (f"--load {str(directory)!r} holds model family 'wan2_2', but this run trains 'sd3' "
+                       "(--hf-checkpoint / --diffusion-model-family / --train-pipeline-config-path)")
+    fake_checkpoint(tmp_path / "ckpt", use_lora=True)
+    assert "was saved with use_lora=True; this run has --use-lora=False" in error(prompts, tmp_path, *load)
+    os.remove(directory / "meta.pt")
+    assert "incomplete checkpoint: meta.pt is missing" in error(prompts, tmp_path, *load)
+
+
+# ---- --save / --output-dir ----------------------------------------------------------------------------------
+def test_save_must_be_a_writable_folder(prompts, tmp_path, monkeypatch):
+    check(prompts, tmp_path, "--save", str(tmp_path / "new" / "ckpt"))
+    assert not (tmp_path / "new").exists()  # the probe goes in the nearest existing folder and is removed
+    assert os.listdir(tmp_path) == ["prompts.jsonl"]
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    assert error(prompts, tmp_path, "--save", str(a_file)) == f"--save {str(a_file)!r} is a file, not a folder"
+    under_file = str(a_file / "ckpt")
+    assert error(prompts, tmp_path, "--save", under_file) == (f"--save {under_file!r} cannot be created: {a_file} "
+                                                               "is a file")
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    save = str(tmp_path / "ckpt")
+    message = error(prompts, tmp_path, "--save", save)
+    assert message == (f"--save {save!r} is not writable (in {tmp_path}, where it would be created): Read-only "
+                       "file system")
+
+
+# ---- prompt files --------------------------------------------------------------------------------------------
+def test_prompt_files_empty_or_without_the_input_key(prompts, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert error(str(empty), tmp_path) == f"--prompt-data {str(empty)!r}: the file is empty"
+    empty.write_text("\n  \n")
+    assert "the file holds no prompts" in error(str(empty), tmp_path)
+    wrong_key = tmp_path / "wrong.jsonl"
+    wrong_key.write_text('{"input": "a cat"}\n\n{"prompt": "a dog"}\n{"prompt": "a cow"}\n')
+    assert error(str(wrong_key), tmp_path) == (f"--prompt-data {wrong_key}:3: no key 'input' (--input-key); keys "
+                                               "are ['prompt']")
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text('{"text": "a cat"}\n')
+    message = error(prompts, tmp_path, "--eval-prompt-data", "held_out", str(eval_file), "--eval-interval", "1")
+    assert message.startswith(f"--eval-prompt-data held_out {eval_file}:1: no key 'input'")
+    check(prompts, tmp_path, "--eval-prompt-data", "held_out", str(eval_file), "--eval-interval", "1",
+          "--eval-input-key", "text")
+
+
+def test_only_the_first_rows_of_a_big_prompt_file_are_read(tmp_path, monkeypatch):
+    big = tmp_path / "big.jsonl"
+    rows = ['{"input": "p%d"}' % i for i in range(preflight.PROMPT_ROWS_CHECKED)]
+    big.write_text("\n".join(rows) + "\nnot json at all\n")
+    check(str(big), tmp_path)  # the bad line is past the rows checked; the data source reports it at load
+    big.write_text('{"input": "p"}\n' * 5 + "{broken\n" + '{"input": "p"}\n' * 500)
+    assert error(str(big), tmp_path).startswith(f"--prompt-data {big}:6: not valid JSON")
+
+
+# ---- --custom-config-path -----------------------------------------------------------------------------------
+def test_yaml_typo_of_a_flag_is_an_error_with_a_suggestion(prompts, tmp_path, caplog):
+    config = tmp_path / "config.yaml"
+    config.write_text("rollout_batchsize: 8\n")
+    with pytest.raises(MilesUserError) as info:
+        parse_args(argv(prompts, tmp_path, "--custom-config-path", str(config)))
+    assert str(info.value) == (f"--custom-config-path {str(config)!r}: unknown key 'rollout_batchsize': did you mean "
+                               "'rollout_batch_size' (--rollout-batch-size)?")
+    config.write_text("my_reward_threshold: 0.5\n")  # far from every flag: a setting for the user's hooks
+    assert parse_args(argv(prompts, tmp_path, "--custom-config-path", str(config))).my_reward_threshold == 0.5
+
+
+# ---- the entry point: --dry-run runs the same checks ------------------------------------------------------
+def test_dry_run_runs_the_checks_and_fails_in_one_line(prompts, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env.pop("MILES_DIFFUSION_MODEL_FAMILY", None)
+    missing = str(tmp_path / "ckpt-typo")
+    result = subprocess.run([sys.executable, str(REPO / "train_diffusion.py"), *argv(prompts, tmp_path),
+                             "--load", missing, "--dry-run"], capture_output=True, text=True, cwd=REPO, env=env,
+                            timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"error: --load {missing!r}: no such folder (to start from scratch "
+                                                  "drop --load; --load equal to --save resumes only if a checkpoint "
+                                                  "is there)"]

@@ -1,0 +1,110 @@
+"""Files are loaded without running code from them, and a bad file is one line naming it (miles.utils.safe_load)."""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+
+import pytest
+import torch
+
+from miles.types import Sample
+from miles.utils.errors import MilesUserError
+from miles.utils.safe_load import load_dcp_metadata_pickle, load_plain, plain_value_problem, save_plain
+
+
+class RunsCode:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def error_of(fn, *args) -> str:
+    with pytest.raises(MilesUserError) as info:
+        fn(*args)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def test_load_plain_refuses_code_and_names_the_file(tmp_path):
+    marker, path = tmp_path / "ran", str(tmp_path / "data.pt")
+    torch.save({"x": torch.ones(2), "payload": RunsCode(str(marker))}, path)
+    message = error_of(load_plain, path, "--some-flag")
+    assert message.startswith(f"--some-flag: refusing to load {path} with weights_only=True: it holds io.open")
+    assert not marker.exists()
+
+
+def test_load_plain_damaged_and_missing_files(tmp_path):
+    path = str(tmp_path / "data.pt")
+    torch.save({"x": torch.arange(1000)}, path)
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[:200])
+    assert error_of(load_plain, path, "--flag").startswith(f"--flag: {path} is truncated or corrupt (")
+    open(path, "wb").write(b"not a torch file")
+    assert "is truncated or corrupt" in error_of(load_plain, path, "--flag")
+    assert error_of(load_plain, str(tmp_path / "absent.pt"), "--flag").endswith("absent.pt does not exist")
+
+
+def test_plain_value_problem_names_the_first_unloadable_value():
+    plain = {"a": [1, 2.0, "s", None, True, (torch.zeros(1), b"x")], "b": {3: torch.float32}}
+    assert plain_value_problem(plain) is None
+    assert plain_value_problem({"a": [1, argparse.Namespace()]}) == ".a[1]: an object of type argparse.Namespace"
+    assert plain_value_problem({"a": {(1, 2): 3}}) == ".a: a key of type tuple"
+
+
+def test_save_plain_refuses_before_writing(tmp_path):
+    path = tmp_path / "out.pt"
+    message = error_of(save_plain, {"state": {"obj": argparse.Namespace()}}, str(path), "--flag")
+    assert "it would hold state.obj: an object of type argparse.Namespace" in message and not path.exists()
+
+
+def test_samples_round_trip_as_plain_records(tmp_path):
+    sample = Sample(prompt="a cat", index=3, metadata={"rm_type": "brightness"}, image=torch.zeros(1, 2, 2, 3),
+                    latents={0: torch.ones(2), 1: torch.zeros(2)}, reward={"score": 0.5}, sde_step_indices=[0, 1])
+    path = str(tmp_path / "rollout.pt")
+    save_plain({"rollout_id": 0, "samples": [sample.to_record()]}, path, "--save-debug-rollout-data")
+    record = load_plain(path, "--load-debug-rollout-data")["samples"][0]
+    back = Sample.from_record(record, "here")
+    assert back.prompt == "a cat" and back.metadata == {"rm_type": "brightness"} and back.reward == {"score": 0.5}
+    assert torch.equal(back.latents[1], torch.zeros(2)) and back.sde_step_indices == [0, 1]
+    assert "not a Sample record (unknown keys ['bogus']" in error_of(Sample.from_record, {**record, "bogus": 1}, "f:0")
+
+
+def test_load_debug_rollout_data_refuses_pickled_objects(tmp_path):
+    from miles.ray.rollout_manager import RolloutManager
+
+    marker, template = tmp_path / "ran", str(tmp_path / "rollout_{rollout_id}.pt")
+    torch.save({"rollout_id": 0, "samples": [RunsCode(str(marker))]}, template.format(rollout_id=0))
+    manager = argparse.Namespace(args=argparse.Namespace(load_debug_rollout_data=template,
+                                                         load_debug_rollout_data_subsample=None))
+    message = error_of(RolloutManager._load_debug_rollout, manager, 0)
+    assert message.startswith("--load-debug-rollout-data: refusing to load") and not marker.exists()
+    save_plain({"rollout_id": 0, "samples": [Sample(prompt="p").to_record()]}, template.format(rollout_id=0), "t")
+    assert [s.prompt for s in RolloutManager._load_debug_rollout(manager, 0)] == ["p"]
+
+
+def test_dcp_index_allow_list_reads_a_real_index_and_refuses_a_payload(tmp_path):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(1, 3)).sum().backward()
+    optimizer.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"model": dict(model.named_parameters()), "optimizer": optimizer.state_dict()},
+                 checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    index_path = str(tmp_path / "ckpt" / ".metadata")
+    with open(index_path, "rb") as stream:
+        index = load_dcp_metadata_pickle(stream, index_path, "--load checkpoint index")
+    assert index.storage_data and "model.weight" in index.state_dict_metadata
+    marker = tmp_path / "ran"
+    with open(index_path, "wb") as handle:
+        pickle.dump({"x": RunsCode(str(marker))}, handle)
+    with open(index_path, "rb") as stream:
+        message = error_of(load_dcp_metadata_pickle, stream, index_path, "--load checkpoint index")
+    assert "it refers to io.open" in message and not marker.exists()
