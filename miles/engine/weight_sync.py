@@ -4,7 +4,7 @@ Sender (`push_weights`, called in the trainer process): named tensors are packed
 bucket of at most `bucket_bytes`; the buffer travels as a *handle*, never as bytes: a CUDA IPC handle when it
 lives on a GPU, a shared-memory file handle when it lives on the CPU (both made by
 `torch.multiprocessing.reductions.reduce_tensor`, pickled with the multiprocessing `ForkingPickler`, with the
-`file_system` sharing strategy in both processes, ENVIRONMENT.md). The control message (names, dtypes, shapes,
+`file_system` sharing strategy in both processes, docs/design.md §6). The control message (names, dtypes, shapes,
 byte offsets) is msgpack. The sender keeps the buffer alive until every engine answered, and an engine answers
 only after it copied the bucket into its parameters, so the receiver never reads freed memory. Two buffers
 alternate: the next bucket is packed while the engines copy the previous one.
@@ -65,7 +65,7 @@ _LORA_NAME = re.compile(
 
 
 def use_file_system_sharing() -> None:
-    """Shared-memory tensors between unrelated processes need this strategy on both sides (ENVIRONMENT.md)."""
+    """Shared-memory tensors between unrelated processes need this strategy on both sides (docs/design.md §6)."""
     if torch.multiprocessing.get_sharing_strategy() != "file_system":
         torch.multiprocessing.set_sharing_strategy("file_system")
 
