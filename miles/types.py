@@ -14,7 +14,7 @@ import torch
 
 @dataclass(frozen=True)
 class GuidanceConfig:
-    """Classifier-free guidance settings (ALGORITHMS.md §1, CFG)."""
+    """Classifier-free guidance settings (docs/algorithms.md §1, CFG)."""
 
     guidance_scale: float = 4.0
     guidance_scale_2: float | None = None  # Wan2.2 low-noise expert
@@ -85,7 +85,7 @@ class Sample:
 
 @dataclass
 class TrainPair:
-    """One trained transition, the unit the trainer batches (DESIGN.md §5).
+    """One trained transition, the unit the trainer batches (docs/design.md §5).
 
     RL (policy_loss): (x_k, x_{k+1}) with sigmas, old log-prob and advantage.
     NFT / SFT: `latents` holds the clean x0 and `sigma` the noise level to train at; `next_latents` is None.
@@ -97,7 +97,7 @@ class TrainPair:
     next_latents: torch.Tensor | None
     sigma: float
     sigma_next: float
-    sigma_1: float  # the schedule's second sigma (the 'sde' kind's sigma = 1 rule, ALGORITHMS.md §2)
+    sigma_1: float  # the schedule's second sigma (the 'sde' kind's sigma = 1 rule, docs/algorithms.md §2)
     timestep: float  # the DiT's time input for this step, in the family's convention
     advantage: float = 0.0
     old_log_prob: float = 0.0

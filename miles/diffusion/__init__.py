@@ -1,4 +1,4 @@
-"""The diffusion math both the rollout engine and the trainer run (ALGORITHMS.md §1–§9).
+"""The diffusion math both the rollout engine and the trainer run (docs/algorithms.md §1–§9).
 
 Submodules: `schedules` (sigma grids), `sde` (step kinds with log-probs), `advantages` (GRPO), `losses`
 (policy / nft / sft / custom), `ema`, `lr_scheduler`. Import from the submodules; the names below are

@@ -1,4 +1,4 @@
-"""GRPO advantages (ALGORITHMS.md §4; GRPO arXiv 2402.03300, Dr.GRPO arXiv 2503.20783)."""
+"""GRPO advantages (docs/algorithms.md §4; GRPO arXiv 2402.03300, Dr.GRPO arXiv 2503.20783)."""
 
 from __future__ import annotations
 

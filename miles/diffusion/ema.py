@@ -1,4 +1,4 @@
-"""EMA of the trainable parameters, used as π_old (ALGORITHMS.md §8; DiffusionNFT arXiv 2509.16117).
+"""EMA of the trainable parameters, used as π_old (docs/algorithms.md §8; DiffusionNFT arXiv 2509.16117).
 
 The shadow θ̄ is an fp32 copy of each tracked parameter on that parameter's device (for an FSDP2 DTensor
 parameter: the local shard, so nothing here communicates). Update k: `θ̄ ← δ_k·θ̄ + (1 − δ_k)·θ` with

@@ -1,4 +1,4 @@
-"""Per-pair losses: Flow-GRPO policy loss (ALGORITHMS.md §5), DiffusionNFT (§6), SFT flow matching (§7), and the
+"""Per-pair losses: Flow-GRPO policy loss (docs/algorithms.md §5), DiffusionNFT (§6), SFT flow matching (§7), and the
 custom-loss interface (docs/losses.md).
 
 Every loss returns `(per_pair_loss [B], metrics)` where each metric is a detached per-pair [B] tensor: the trainer

@@ -1,4 +1,4 @@
-"""Megatron-style learning-rate schedules (ALGORITHMS.md §9; Megatron-LM arXiv 1909.08053, WSD arXiv 2404.06395).
+"""Megatron-style learning-rate schedules (docs/algorithms.md §9; Megatron-LM arXiv 1909.08053, WSD arXiv 2404.06395).
 
 s = scheduler steps taken (0 at construction, one `step()` after each optimizer step). lr(s):
 warmup `init + (max − init)·s/W` for W > 0 and s ≤ W; then `constant` → max; s > D → min; `inverse-square-root`

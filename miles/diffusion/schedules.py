@@ -1,4 +1,4 @@
-"""Sigma schedules of flow-matching samplers (ALGORITHMS.md §1, §7).
+"""Sigma schedules of flow-matching samplers (docs/algorithms.md §1, §7).
 
 The values reproduce diffusers' `FlowMatchEulerDiscreteScheduler` bit for bit: its constructor builds the
 training table in fp32 (so sigma_min = S_s(1/N) rounded to fp32), `set_timesteps` spaces the inference grid in

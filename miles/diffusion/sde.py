@@ -1,4 +1,4 @@
-"""One reverse denoising step with its Gaussian log-prob (ALGORITHMS.md §2).
+"""One reverse denoising step with its Gaussian log-prob (docs/algorithms.md §2).
 
 The engine calls `SdeStepBackend.sample` (SAMPLE mode: draw ε from each sample's generator, x' = μ + s·ε, ℓ from
 ε), the trainer calls `SdeStepBackend.log_prob` (SCORE mode: ℓ of a recorded x' under a new velocity; the

@@ -4,7 +4,7 @@ A request becomes a `Trajectory` (`start`: encode the prompt, build the per-samp
 initial latents); `step` advances any list of trajectories by one step with ONE batched DiT forward
 (`family.predict_velocity`, CFG as a doubled batch inside the family), then applies each trajectory's own step
 kernel from the math core (`SdeStepBackend.sample` on its SDE steps S, Euler `ode_step` elsewhere,
-ALGORITHMS.md §2–§3); `finish` decodes and packs the response. Every sample keeps its own generator (seeded
+docs/algorithms.md §2–§3); `finish` decodes and packs the response. Every sample keeps its own generator (seeded
 seed + b), used first for the initial noise and then for the step noises, so a sample's trajectory never
 depends on which other samples share its forward.
 
@@ -35,7 +35,7 @@ from miles.utils.imports import load_function
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_NEGATIVE_PROMPT = " "  # ALGORITHMS.md §1: the engine's negative prompt when CFG is on and none is given
+DEFAULT_NEGATIVE_PROMPT = " "  # docs/algorithms.md §1: the engine's negative prompt when CFG is on and none is given
 
 
 def resolve_device(name: str) -> torch.device:

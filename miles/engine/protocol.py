@@ -1,4 +1,4 @@
-"""The engine's wire protocol for `POST /rollout/generate` (DESIGN.md §4).
+"""The engine's wire protocol for `POST /rollout/generate` (docs/design.md §4).
 
 One request is one *microgroup*: M samples of one prompt with seeds seed .. seed+M-1. The body is msgpack;
 every tensor travels as a msgpack extension holding (dtype name, shape, raw little-endian bytes), so a
@@ -123,7 +123,7 @@ class GenerateRequest:
     """One microgroup: `num_samples` samples of `prompt`, sample b seeded with `seed + b`.
 
     `sde_step_indices` (S) are the steps taken with the `sde_type` kernel; every other step is an Euler ODE
-    step (ALGORITHMS.md §3). `return_latent_indices` are the k whose x_k the engine returns (S ∪ (S+1) for
+    step (docs/algorithms.md §3). `return_latent_indices` are the k whose x_k the engine returns (S ∪ (S+1) for
     training, the last index n for NFT). `evaluation` is plain generation: images only.
     """
 

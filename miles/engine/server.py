@@ -1,4 +1,4 @@
-"""The engine's HTTP server (aiohttp): the endpoints of DESIGN.md §4 over one ModelRunner + StepScheduler.
+"""The engine's HTTP server (aiohttp): the endpoints of docs/design.md §4 over one ModelRunner + StepScheduler.
 
 Endpoints (see docs/engine.md):
 - `POST /rollout/generate`            msgpack GenerateRequest -> msgpack GenerateResponse

@@ -72,7 +72,7 @@ class TrainPipelineConfig(ABC):
     # ---- schedule and latents -----------------------------------------------------------------------
     @abstractmethod
     def sigmas(self, pipe: Any, num_steps: int, shape: GenerationShape, flow_shift: float | None) -> torch.Tensor:
-        """The generation sigma grid, n + 1 values from 1 down to a terminal 0 (ALGORITHMS.md §1)."""
+        """The generation sigma grid, n + 1 values from 1 down to a terminal 0 (docs/algorithms.md §1)."""
 
     def timesteps_from_sigmas(self, sigmas: torch.Tensor) -> torch.Tensor:
         """What the DiT takes as its time input (SD3/Wan: N·σ; Qwen-Image: σ)."""
@@ -116,7 +116,7 @@ class TrainPipelineConfig(ABC):
         """uint8 pixels [B, F, H, W, 3] (F = `shape.num_frames`, 1 for image families) to clean latents x0.
 
         The inverse of `decode`: the VAE posterior mean, normalised and laid out exactly like the latents of
-        `prepare_latents` / `predict_velocity` for `shape` (batched, fp32). SFT uses it (ALGORITHMS.md §7).
+        `prepare_latents` / `predict_velocity` for `shape` (batched, fp32). SFT uses it (docs/algorithms.md §7).
         Families that do not implement it cannot train with `--loss-type sft_loss`.
         """
         raise MilesUserError(

@@ -216,7 +216,7 @@ class Packed2x2TrainPipelineConfig(DiffusersTrainPipelineConfig):
         return (latent_h // 2) * (latent_w // 2)
 
     def timesteps_from_sigmas(self, sigmas: torch.Tensor) -> torch.Tensor:
-        """The DiT takes σ (the pipeline divides its 1000·σ timesteps by 1000; ALGORITHMS.md §1)."""
+        """The DiT takes σ (the pipeline divides its 1000·σ timesteps by 1000; docs/algorithms.md §1)."""
         return sigmas * self.num_train_timesteps / self.num_train_timesteps
 
     def dit_timesteps(self, sigmas: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -285,7 +285,7 @@ def scheduler_sigmas(
 ) -> torch.Tensor:
     """n + 1 fp32 sigmas (terminal 0) as a FlowMatchEulerDiscreteScheduler with this config would give them.
 
-    Composes the math core (`miles.diffusion.schedules`, ALGORITHMS.md §1):
+    Composes the math core (`miles.diffusion.schedules`, docs/algorithms.md §1):
     - static shift (`shift`, or `flow_shift` when given) or, when the config has `use_dynamic_shifting`
       and no `flow_shift` override, the dynamic shift `mu = dynamic_shift_mu(image_seq_len, ...)` from the
       config's base/max sequence lengths and shifts (exponential: shift factor e^mu; linear: mu);
@@ -399,7 +399,7 @@ def cfg_batch_inputs(
 
 
 def combine_cfg(doubled_output: torch.Tensor, scale: float, renormalize: bool = False) -> torch.Tensor:
-    """Split a [negative; positive] doubled output and combine it (ALGORITHMS.md §1, CFG), in fp32.
+    """Split a [negative; positive] doubled output and combine it (docs/algorithms.md §1, CFG), in fp32.
 
     `v = v_neg + scale·(v_pos − v_neg)`; with `renormalize` (Qwen-Image true CFG) each token is rescaled
     to the positive branch's norm over the feature (last) axis: `v ← v·‖v_pos‖ / max(‖v‖, 1e-12)`.
@@ -437,7 +437,7 @@ def repeat_batch(tensor: torch.Tensor, batch_size: int) -> torch.Tensor:
 def vae_output_to_uint8(images: torch.Tensor) -> torch.Tensor:
     """VAE output in [-1, 1], channels-first ([B, 3, H, W] or [B, 3, F, H, W]) -> uint8 [B, F, H, W, 3].
 
-    Same rounding as diffusers' image processor (`round(clamp(x/2 + 0.5, 0, 1)·255)`), ALGORITHMS.md §10.
+    Same rounding as diffusers' image processor (`round(clamp(x/2 + 0.5, 0, 1)·255)`), docs/algorithms.md §10.
     """
     images = (images.float() / 2 + 0.5).clamp(0, 1)
     if images.ndim == 4:

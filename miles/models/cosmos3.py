@@ -22,7 +22,7 @@ the DiT time input t = 1000·σ (the transformer scales it by `timestep_scale` i
 inverse, `(z − mean)·(1/std)` of the VAE posterior mean). The transformer packs a single
 sequence without a batch axis, so each sample and CFG branch is its own transformer call (no doubled batch).
 Schedule: the checkpoint's `UniPCMultistepScheduler` flow-sigma grid (or flow-match Euler's), honouring
-`use_native_flow_schedule`; our loop takes Euler / SDE steps on it (ALGORITHMS.md §1–§2).
+`use_native_flow_schedule`; our loop takes Euler / SDE steps on it (docs/algorithms.md §1–§2).
 Differences: CFG is on iff the scale is > 1 (diffusers: any scale ≠ 1); video (num_frames > 1) is not
 supported yet.
 """

@@ -7,7 +7,7 @@ Mirrors `FluxPipeline.__call__` (diffusers 0.42):
   prompt): v = v_neg + s·(v_pos − v_neg), without renormalisation, run here as one doubled batch.
 - Latents are packed: a sample is [N, 4C] with N = (H/2f)·(W/2f) tokens (f = VAE scale factor); the
   position ids of image and text tokens are rebuilt from the shape, never stored.
-- Schedule: base grid linspace(1, 1/n, n), dynamic shift μ from N (ALGORITHMS.md §1).
+- Schedule: base grid linspace(1, 1/n, n), dynamic shift μ from N (docs/algorithms.md §1).
 - DiT time input: σ — the pipeline passes `timestep / 1000` (timesteps = 1000·σ) and the transformer
   multiplies by 1000 inside.
 """

@@ -12,7 +12,7 @@ Mirrors `LTXPipeline.__call__` (diffusers 0.42):
   [F'·H'·W' / patch, C·patch];
 - sigmas: the pipeline's base grid linspace(1, 1/n, n), shifted dynamically with μ from the latent token
   count F'·H'·W' (the checkpoint's base/max sequence lengths and shifts), stretched to `shift_terminal`
-  (ALGORITHMS.md §1); `--diffusion-flow-shift` replaces the dynamic shift by a static one;
+  (docs/algorithms.md §1); `--diffusion-flow-shift` replaces the dynamic shift by a static one;
 - the DiT time input t = 1000·σ, the latent grid sizes and rope interpolation scale
   (r_t / fps, r_s, r_s) with fps = `--diffusion-fps` (default 25, the pipeline's `frame_rate`);
 - decode: unpack, `x·std / scaling_factor + mean`, and for a timestep-conditioned VAE the pipeline's

@@ -6,7 +6,7 @@ Mirrors `QwenImagePipeline.__call__` (diffusers 0.42):
   Here every prompt is zero-padded to a fixed `prompt_pad_length` (the pipeline's default
   `max_sequence_length`, 512) with an integer mask, so samples of any prompts stack; padded tokens are
   masked out of attention and do not change the result.
-- True CFG (ALGORITHMS.md §1): v = v_neg + s·(v_pos − v_neg), then per-token renormalisation to ‖v_pos‖, with
+- True CFG (docs/algorithms.md §1): v = v_neg + s·(v_pos − v_neg), then per-token renormalisation to ‖v_pos‖, with
   s = `--diffusion-true-cfg-scale`, else `--diffusion-guidance-scale` (diffusers' default 4.0 either way).
 - Schedule: base grid linspace(1, 1/n, n), dynamic exponential shift μ from the image token count, then
   the config's `shift_terminal` stretch.

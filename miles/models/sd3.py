@@ -4,7 +4,7 @@ Mirrors `StableDiffusion3Pipeline.__call__` (diffusers 0.42): prompts through tw
 (CLIP hidden states padded to the T5 width, concatenated along the sequence: 77 + `max_sequence_length`
 tokens, a fixed length, so any samples stack), pooled CLIP projections, standard CFG with the negative
 branch first, static shift (SD3.5: 3.0) on the scheduler's own grid, DiT time input t = 1000·σ
-(ALGORITHMS.md §1), and latents decoded as `x / scaling_factor + shift_factor`
+(docs/algorithms.md §1), and latents decoded as `x / scaling_factor + shift_factor`
 (SFT encodes images by the inverse, `encode_images`).
 """
 

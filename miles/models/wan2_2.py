@@ -4,7 +4,7 @@ Mirrors `WanPipeline.__call__` (diffusers 0.42):
 - prompts through UMT5, padded to `max_sequence_length` tokens with the padding positions zeroed (the
   pipeline's own `encode_prompt`), so any samples stack; the negative prompt defaults to "" like diffusers;
 - noise [C, (F−1)/4 + 1, H/8, W/8] (A14B; the 5B VAE is 16× spatial) drawn per sample from its own generator;
-- the DiT time input t = 1000·σ (ALGORITHMS.md §1); the 5B (`expand_timesteps`) takes it per token, [B, tokens];
+- the DiT time input t = 1000·σ (docs/algorithms.md §1); the 5B (`expand_timesteps`) takes it per token, [B, tokens];
 - A14B: `transformer` denoises while t ≥ boundary_ratio·1000 (high noise) with `--diffusion-guidance-scale`,
   `transformer_2` below it (low noise) with `--diffusion-guidance-scale-2` (default: the first scale);
   every sample of one batch must sit on the same side of the boundary;
@@ -12,7 +12,7 @@ Mirrors `WanPipeline.__call__` (diffusers 0.42):
   inverse).
 
 Schedule: the published checkpoints ship `UniPCMultistepScheduler` with flow sigmas and `flow_shift`; our
-loop takes Euler / SDE steps (ALGORITHMS.md §2) on exactly that scheduler's sigma grid
+loop takes Euler / SDE steps (docs/algorithms.md §2) on exactly that scheduler's sigma grid
 (`unipc_flow_sigmas`). A checkpoint with `FlowMatchEulerDiscreteScheduler` gets that scheduler's grid.
 One deliberate difference: with `guidance_scale ≤ 1 < guidance_scale_2` diffusers skips CFG everywhere;
 we apply CFG in the low-noise phase, since that is what `--diffusion-guidance-scale-2` asks for.
@@ -56,10 +56,10 @@ def unipc_flow_sigmas(
     """n + 1 fp32 sigmas of `UniPCMultistepScheduler.set_timesteps` with `use_flow_sigmas=True` (diffusers 0.42).
 
     `u = linspace(1, 1/N, n+1)[:n]` in fp64 (or the `base` grid a pipeline passes as `sigmas=`), static shift
-    `S_s(u)` (s = `flow_shift` override or the config's `flow_shift`; ALGORITHMS.md §1), then the terminal (0 for
+    `S_s(u)` (s = `flow_shift` override or the config's `flow_shift`; docs/algorithms.md §1), then the terminal (0 for
     `final_sigmas_type="zero"`, else the last sigma). One deliberate difference: diffusers nudges a first sigma
     of 1 to 1 − 1e-6 so that UniPC's log-SNR stays finite; Euler and SDE steps need no nudge, and the Flow-GRPO
-    'sde' kind's σ = 1 rule (ALGORITHMS.md §2) needs exactly 1 (at 1 − 1e-6 its noise would be ~1000× η).
+    'sde' kind's σ = 1 rule (docs/algorithms.md §2) needs exactly 1 (at 1 − 1e-6 its noise would be ~1000× η).
     """
     from miles.diffusion.schedules import shift_sigmas
 

@@ -1,4 +1,4 @@
-"""A Ray actor that supervises one engine process (DESIGN.md §3: one OS process per engine, started by an actor).
+"""A Ray actor that supervises one engine process (docs/design.md §3: one OS process per engine, started by an actor).
 
 The actor holds the engine's GPU share; `start()` launches `python -m miles.engine ...` with
 CUDA_VISIBLE_DEVICES set to the GPUs Ray gave the actor (plus `base_gpu_id`/`tp_size` within them), waits

@@ -1,4 +1,4 @@
-"""Trainer ranks as Ray actors (DESIGN.md §3): one `TrainRayActor` per rank, driven by `TrainActorGroup`.
+"""Trainer ranks as Ray actors (docs/design.md §3): one `TrainRayActor` per rank, driven by `TrainActorGroup`.
 
 The ranks form one torch.distributed group (NCCL on GPU, gloo on CPU; with `--fsdp-cpu-offload` a
 `cpu:<--fsdp-cpu-backend>,cuda:nccl` group). Every group call fans out to all ranks and waits for all of them:
@@ -20,7 +20,7 @@ from miles.utils.errors import MilesUserError
 
 logger = logging.getLogger(__name__)
 
-COLOCATED_TRAIN_GPU_SHARE = 0.7  # train 0.7 + rollout 0.25 + reward 0.05 on one GPU (DESIGN.md §3)
+COLOCATED_TRAIN_GPU_SHARE = 0.7  # train 0.7 + rollout 0.25 + reward 0.05 on one GPU (docs/design.md §3)
 
 
 def parse_train_env_vars(value) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """Rewards → advantages for one rollout batch, and the `rollout/*` reward metrics.
 
-`assign_advantages` runs the math core's GRPO (ALGORITHMS.md §4) on the scalar rewards
+`assign_advantages` runs the math core's GRPO (docs/algorithms.md §4) on the scalar rewards
 (`reward_value`: `--reward-key` picks from dict rewards), or `--custom-reward-post-process-path`
 `fn(args, samples) -> list[float]`, which replaces §4 steps 1–3 wholesale. Samples must be ordered
 group-contiguously (`--n-samples-per-prompt` per prompt). Samples masked by `--rollout-sample-filter-path`

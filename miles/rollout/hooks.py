@@ -133,7 +133,7 @@ def apply_dynamic_sampling_filter(
 def apply_rollout_sample_filter(hooks: RolloutHooks, args, samples: list[Sample]) -> int:
     """Run `--rollout-sample-filter-path` (it sets `sample.remove_sample = True`); returns the masked count.
 
-    Masked samples keep their place in the batch: they count for advantage statistics (ALGORITHMS.md §4)
+    Masked samples keep their place in the batch: they count for advantage statistics (docs/algorithms.md §4)
     and the trainer gives their pairs `loss_mask = 0`.
     """
     if hooks.rollout_sample_filter is not None:

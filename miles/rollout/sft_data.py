@@ -6,7 +6,7 @@ SFT JSONL: one JSON object per line with the caption under `--input-key` and the
 - `video`: a folder of frame images (sorted by file name), or a file PIL reads frame by frame (GIF,
   animated WebP/PNG, multi-page TIFF). Other containers (mp4, ...) are not read: extract frames first.
 Frames are strided by `--sft-frame-stride` (and cut to `--diffusion-output-num-frames` for video
-families), resized to cover `--diffusion-height/width` and center-cropped (ALGORITHMS.md §7).
+families), resized to cover `--diffusion-height/width` and center-cropped (docs/algorithms.md §7).
 
 Encoding: the family's text encoders (`encode_prompt`, conditional only, §7) and its VAE through
 `family.encode_images(pipe, pixels, shape)` (the inverse of the family's `decode`: the posterior mean,

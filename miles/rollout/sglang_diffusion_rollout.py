@@ -5,7 +5,7 @@
 Training (`evaluation=False`): `data_source` is a RolloutDataSource (`get_samples(num_groups)`). The rollout
 takes `--rollout-batch-size` groups, splits each group of `--n-samples-per-prompt` samples into microgroups of
 `--rollout-microgroup-size` (the last one may be smaller), and sends every microgroup as one request:
-- seed: `request_seed(--rollout-seed, group_index, G, offset)` (ALGORITHMS.md §3); sample b of the
+- seed: `request_seed(--rollout-seed, group_index, G, offset)` (docs/algorithms.md §3); sample b of the
   microgroup gets seed + b on the engine;
 - SDE steps and returned latents: the step strategy (`resolve_step_strategy(args)`), evaluated on the
   microgroup's first sample with that seed;

@@ -1,4 +1,4 @@
-"""Which denoising steps of a rollout are SDE steps (ALGORITHMS.md §3).
+"""Which denoising steps of a rollout are SDE steps (docs/algorithms.md §3).
 
 A strategy is `f(args, sample, num_steps, seed) -> (sde_step_indices, return_latent_indices)`: S ⊂ {0..n−1}
 (sorted), and the latent indices the engine must return, sorted(S ∪ (S+1)) for the built-ins. Every step not in

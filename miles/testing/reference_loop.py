@@ -4,7 +4,7 @@ encode → prepare latents → for each step: `family.predict_velocity`, then th
 (`miles.diffusion.sde`: Euler `ode_step`, or an `SdeStepBackend.sample` for a Flow-GRPO style rollout) →
 decode. No batching across requests, no caching, no compilation: this is the loop the research repos run,
 written once over the family interface so that its output can be compared with the diffusers pipeline's
-own `__call__` (ALGORITHMS.md §1–§2).
+own `__call__` (docs/algorithms.md §1–§2).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The command line is split along its concepts; this module is its public face and
 - `miles.utils.flags`: every flag, declared once (`Flag`), grouped like docs/cli-reference.md's tables, from
   three sources (`FSDPArgs`, the miles flags, the engine's `ServerArgs` as `--sglang-*` passthrough);
 - `miles.utils.validation`: the cross-flag rules and derived values (`validate_args`, `DERIVED_ATTRIBUTES`);
-- `miles.utils.batch_geometry`: prompts -> train pairs -> micro-batches of one rollout (ALGORITHMS.md §3, §5);
+- `miles.utils.batch_geometry`: prompts -> train pairs -> micro-batches of one rollout (docs/algorithms.md §3, §5);
 - `miles.utils.cli_docs`: docs/cli-reference.md and the `--dry-run` report, rendered from the declarations.
 
 `parse_args` parses, applies `--custom-config-path` (the YAML wins, one warning per collision), then runs

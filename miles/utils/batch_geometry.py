@@ -1,4 +1,4 @@
-"""Batch geometry of one rollout: prompts -> trajectories -> train pairs -> micro-batches (ALGORITHMS.md §3, §5).
+"""Batch geometry of one rollout: prompts -> trajectories -> train pairs -> micro-batches (docs/algorithms.md §3, §5).
 
 Read by the micro-batch rule of `miles.utils.validation` and by the `--dry-run` report; it needs the values that
 `validate_args` resolves (global_batch_size, num_steps_per_rollout, dp_size, micro_batch_size).
@@ -27,7 +27,7 @@ def trained_steps_per_trajectory(args: argparse.Namespace) -> tuple[int | None, 
     n, k = args.diffusion_num_steps, args.diffusion_num_sde_steps
     if args.loss_type == "sft_loss":
         return 1, "sft_loss: one (image, sigma) pair per sample"
-    if args.loss_type == "nft":  # same count as miles.diffusion.losses.nft_train_sigmas (ALGORITHMS.md §6)
+    if args.loss_type == "nft":  # same count as miles.diffusion.losses.nft_train_sigmas (docs/algorithms.md §6)
         kept = max(1, math.floor(n * args.diffusion_nft_timestep_fraction + 1e-9))
         return kept, "nft: max(1, floor(steps x timestep fraction))"
     strategy = step_strategy(args)

@@ -95,7 +95,7 @@ def _value_text(value) -> str:
 
 
 def render_dry_run(args: argparse.Namespace) -> str:
-    """Resolved configuration, derived values and the batch geometry of one rollout (ALGORITHMS.md §3, §5)."""
+    """Resolved configuration, derived values and the batch geometry of one rollout (docs/algorithms.md §3, §5)."""
     out = ["train_diffusion.py --dry-run: the command line is valid; nothing was started.", "",
            "Resolved configuration (* = not the default)"]
     known = all_flags()

@@ -217,7 +217,7 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
         F("--diffusion-true-cfg-scale", finite_float, None, "True-CFG scale (Qwen-Image); replaces the guidance "
           "scale when set.", ge=0),
         F("--diffusion-negative-prompt", str, None, "Negative prompt; the engine uses \" \" when CFG is on."),
-        F("--diffusion-noise-level", finite_float, 0.7, "SDE noise eta injected during rollout (ALGORITHMS.md §2).",
+        F("--diffusion-noise-level", finite_float, 0.7, "SDE noise eta injected during rollout (docs/algorithms.md §2).",
           ge=0),
         F("--diffusion-height", int, 512, "Rollout output height; SFT center-crop size. A multiple of 16.", ge=16,
           multiple_of=16),
@@ -235,7 +235,7 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
           "epoch_global_random_choice.", metavar="I,J,...", type_name='"1,2,3"'),
         P("--diffusion-step-strategy-path", "Which steps are SDE steps (e.g. "
           "miles.rollout.step_strategy_hub.sde_window); overrides the bare --diffusion-num-sde-steps selection."),
-        S("--diffusion-log-prob-no-const", "Drop log-prob constants (ALGORITHMS.md §2). Implied by "
+        S("--diffusion-log-prob-no-const", "Drop log-prob constants (docs/algorithms.md §2). Implied by "
           "--diffusion-sde-type cps/ode."),
         F("--diffusion-generator-device", str, "cuda", "Device of the per-sample noise generators."),
         F("--rollout-patch-group", comma_list, None, "Comma-separated numeric-parity patch groups, e.g. sgld,ltx.",

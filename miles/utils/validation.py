@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 # num_steps_per_rollout, micro_batch_size, rollout_num_gpus, offload_*, ref_mode, metrics_path, ...).
 DERIVED_ATTRIBUTES = (
     "diffusion_model_family_resolved",  # family key, None with --train-pipeline-config-path
-    "diffusion_log_prob_no_const_resolved",  # the log-prob form engine and trainer share (ALGORITHMS.md §2)
+    "diffusion_log_prob_no_const_resolved",  # the log-prob form engine and trainer share (docs/algorithms.md §2)
     "train_world_size",  # actor_num_nodes x actor_num_gpus_per_node
     "dp_size",  # train_world_size / sequence_parallel_size
     "ulysses_degree_resolved",  # --ulysses-degree with 0 resolved to the SP size
@@ -133,7 +133,7 @@ def _rule_modes(args: argparse.Namespace) -> None:
 
 
 def _rule_batch(args: argparse.Namespace) -> None:
-    """rollout_batch_size x n_samples_per_prompt = global_batch_size x num_steps_per_rollout (ALGORITHMS.md §5)."""
+    """rollout_batch_size x n_samples_per_prompt = global_batch_size x num_steps_per_rollout (docs/algorithms.md §5)."""
     rbs, g, gbs, steps = (args.rollout_batch_size, args.n_samples_per_prompt, args.global_batch_size,
                           args.num_steps_per_rollout)
     if rbs is None:
@@ -178,7 +178,7 @@ def _rule_batch(args: argparse.Namespace) -> None:
                            " = %d", args.micro_batch_size, tile[0] * tile[1])
         args.micro_batch_size = tile[0] * tile[1]
     if g == 1 and not args.disable_grpo_std_normalization:
-        args.disable_grpo_std_normalization = True  # the std of a single sample is undefined (ALGORITHMS.md §4)
+        args.disable_grpo_std_normalization = True  # the std of a single sample is undefined (docs/algorithms.md §4)
         if args.loss_type in ("policy_loss", "nft") and not args.globalize_reward_mean:
             logger.warning("--n-samples-per-prompt 1 with per-prompt mean gives zero advantages; "
                            "add --globalize-reward-mean")
@@ -203,7 +203,7 @@ def _rule_run_length(args: argparse.Namespace) -> None:
 
 
 def _rule_sde_steps(args: argparse.Namespace) -> None:
-    """Which steps become train pairs (ALGORITHMS.md §3)."""
+    """Which steps become train pairs (docs/algorithms.md §3)."""
     n, k, strategy = args.diffusion_num_steps, args.diffusion_num_sde_steps, step_strategy(args)
     path = args.diffusion_step_strategy_path
     if strategy == "sde_window" and k < 1:
@@ -248,7 +248,7 @@ def _rule_loss(args: argparse.Namespace) -> None:
               f"(got --loss-type {loss}, --custom-loss-function-path {args.custom_loss_function_path!r})")
     if args.sft_encoder_checkpoint and loss != "sft_loss":
         _fail(f"--sft-encoder-checkpoint only applies to --loss-type sft_loss, not {loss}")
-    # One log-prob form for engine and trainer (ALGORITHMS.md §2): no-const for cps/ode or when asked.
+    # One log-prob form for engine and trainer (docs/algorithms.md §2): no-const for cps/ode or when asked.
     from miles.diffusion.sde import use_no_const_log_prob
 
     args.diffusion_log_prob_no_const_resolved = use_no_const_log_prob(
@@ -257,10 +257,10 @@ def _rule_loss(args: argparse.Namespace) -> None:
 
 
 def _rule_reference(args: argparse.Namespace) -> None:
-    """--ref-mode auto rules and --use-ema consumers (ALGORITHMS.md §5, §6, §8)."""
+    """--ref-mode auto rules and --use-ema consumers (docs/algorithms.md §5, §6, §8)."""
     loss, kl = args.loss_type, args.diffusion_kl_beta
     if args.ref_mode is None:
-        if loss == "nft":  # v_old: the EMA, else the LoRA base (ALGORITHMS.md §6)
+        if loss == "nft":  # v_old: the EMA, else the LoRA base (docs/algorithms.md §6)
             if not args.use_ema and not args.use_lora:
                 _fail("--loss-type nft needs a reference policy for v_old: add --use-ema (recommended) or --use-lora")
             args.ref_mode = "ema" if args.use_ema else "lora_base"
@@ -283,7 +283,7 @@ def _rule_reference(args: argparse.Namespace) -> None:
 
 
 def _rule_optimizer(args: argparse.Namespace) -> None:
-    """LR schedule sanity (ALGORITHMS.md §9) and the checkpoint-vs-override scheduler rule."""
+    """LR schedule sanity (docs/algorithms.md §9) and the checkpoint-vs-override scheduler rule."""
     if args.override_lr_scheduler:
         args.use_checkpoint_lr_scheduler = False  # the explicit override wins over the default-on restore
     for name in ("min_lr", "lr_warmup_init"):
@@ -329,7 +329,7 @@ def _rule_outputs(args: argparse.Namespace) -> None:
 
 
 def _rule_micro_batches(args: argparse.Namespace) -> None:
-    """A rank's pairs per optimizer window split into whole micro-batches (ALGORITHMS.md §5: Q % m == 0)."""
+    """A rank's pairs per optimizer window split into whole micro-batches (docs/algorithms.md §5: Q % m == 0)."""
     geometry = batch_geometry(args)
     q, m = geometry.pairs_per_rank_per_optimizer_step, args.micro_batch_size
     if q == 0:

@@ -1,4 +1,4 @@
-"""Samples → train pairs → DP ranks → windows → micro-batches (train_data.py; ALGORITHMS.md §3, §5–§7)."""
+"""Samples → train pairs → DP ranks → windows → micro-batches (train_data.py; docs/algorithms.md §3, §5–§7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""GRPO advantages (ALGORITHMS.md §4; invariant §11.13)."""
+"""GRPO advantages (docs/algorithms.md §4; invariant §11.13)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""EMA (ALGORITHMS.md §8; invariant §11.18)."""
+"""EMA (docs/algorithms.md §8; invariant §11.18)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Losses (ALGORITHMS.md §5–§7; invariants §11.7, 9–12, 15–17) and the custom-loss interface."""
+"""Losses (docs/algorithms.md §5–§7; invariants §11.7, 9–12, 15–17) and the custom-loss interface."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""LR schedules (ALGORITHMS.md §9; invariant §11.19)."""
+"""LR schedules (docs/algorithms.md §9; invariant §11.19)."""
 
 from __future__ import annotations
 

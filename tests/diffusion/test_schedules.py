@@ -1,4 +1,4 @@
-"""Sigma schedules (ALGORITHMS.md §1, §7; invariant §11.1) and parity with diffusers' scheduler."""
+"""Sigma schedules (docs/algorithms.md §1, §7; invariant §11.1) and parity with diffusers' scheduler."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SDE step kinds and log-probs (ALGORITHMS.md §2; invariants §11.2–6, 8)."""
+"""SDE step kinds and log-probs (docs/algorithms.md §2; invariants §11.2–6, 8)."""
 
 from __future__ import annotations
 

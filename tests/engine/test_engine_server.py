@@ -111,7 +111,7 @@ def test_engine_matches_the_naive_reference_loop(engine, local_runner):
 
 @pytest.mark.parametrize("sde_type, no_const", [("sde", False), ("cps", True)])
 def test_engine_log_probs_equal_score_mode_log_probs(engine, local_runner, sde_type, no_const):
-    """ALGORITHMS.md §11.7: the trainer's SCORE-mode log-prob of the engine's x_{k+1} equals the engine's."""
+    """docs/algorithms.md §11.7: the trainer's SCORE-mode log-prob of the engine's x_{k+1} equals the engine's."""
     request = _request(sde_type=sde_type, log_prob_no_const=no_const, sde_step_indices=[0, 1, 3],
                        return_latent_indices=[0, 1, 2, 3, 4])
     response = _post(engine.url, request)

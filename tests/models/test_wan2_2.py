@@ -264,7 +264,7 @@ def test_unsupported_schedulers_are_user_errors():
 
 
 def test_flow_grpo_step_zero_noise_is_eta_on_the_unipc_grid(path_a14b):
-    # ALGORITHMS.md §2: with sigma_0 = 1 exactly, the 'sde' kind's first step has std = eta; diffusers' 1 - 1e-6
+    # docs/algorithms.md §2: with sigma_0 = 1 exactly, the 'sde' kind's first step has std = eta; diffusers' 1 - 1e-6
     # nudge would make it ~1000x larger.
     family, pipe = load(path_a14b, euler=False)
     sigmas = family.sigmas(pipe, 10, SHAPE, None)

@@ -1,4 +1,4 @@
-"""OCR reward on text rendered with PIL (ALGORITHMS.md §10, invariant 20). The OCR model loads once."""
+"""OCR reward on text rendered with PIL (docs/algorithms.md §10, invariant 20). The OCR model loads once."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""PickScore with a tiny random CLIP built offline (ALGORITHMS.md §10, invariant 20)."""
+"""PickScore with a tiny random CLIP built offline (docs/algorithms.md §10, invariant 20)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """generate_rollout end to end against a real engine and router (in-process, on a background loop):
-microgroups, seeds and step indices per ALGORITHMS.md §3, rewards per microgroup, the dynamic sampling filter,
+microgroups, seeds and step indices per docs/algorithms.md §3, rewards per microgroup, the dynamic sampling filter,
 the custom generate hook, group rewards, evaluation (list of groups and EvalDataset), and error paths."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Step strategies (ALGORITHMS.md §3; invariant §11.14)."""
+"""Step strategies (docs/algorithms.md §3; invariant §11.14)."""
 
 from __future__ import annotations
 

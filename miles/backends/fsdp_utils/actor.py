@@ -1,4 +1,4 @@
-"""The per-rank FSDP2 trainer: one rollout's samples in, optimizer steps out (ALGORITHMS.md §5–§9).
+"""The per-rank FSDP2 trainer: one rollout's samples in, optimizer steps out (docs/algorithms.md §5–§9).
 
 `train()` reads as one rollout: samples → pairs (train_data.py) → optional old-log-prob recompute → for each
 optimizer window: micro-batch forwards (the family's CFG-combined `predict_velocity`), the math core's loss,

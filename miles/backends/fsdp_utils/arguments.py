@@ -91,7 +91,7 @@ class FSDPArgs:
     fsdp_flow_shift: float | None = field(
         default=None,
         metadata=_opt(
-            "Training-side sigma grid shift, used when no engine supplies scheduler meta (SFT, ALGORITHMS.md §7). "
+            "Training-side sigma grid shift, used when no engine supplies scheduler meta (SFT, docs/algorithms.md §7). "
             "Distinct from --diffusion-flow-shift.",
             BACKEND,
             gt=0,
@@ -118,7 +118,7 @@ class FSDPArgs:
         ),
     )
 
-    # ---- Optimizer and schedule (ALGORITHMS.md §9) --------------------------------------------------
+    # ---- Optimizer and schedule (docs/algorithms.md §9) --------------------------------------------------
     optimizer: str = field(default="adam", metadata=_opt("AdamW. The only value.", OPTIMIZER, choices=("adam",)))
     lr: float = field(default=1e-6, metadata=_opt("Peak learning rate.", OPTIMIZER, ge=0))
     adam_beta1: float = field(default=0.9, metadata=_opt("AdamW beta1.", OPTIMIZER, ge=0, lt=1))
@@ -191,7 +191,7 @@ class FSDPArgs:
         metadata=_opt("Push only lora_A/lora_B; the engine merges locally. Requires --use-lora.", LORA),
     )
 
-    # ---- EMA (ALGORITHMS.md §8) ---------------------------------------------------------------------
+    # ---- EMA (docs/algorithms.md §8) ---------------------------------------------------------------------
     use_ema: bool = field(
         default=False,
         metadata=_opt(

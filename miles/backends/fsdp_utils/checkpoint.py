@@ -1,4 +1,4 @@
-"""Checkpoints (torch.distributed.checkpoint) and the LoRA export for inference (DESIGN.md §5).
+"""Checkpoints (torch.distributed.checkpoint) and the LoRA export for inference (docs/design.md §5).
 
 Layout under `--save`:
     iter_0000007/            one checkpoint (7 = the rollout id it was saved after)

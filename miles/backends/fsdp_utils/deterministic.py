@@ -62,7 +62,7 @@ def set_rng_state(state: dict) -> None:
 
 
 def pair_generator(seed: int, rollout_id: int, sample_index: int, step_index: int, device="cpu") -> torch.Generator:
-    """A generator for one train pair's fresh noise (NFT/SFT forward noising, ALGORITHMS.md §6–§7).
+    """A generator for one train pair's fresh noise (NFT/SFT forward noising, docs/algorithms.md §6–§7).
 
     Seeded from (seed, rollout id, sample index, step index) rather than (micro-batch id, dp rank), so the
     noise of a pair does not depend on how pairs are dealt or batched: DP = 2 equals DP = 1.

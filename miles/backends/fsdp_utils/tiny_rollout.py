@@ -3,7 +3,7 @@
 Used by the trainer's tests and `bench/bench_train.py`. `make_rollout_samples` runs the family's own
 `predict_velocity` and the math core's SDE step exactly as the engine does (per-sample generators, CFG,
 recorded x_k / x_{k+1} / log-probs at the selected steps, the final latent as `clean_latents`), so a trainer
-with the same weights must reproduce the rollout log-probs (ALGORITHMS.md §11.7).
+with the same weights must reproduce the rollout log-probs (docs/algorithms.md §11.7).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Samples → train pairs → DP ranks → optimizer windows → micro-batches (DESIGN.md §5, ALGORITHMS.md §5–§7).
+"""Samples → train pairs → DP ranks → optimizer windows → micro-batches (docs/design.md §5, docs/algorithms.md §5–§7).
 
 - `expand_sample_to_train_pairs`: one pair per trained step of a sample. policy_loss / custom_loss: the
   sample's SDE steps (x_k, x_{k+1}, σ_k, σ_{k+1}, ℓ_old, A). nft: K = ⌊n·f⌋ noise levels from the rollout grid
@@ -122,7 +122,7 @@ def sft_flow_shift(args) -> float:
 
 
 def expand_sample_to_train_pairs(args, sample: Sample, family) -> list[TrainPair]:
-    """The train pairs of one sample (ALGORITHMS.md §3, §6, §7), in step order."""
+    """The train pairs of one sample (docs/algorithms.md §3, §6, §7), in step order."""
     loss_type = args.loss_type
     if loss_type in RL_LOSSES:
         return _rl_pairs(sample, family)

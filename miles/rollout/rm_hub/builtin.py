@@ -29,7 +29,7 @@ def frames_uint8(sample: Sample) -> np.ndarray:
     """The sample's pixels as RGB uint8 [F, H, W, 3].
 
     Engines return uint8 already; a float tensor in [0, 1] (a user's custom generate) is converted by
-    `round(clamp(x, 0, 1) · 255)` (ALGORITHMS.md §10).
+    `round(clamp(x, 0, 1) · 255)` (docs/algorithms.md §10).
     """
     image = sample.image
     if image is None:

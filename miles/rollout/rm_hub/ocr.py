@@ -1,4 +1,4 @@
-"""OCR reward: how well the image spells the quoted text of its prompt (ALGORITHMS.md §10).
+"""OCR reward: how well the image spells the quoted text of its prompt (docs/algorithms.md §10).
 
 The PP-OCR detection and recognition models come with the `rapidocr` wheel and run on onnxruntime,
 offline. `lang=en`, no angle classifier. With Ray initialised, `--ocr-num-workers` CPU actors share the

@@ -1,4 +1,4 @@
-"""PickScore reward (Pick-a-Pic, arXiv 2305.01569), ALGORITHMS.md §10.
+"""PickScore reward (Pick-a-Pic, arXiv 2305.01569), docs/algorithms.md §10.
 
 `score = exp(logit_scale) · ⟨t/‖t‖, i/‖i‖⟩ / 26` per (prompt, frame) pair, with the CLIP processor's own
 preprocessing (shortest-side resize + center crop, CLIP mean/std; text padded and truncated to 77 tokens).
