@@ -74,6 +74,8 @@ def train(args) -> None:
 
         with run_logger.phase("rollout"):
             samples = rollout_manager.generate(rollout_id)
+        if args.overlap_rollout and rollout_id + 1 < args.num_rollout:
+            rollout_manager.generate_ahead(rollout_id + 1)  # on the current weights, while this one trains
         if actor is None:
             run_logger.flush(rollout_id)
             continue
@@ -93,6 +95,9 @@ def train(args) -> None:
                 actor.save(rollout_id, extra_state={"data_source": rollout_manager.state_dict()})
 
         if rollout_manager.has_engines:
+            if args.overlap_rollout:
+                with run_logger.phase("overlap_wait"):
+                    rollout_manager.wait_ahead()  # the engines finish it before their weights change
             if turns.engines_release:
                 with run_logger.phase("resume"):
                     rollout_manager.resume_memory()

@@ -183,6 +183,9 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
           "iteration; 'auto' takes turns in the first iteration, measures both sides' GPU memory, and keeps both "
           "resident from then on when the engine's peak fits beside the trainer (docs/training.md).",
           choices=("auto", "always"), extension=True),
+        S("--overlap-rollout", "Generate rollout k+1 on the engines while the trainer trains on rollout k (one step "
+          "off-policy; the ratio is taken against the engines' log-probs, `rollout/staleness` logs the lag). Needs "
+          "engines of their own (not --colocate).", extension=True),
         F("--colocate-memory-margin-gb", float, 8.0, "GiB that must stay free on each GPU for "
           "--colocate-offload-policy auto to keep trainer and engines resident.", ge=0, extension=True),
         F("--distributed-backend", str, "nccl", "torch.distributed backend of the trainer (gloo on a CPU run)."),

@@ -340,6 +340,20 @@ def _rule_micro_batches(args: argparse.Namespace) -> None:
               f"{geometry.trained_steps_per_trajectory} trained steps per sample)")
 
 
+def _rule_overlap(args: argparse.Namespace) -> None:
+    if not args.overlap_rollout:
+        return
+    if args.colocate:
+        _fail("--overlap-rollout needs engines of their own: with --colocate trainer and engines take turns on "
+              "the same GPUs; drop one of the two")
+    if args.diffusion_recompute_old_log_prob:
+        _fail("--overlap-rollout trains one step off-policy, so the ratio must be taken against the engines' "
+              "log-probs: drop --diffusion-recompute-old-log-prob")
+    if args.train_only or args.debug_rollout_only or args.load_debug_rollout_data:
+        _fail("--overlap-rollout overlaps generation with training; it needs both (no --train-only, "
+              "--debug-rollout-only or --load-debug-rollout-data)")
+
+
 def _rule_parity(args: argparse.Namespace) -> None:
     """`--rollout-patch-group` unset means exact rollout/train parity (`batch_invariant`) on eager runs; compiled
     forwards fuse differently on the two sides, so there it buys no exactness and is left off. `none`: no group."""
@@ -357,7 +371,7 @@ def _rule_parity(args: argparse.Namespace) -> None:
 RULES: tuple[Callable[[argparse.Namespace], None], ...] = (
     _rule_values, _rule_model, _rule_topology, _rule_placement, _rule_modes, _rule_batch, _rule_run_length,
     _rule_sde_steps, _rule_loss, _rule_reference, _rule_optimizer, _rule_reward, _rule_eval, _rule_outputs,
-    _rule_micro_batches, _rule_parity,
+    _rule_micro_batches, _rule_parity, _rule_overlap,
 )
 
 
