@@ -127,18 +127,11 @@ class TrainRayActor:
         self.trainer.onload()
 
     def memory_stats(self) -> dict | None:
-        """This rank's GPU memory (`miles.ray.colocation.DeviceMemory` fields), None on a CPU run."""
-        import torch
+        """This rank's GPU memory (`DeviceMemory` fields), None on a CPU run."""
+        from miles.utils.device_memory import current_device_memory
 
-        if not torch.cuda.is_available():
-            return None
-        free, total = torch.cuda.mem_get_info()
-        return {
-            "free": int(free),
-            "total": int(total),
-            "reserved": int(torch.cuda.memory_reserved()),
-            "peak_reserved": int(torch.cuda.max_memory_reserved()),
-        }
+        memory = current_device_memory()
+        return memory.as_dict() if memory is not None else None
 
     def shutdown(self) -> None:
         import torch.distributed as dist
@@ -244,7 +237,7 @@ class TrainActorGroup:
 
     def memory_stats(self) -> list:
         """Every rank's GPU memory as `DeviceMemory` (empty on a CPU run)."""
-        from miles.ray.colocation import DeviceMemory
+        from miles.utils.device_memory import DeviceMemory
 
         return [DeviceMemory(**stats) for stats in self._all("memory_stats") if stats]
 
