@@ -18,6 +18,10 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any, Callable, get_args, get_origin, get_type_hints
 
 MIB = 1024 * 1024
+DEFAULT_VLM_JUDGE_PROMPT = (
+    'Rate how well this image matches the description "{prompt}" on a scale from 0 to 10, where 10 is a perfect '
+    "match. Reply with only the number."
+)
 
 
 # ---- value parsers (argparse `type=`; an ArgumentTypeError becomes a one-line user error) -----------------
@@ -57,6 +61,64 @@ def comma_list(text: str) -> list[str]:
     if not items:
         raise argparse.ArgumentTypeError(f"expected a comma-separated list like 'a,b', got {text!r}")
     return items
+
+
+REWARD_TYPE_NAMES = ("pickscore", "ocr", "remote_rm", "jpeg_compressibility", "brightness", "clipscore", "aesthetic",
+                     "vlm_judge", "geneval")
+
+
+class RewardTypeChoices(tuple):
+    """The built-in rewards as `choices`; a comma-separated list of them ("ocr,pickscore") is a member too, so
+    argparse, `--help` and `Flag.problem` accept several rewards per sample."""
+
+    def __contains__(self, value: object) -> bool:
+        if not isinstance(value, str):
+            return False
+        parts = [part.strip() for part in value.split(",")]
+        return all(tuple.__contains__(self, part) for part in parts) and len(set(parts)) == len(parts)
+
+
+REWARD_TYPES = RewardTypeChoices(REWARD_TYPE_NAMES)
+
+
+def parse_reward_weights(value: Any) -> dict[str, float]:
+    """ "ocr=1,pickscore=0.5" (or a YAML mapping) -> {"ocr": 1.0, "pickscore": 0.5}; ValueError says what is wrong."""
+    if isinstance(value, dict):
+        items = [(str(name), weight) for name, weight in value.items()]
+    else:
+        items = []
+        for part in str(value).split(","):
+            if not part.strip():
+                continue
+            name, sep, weight = part.partition("=")
+            if not sep:
+                raise ValueError(f"expected name=weight pairs like 'ocr=1,pickscore=0.5', got {value!r}")
+            items.append((name.strip(), weight.strip()))
+    weights: dict[str, float] = {}
+    for name, weight in items:
+        if not name:
+            raise ValueError(f"a weight without a component name in {value!r}")
+        if name in weights:
+            raise ValueError(f"component {name!r} is weighted twice in {value!r}")
+        try:
+            number = float(weight)
+        except (TypeError, ValueError):
+            raise ValueError(f"the weight of {name!r} is not a number: {weight!r}") from None
+        if not math.isfinite(number):
+            raise ValueError(f"the weight of {name!r} must be finite, got {weight!r}")
+        weights[name] = number
+    if not weights:
+        raise ValueError(f"expected name=weight pairs like 'ocr=1,pickscore=0.5', got {value!r}")
+    if all(weight == 0 for weight in weights.values()):
+        raise ValueError(f"every weight is 0 in {value!r}: the trained reward would be a constant")
+    return weights
+
+
+def reward_weights(text: str) -> dict[str, float]:
+    try:
+        return parse_reward_weights(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 _BYTE_UNITS = {"kib": 1024, "mib": MIB, "gib": 1024 * MIB, "b": 1}
@@ -335,12 +397,18 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
         S("--no-diffusion-nft-shuffle-timesteps", "NFT: keep descending sigma order."),
     ]),
     ("Reward", [
-        F("--rm-type", str, None, "Built-in reward. Overridable per sample via metadata.rm_type.",
-          choices=("pickscore", "ocr", "remote_rm", "jpeg_compressibility", "brightness")),
+        F("--rm-type", str, None, "Built-in reward, or several comma-separated (e.g. ocr,pickscore): each sample then "
+          "gets every component, combined by --reward-weights or picked by --reward-key. Overridable per sample via "
+          "metadata.rm_type.", choices=REWARD_TYPES),
         F("--rm-url", str, None, "URL of the remote reward service for --rm-type remote_rm.", extension=True),
-        F("--rm-timeout", finite_float, 300.0, "Seconds per remote reward request (--rm-type remote_rm).", gt=0,
-          extension=True),
-        F("--rm-max-retries", int, 3, "Retries of a failed remote reward request.", ge=0, extension=True),
+        F("--rm-timeout", finite_float, 300.0, "Seconds per HTTP reward request (remote_rm, vlm_judge, geneval).",
+          gt=0, extension=True),
+        F("--rm-max-retries", int, 3, "Retries of a failed HTTP reward request (remote_rm, vlm_judge, geneval).",
+          ge=0, extension=True),
+        F("--reward-weights", reward_weights, None, "The trained reward as a weighted sum of reward components, e.g. "
+          "ocr=1,pickscore=0.5 (components: the rewards of --rm-type, or the keys of a dict reward). Excludes "
+          "--reward-key. Every component is logged as rollout/reward/<name>_mean and _std.", extension=True,
+          metavar="NAME=W,...", type_name="name=w,..."),
         F("--reward-key", str, None, "Key to read when the reward is a dict."),
         S("--group-rm", "Score a whole prompt group at once."),
         P("--custom-rm-path", "async def rm(args, samples) -> list[float]. Batched only."),
@@ -352,7 +420,30 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
         F("--pickscore-num-workers", int, 1, "PickScore actors.", ge=1),
         F("--pickscore-num-gpus-per-worker", finite_float, 1.0, "Fractional values allowed.", ge=0),
         F("--pickscore-batch-size", int, 8, "Images per PickScore forward.", ge=1),
-        F("--pickscore-num-frames", int, None, "Frames scored per video; unset = all.", ge=1),
+        F("--pickscore-num-frames", int, None, "Frames scored per video; unset = all. Also used by clipscore and "
+          "aesthetic.", ge=1),
+        F("--clipscore-model-path", str, None, "CLIP folder (model + processor) for --rm-type clipscore.",
+          extension=True),
+        F("--aesthetic-model-path", str, None, "CLIP folder (model + processor) for --rm-type aesthetic.",
+          extension=True),
+        F("--aesthetic-head-path", str, None, "Safetensors file of the aesthetic head on CLIP image embeddings "
+          "(LAION aesthetic predictor style) for --rm-type aesthetic.", extension=True),
+        F("--clip-reward-num-workers", int, 1, "Ray actors of each of clipscore and aesthetic.", ge=1,
+          extension=True),
+        F("--clip-reward-num-gpus-per-worker", finite_float, 1.0, "GPUs per clipscore/aesthetic actor; fractional "
+          "values allowed.", ge=0, extension=True),
+        F("--clip-reward-batch-size", int, 8, "Images per clipscore/aesthetic forward.", ge=1, extension=True),
+        F("--vlm-judge-url", str, None, "OpenAI-compatible endpoint for --rm-type vlm_judge: the base URL "
+          "(http://host:8000/v1) or the full .../chat/completions URL.", extension=True),
+        F("--vlm-judge-model", str, None, "The \"model\" field of the vlm_judge chat request.", extension=True),
+        F("--vlm-judge-prompt", str, DEFAULT_VLM_JUDGE_PROMPT, "Question sent with each image; {prompt} is "
+          "replaced by the sample's prompt. The reward is the first number in the reply.", extension=True,
+          default_text="asks for a 0-10 match score"),
+        F("--vlm-judge-api-key-env", str, "MILES_VLM_JUDGE_API_KEY", "Environment variable holding the vlm_judge "
+          "API key (sent as Authorization: Bearer); unset variable = no key.", extension=True),
+        F("--vlm-judge-max-concurrency", int, 8, "vlm_judge requests in flight at once.", ge=1, extension=True),
+        F("--geneval-url", str, None, "URL of a GenEval-style scorer for --rm-type geneval (remote_rm wire format; "
+          "samples need metadata tag and include).", extension=True),
         F("--ocr-num-workers", int, 4, "OCR actors.", ge=1),
         F("--rollout-parser-num-workers", int, 1, "Ray actors deserializing rollout responses. Raise when "
           "trajectory tensors are large.", ge=1),

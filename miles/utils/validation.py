@@ -16,7 +16,7 @@ from typing import Callable
 
 from miles.utils.batch_geometry import batch_geometry, step_strategy
 from miles.utils.errors import MilesUserError
-from miles.utils.flags import all_flags
+from miles.utils.flags import REWARD_TYPE_NAMES, all_flags
 
 # The command line's logger: these warnings keep the name users (and tests) filter on.
 logger = logging.getLogger(__name__)
@@ -298,12 +298,55 @@ def _rule_optimizer(args: argparse.Namespace) -> None:
             _fail(f"--lr-wsd-decay-iters {args.lr_wsd_decay_iters} must be <= --lr-decay-iters {args.lr_decay_iters}")
 
 
+# What each built-in reward needs: (flags that must be set, the one-line reason).
+_REWARD_NEEDS = {
+    "pickscore": (("pickscore_model_path", "pickscore_processor_path"), "the PickScore model and its CLIP processor"),
+    "remote_rm": (("rm_url",), "the reward service's URL"),
+    "clipscore": (("clipscore_model_path",), "a CLIP folder (model + processor)"),
+    "aesthetic": (("aesthetic_model_path", "aesthetic_head_path"), "a CLIP folder and the head's safetensors file"),
+    "vlm_judge": (("vlm_judge_url", "vlm_judge_model"), "the OpenAI-compatible endpoint and the model to ask"),
+    "geneval": (("geneval_url",), "the GenEval scorer's URL"),
+}
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
 def _rule_reward(args: argparse.Namespace) -> None:
-    if args.rm_type == "pickscore" and not (args.pickscore_model_path and args.pickscore_processor_path):
-        _fail("--rm-type pickscore needs --pickscore-model-path and --pickscore-processor-path "
-              f"(got {args.pickscore_model_path!r}, {args.pickscore_processor_path!r})")
-    if args.rm_type == "remote_rm" and not args.rm_url:
-        _fail("--rm-type remote_rm needs --rm-url (the reward service's URL)")
+    """Each reward's inputs; several rewards per sample need --reward-weights or --reward-key to become one scalar."""
+    from miles.utils.flags import parse_reward_weights
+
+    rm_types = [part.strip() for part in args.rm_type.split(",")] if args.rm_type else []
+    if rm_types:
+        args.rm_type = ",".join(rm_types)
+    for rm_type in rm_types:
+        needs, what = _REWARD_NEEDS.get(rm_type, ((), ""))
+        missing = [dest for dest in needs if not getattr(args, dest, None)]
+        if missing:
+            got = ", ".join(repr(getattr(args, dest, None)) for dest in needs)
+            _fail(f"--rm-type {rm_type} needs {' and '.join(_flag(dest) for dest in needs)}: {what} (got {got})")
+    if args.reward_weights is not None:
+        try:
+            args.reward_weights = parse_reward_weights(args.reward_weights)
+        except ValueError as err:
+            _fail(f"--reward-weights: {err}")
+    if args.reward_weights and args.reward_key:
+        _fail(f"--reward-key {args.reward_key!r} and --reward-weights exclude each other: the trained reward is one "
+              "component or their weighted sum")
+    # Rewards that may return dicts with keys of their own; without them every component is named by its reward.
+    free_keys = bool(args.custom_rm_path or args.rm_url or args.geneval_url)
+    if args.reward_weights and not free_keys:
+        unknown = sorted(set(args.reward_weights) - set(REWARD_TYPE_NAMES))
+        if unknown:
+            _fail(f"--reward-weights names {unknown}, which no reward produces: a component is a reward's name "
+                  f"({', '.join(REWARD_TYPE_NAMES)}) or a key of a dict reward (--custom-rm-path, remote_rm)")
+    if len(rm_types) > 1 and not args.custom_rm_path:
+        if not args.reward_weights and not args.reward_key:
+            _fail(f"--rm-type {args.rm_type} gives {len(rm_types)} reward components per sample: set --reward-weights "
+                  f"(e.g. {'=1,'.join(rm_types)}=1) or --reward-key (one of them)")
+        if args.reward_key and args.reward_key not in rm_types and not free_keys:
+            _fail(f"--reward-key {args.reward_key!r} is none of the --rm-type components {rm_types}")
 
 
 def _rule_eval(args: argparse.Namespace) -> None:
