@@ -232,8 +232,9 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
           "--colocate. For train-only SFT, unset colocates encoders with training; set it to reserve dedicated "
           "encoder GPUs.", ge=1),
         F("--rollout-num-gpus-per-engine", int, 1, "GPUs per engine (its TP x SP), like sglang's tp_size.", ge=1),
-        F("--num-gpus-per-node", int, 8, "Total GPUs the job may use per node. Set this when using fewer than 8.",
-          ge=1),
+        F("--num-gpus-per-node", int, 8, "Total GPUs the job may use per node. Set this when using fewer than 8: a "
+          "Ray cluster miles starts itself gets at most this many of the node's GPUs, and --actor-num-gpus-per-node "
+          "and --rollout-num-gpus-per-engine must fit in it.", ge=1),
         S("--colocate", "Trainer and engines share the GPUs (the reference requires it for CUDA IPC weight sync); "
           "forces --rollout-num-gpus to the train world size and turns both offload flags on."),
         S("--offload", "--offload-train + --offload-rollout.", action=_OffloadAction),
@@ -247,11 +248,14 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
           choices=("auto", "always"), extension=True),
         F("--colocate-memory-margin-gb", float, 8.0, "GiB that must stay free on each GPU for "
           "--colocate-offload-policy auto to keep trainer and engines resident.", ge=0, extension=True),
-        F("--distributed-backend", str, "nccl", "torch.distributed backend of the trainer (gloo on a CPU run)."),
+        F("--distributed-backend", str, "nccl", "torch.distributed backend of the trainer's process group on GPU "
+          "(with --fsdp-cpu-offload, its cuda part). A CPU run uses gloo whatever the value, and logs it once.",
+          choices=("nccl", "gloo")),
         F("--distributed-timeout-minutes", int, 10, "torch.distributed timeout.", ge=1),
     ]),
     ("Training backend", [
-        F("--train-backend", str, "fsdp", "Training backend. The only value.", choices=("fsdp",)),
+        F("--train-backend", str, "fsdp", "Training backend: FSDP2 (miles/backends/fsdp_utils). The only value; "
+          "any other is refused.", choices=("fsdp",)),
     ]),
     ("Optimizer and schedule", [
         F("--seed", int, 1234, "Trainer seed (init, NFT/SFT noise).", ge=0),
@@ -307,12 +311,15 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
         F("--update-weight-buffer-size", byte_size, 512 * MIB, "Weight-sync chunk size in bytes (512MiB-style "
           "units accepted).", ge=1, type_name="int"),
         F("--rollout-seed", int, 42, "Base seed of rollout noise and step selection.", ge=0),
-        F("--over-sampling-batch-size", int, None, "Must equal --rollout-batch-size today.", ge=1),
+        F("--over-sampling-batch-size", int, None, "Prompt groups a rollout starts at once (>= --rollout-batch-size; "
+          "unset = --rollout-batch-size). With --dynamic-sampling-filter-path dropping groups, the extra ones fill "
+          "the batch without waiting for replacements; --rollout-batch-size kept groups are trained, the rest are "
+          "left out (rollout/num_groups_unused).", ge=1),
         F("--sglang-server-concurrency", int, 512, "Per-engine in-flight request cap.", ge=1),
         S("--use-distributed-post", "Rollout HTTP POSTs go through per-node Ray actors instead of the local client "
           "(MILES_HTTP_POST_ACTORS_PER_NODE sets the count)."),
-        S("--use-miles-router", "Accepted for compatibility: miles always routes through its own router (the "
-          "SGLang router is not supported), so this is always on."),
+        S("--use-miles-router", "Required by the reference (the SGLang router is not supported). miles always "
+          "routes rollout requests through its own router, so it is implied: on whether given or not."),
         F("--miles-router-timeout", finite_float, None, "Router request timeout in seconds.", gt=0),
         F("--miles-router-max-connections", int, None, "Router connection cap.", ge=1),
         F("--miles-router-health-check-failure-threshold", int, 3, "Failed health checks before an engine is "
@@ -373,7 +380,9 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
     ("Algorithm and loss", [
         F("--loss-type", str, "policy_loss", "policy_loss (Flow-GRPO), nft (DiffusionNFT), sft_loss or custom_loss.",
           choices=("policy_loss", "nft", "sft_loss", "custom_loss")),
-        F("--advantage-estimator", str, "grpo", "Only grpo today.", choices=("grpo",)),
+        F("--advantage-estimator", str, "grpo", "grpo: group-relative advantages (docs/algorithms.md §4). The "
+          "only value; any other is refused. --custom-reward-post-process-path replaces it with your own.",
+          choices=("grpo",)),
         S("--disable-grpo-std-normalization", "Dr.GRPO. Also forced on when --n-samples-per-prompt is 1."),
         S("--globalize-reward-mean", "Batch-wide mean instead of per-prompt. Leave off for flow_grpo parity."),
         S("--globalize-reward-std", "Batch-wide std instead of per-group. On for flow_grpo's PickScore recipe."),
@@ -414,7 +423,8 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
         P("--custom-rm-path", "async def rm(args, samples) -> list[float]. Batched only."),
         P("--custom-reward-post-process-path", "Replace advantage normalisation: fn(args, samples) -> list[float]."),
         S("--colocate-reward", "Reward actors onto rollout GPUs (train 0.7 + rollout 0.25 + reward 0.05). Requires "
-          "--colocate."),
+          "--colocate. The model rewards' workers (pickscore, clipscore, aesthetic) go onto the colocated bundles, "
+          "splitting each GPU's 0.05 among those on it; ocr and the HTTP rewards need no GPU."),
         F("--pickscore-model-path", str, None, "Required for --rm-type pickscore."),
         F("--pickscore-processor-path", str, None, "Required for --rm-type pickscore."),
         F("--pickscore-num-workers", int, 1, "PickScore actors.", ge=1),
@@ -488,8 +498,11 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
         F("--wandb-mode", str, None, "Overrides WANDB_MODE.", choices=("online", "offline", "disabled")),
         F("--wandb-dir", str, None, "Defaults to ./wandb."),
         S("--disable-wandb-random-suffix", "Run names include a random suffix by default; this disables it."),
-        F("--wandb-log-num-images", int, 0, "Images/videos per rollout; 0 disables.", ge=0),
+        F("--wandb-log-num-images", int, 0, "Images/videos per rollout sent to wandb; 0 disables. Every eval's images "
+          "are written to <output-dir>/eval/<rollout_id>/ whatever this says.", ge=0),
         F("--wandb-log-image-interval", int, 1, "Send media every N rollouts.", ge=1),
+        S("--use-tensorboard", "Also write every metric (scalars) to TensorBoard under <output-dir>/tensorboard "
+          "(needs the tensorboard package).", extension=True),
         S("--use-miles-dashboard", "Async phase/trajectory telemetry."),
         F("--miles-dashboard-workspace", str, "./miles_dashboard", "Dashboard output folder."),
     ]),
@@ -520,9 +533,13 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
           "metrics."),
     ]),
     ("CI", [
-        S("--ci-test", "CI mode (tests/e2e); not meant for manual runs."),
-        F("--ci-metric-checker-key", str, None, "Metric the CI checker reads."),
-        F("--ci-metric-checker-threshold", finite_float, None, "Threshold the CI checker compares against."),
+        S("--ci-test", "CI mode (tests/e2e); not meant for manual runs. At the end of the run the metric checker "
+          "passes if any logged value of --ci-metric-checker-key is >= --ci-metric-checker-threshold, else the run "
+          "exits with status 2 and one line. Needs both checker flags."),
+        F("--ci-metric-checker-key", str, None, "Metric the CI checker reads (a metrics.jsonl key, e.g. "
+          "eval/<name>/reward_mean). Needs --ci-test."),
+        F("--ci-metric-checker-threshold", finite_float, None, "Threshold the CI checker compares against (value >= "
+          "threshold passes)."),
     ]),
 ]
 SGLANG_GROUP = "sglang-d passthrough"

@@ -116,7 +116,24 @@ def _rule_placement(args: argparse.Namespace) -> None:
     if args.rollout_num_gpus_per_engine > args.num_gpus_per_node:
         _fail(f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine} exceeds --num-gpus-per-node "
               f"{args.num_gpus_per_node}")
-    args.use_miles_router = True  # miles always routes through its own router
+    if args.actor_num_gpus_per_node > args.num_gpus_per_node:
+        _fail(f"--actor-num-gpus-per-node {args.actor_num_gpus_per_node} exceeds --num-gpus-per-node "
+              f"{args.num_gpus_per_node} (the GPUs the job may use per node)")
+    if not args.use_miles_router:
+        logger.info("--use-miles-router is implied: miles always routes rollout requests through its own router")
+    args.use_miles_router = True  # the SGLang router is not supported
+
+
+def _rule_ci(args: argparse.Namespace) -> None:
+    """--ci-test runs the end-of-run metric check (train_diffusion.py), which needs its key and threshold."""
+    key, threshold = args.ci_metric_checker_key, args.ci_metric_checker_threshold
+    if (key is None) != (threshold is None):
+        _fail(f"--ci-metric-checker-key {key!r} and --ci-metric-checker-threshold {threshold!r} go together")
+    if key is not None and not args.ci_test:
+        _fail(f"--ci-metric-checker-key {key!r} only runs with --ci-test")
+    if args.ci_test and key is None:
+        _fail("--ci-test checks a metric at the end of the run: set --ci-metric-checker-key and "
+              "--ci-metric-checker-threshold")
 
 
 def _rule_modes(args: argparse.Namespace) -> None:
@@ -147,9 +164,9 @@ def _rule_batch(args: argparse.Namespace) -> None:
             _fail(f"--global-batch-size {gbs} x --num-steps-per-rollout {steps} must be divisible by "
                   f"--n-samples-per-prompt {g}")
         rbs = args.rollout_batch_size = gbs * steps // g
-    if args.over_sampling_batch_size is not None and args.over_sampling_batch_size != rbs:
-        _fail(f"--over-sampling-batch-size {args.over_sampling_batch_size} must equal --rollout-batch-size {rbs} "
-              "(over-sampling is not supported yet)")
+    if args.over_sampling_batch_size is not None and args.over_sampling_batch_size < rbs:
+        _fail(f"--over-sampling-batch-size {args.over_sampling_batch_size} must be >= --rollout-batch-size {rbs}: "
+              "it is how many prompt groups a rollout starts, of which --rollout-batch-size are trained")
     trajectories = rbs * g
     knobs = f"--rollout-batch-size {rbs} x --n-samples-per-prompt {g} = {trajectories} samples per rollout"
     if gbs is None and steps is None:
@@ -369,6 +386,11 @@ def _rule_outputs(args: argparse.Namespace) -> None:
         _fail(f"--save-keep-latest {args.save_keep_latest} needs --save DIR")
     if args.metrics_path is None:
         args.metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    if args.use_tensorboard:
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
+            _fail("--use-tensorboard needs the tensorboard package: pip install tensorboard")
 
 
 def _rule_micro_batches(args: argparse.Namespace) -> None:
@@ -398,7 +420,7 @@ def _rule_parity(args: argparse.Namespace) -> None:
 
 
 RULES: tuple[Callable[[argparse.Namespace], None], ...] = (
-    _rule_values, _rule_model, _rule_topology, _rule_placement, _rule_modes, _rule_batch, _rule_run_length,
+    _rule_values, _rule_model, _rule_topology, _rule_placement, _rule_ci, _rule_modes, _rule_batch, _rule_run_length,
     _rule_sde_steps, _rule_loss, _rule_reference, _rule_optimizer, _rule_reward, _rule_eval, _rule_outputs,
     _rule_micro_batches, _rule_parity,
 )

@@ -119,6 +119,14 @@ def split_reward_spec(spec: str) -> list[str]:
     return [part.strip() for part in str(spec).split(",") if part.strip()]
 
 
+def configured_reward_types(args, eval_specs: Sequence[str | None] = ()) -> list[str]:
+    """The built-in rewards the flags name: `--rm-type` (unless `--custom-rm-path` takes its place) and the eval
+    sets' `rm_type`s. Rewards named only in prompt metadata are found at their first use."""
+    specs = [] if getattr(args, "custom_rm_path", None) else [getattr(args, "rm_type", None)]
+    specs += list(eval_specs)
+    return list(dict.fromkeys(rm_type for spec in specs if spec for rm_type in split_reward_spec(spec)))
+
+
 def model_reward_workers(args, reward_types: Sequence[str]) -> int:
     """How many Ray workers the model rewards among `reward_types` start (for --colocate-reward)."""
     from miles.rollout.rm_hub.clipscore import clip_reward_workers
@@ -322,6 +330,7 @@ __all__ = [
     "BUILTIN_REWARDS",
     "MODEL_REWARDS",
     "batched_async_rm",
+    "configured_reward_types",
     "load_reward_models",
     "model_reward_workers",
     "reward_component_metrics",

@@ -33,13 +33,22 @@ COLOCATED_REWARD_CPU_SHARE = 0.1
 
 
 class ScorerActor:
-    """Holds one scorer inside a Ray actor; the scorer class stays a plain class usable in-process."""
+    """Holds one scorer inside a Ray actor; the scorer class stays a plain class usable in-process.
+
+    The scorer is built in `load`, not in the constructor, so that a user mistake (a wrong model path) comes back
+    as its one-line message instead of Ray's actor-death report with a traceback."""
 
     def __init__(self, scorer_class: type, scorer_args: tuple):
-        self.scorer = scorer_class(*scorer_args)
+        self.scorer_class, self.scorer_args = scorer_class, scorer_args
+        self.scorer = None
 
-    def ready(self) -> bool:
-        return True
+    def load(self) -> str | None:
+        """Build the scorer; the message of a MilesUserError it raised, else None."""
+        try:
+            self.scorer = self.scorer_class(*self.scorer_args)
+        except MilesUserError as err:
+            return str(err)
+        return None
 
     def score(self, *columns: list) -> list:
         return self.scorer.score(*columns)
@@ -131,16 +140,19 @@ class ScorerPool:
     def _wait_until_loaded(self) -> None:
         import ray
 
-        pending = [actor.ready.remote() for actor in self.actors]
+        pending = [actor.load.remote() for actor in self.actors]
         with progress_bar(len(pending), f"loading the {self.name} reward model", unit="worker") as bar:
             while pending:
                 done, pending = ray.wait(pending, num_returns=1)
                 try:
-                    ray.get(done)
-                except Exception as err:  # the actor died while loading: say which reward, keep the cause
+                    [problem] = ray.get(done)
+                except Exception as err:  # a crash, not a user mistake: its last line here, the traceback in the log
                     self.shutdown()
-                    cause = getattr(err, "cause", None) or err
-                    raise MilesUserError(f"{self.name} reward worker failed to load its model: {cause}") from err
+                    last_line = str(err).strip().splitlines()[-1]
+                    raise MilesUserError(f"{self.name} reward worker failed to load its model: {last_line}") from err
+                if problem:
+                    self.shutdown()
+                    raise MilesUserError(f"{self.name} reward worker: {problem}")
                 bar.update(len(done))
 
     async def score(self, *columns: Sequence) -> list:
