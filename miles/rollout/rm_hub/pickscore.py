@@ -75,6 +75,7 @@ def get_pickscore_pool(args) -> ScorerPool:
 
 
 def shutdown_pickscore_pools() -> None:
+    """Kill the model rewards' workers: PickScore's and, since all share one registry (workers.py), the others'."""
     shutdown_scorer_pools()
 
 
