@@ -22,6 +22,7 @@ logger = logging.getLogger("miles")
 def train(args) -> None:
     # Heavy imports only after the command line is known to be good (a bad flag fails in a second).
     from miles.backends.fsdp_utils.checkpoint import should_save
+    from miles.logging.ci_check import check_ci_metric
     from miles.logging.run_logger import RunLogger
     from miles.ray.colocation import ColocationPolicy
     from miles.ray.placement import create_placement_groups, init_ray
@@ -117,6 +118,7 @@ def train(args) -> None:
         run_logger.flush(args.num_rollout)
     rollout_manager.shutdown()
     run_logger.finish()
+    check_ci_metric(args, run_logger.history)  # --ci-test: the run fails here when its metric missed the bar
 
 
 @exit_on_user_error

@@ -3,6 +3,11 @@
 `generate(rollout_id)` returns the rollout's samples (trajectories, rewards, advantages), flattened in
 group-contiguous order. Without engines (`--train-only`, `--load-debug-rollout-data`) the samples come
 from the SFT dataset or from a saved rollout.
+
+At start-up the model rewards the run names (`--rm-type`, the eval sets' `rm_type`) load their workers, behind a
+progress bar; with `--colocate-reward` those workers go onto the rollout GPUs' placement-group bundles.
+`eval(rollout_id)` logs each eval set's reward and reward components and writes its image grid under
+`<--output-dir>/eval/<rollout_id>/`.
 """
 
 from __future__ import annotations
@@ -17,12 +22,19 @@ from typing import Any, Callable
 
 import torch
 
+from miles.logging.plots import save_eval_grid
 from miles.ray.engines import EngineFleet
 from miles.ray.shutdown import on_run_exit
 from miles.rollout.advantages import assign_advantages
 from miles.rollout.data_source import build_data_source
 from miles.rollout.eval_config import build_eval_datasets
 from miles.rollout.hooks import apply_rollout_sample_filter, load_rollout_hooks
+from miles.rollout.rm_hub import (
+    configured_reward_types,
+    load_reward_models,
+    model_reward_workers,
+    reward_component_metrics,
+)
 from miles.types import Sample
 from miles.utils.errors import MilesUserError
 from miles.utils.safe_load import load_plain, save_plain
@@ -45,6 +57,8 @@ class RolloutManager:
             self.data_source = build_data_source(args)
         self.eval_datasets = build_eval_datasets(args) if not args.train_only else []
         self.fleet = EngineFleet(args, placement) if placement.num_engines > 0 else None
+        if self.data_source is not None or self.eval_datasets:
+            self._load_rewards(placement)
         self.weight_version = 0
         self._watcher: threading.Thread | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -52,6 +66,17 @@ class RolloutManager:
         self._state_before_ahead: dict[str, Any] | None = None
         self._stop_watching = threading.Event()
         on_run_exit("the rollout engines, the router and the engine watcher", self.shutdown)
+
+    def _load_rewards(self, placement) -> None:
+        """Start the model rewards' workers now, so a bad model path fails before the first rollout."""
+        reward_types = configured_reward_types(self.args, [dataset.rm_type for dataset in self.eval_datasets])
+        if getattr(self.args, "colocate_reward", False):
+            from miles.rollout.rm_hub.workers import colocate_reward_workers
+
+            rollout_bundles = list(range(placement.num_engines * placement.gpus_per_engine))
+            colocate_reward_workers(placement.rollout.placement_group, rollout_bundles,
+                                    model_reward_workers(self.args, reward_types), on_gpu=placement.device == "cuda")
+        load_reward_models(self.args, reward_types)
 
     # ---- engines ------------------------------------------------------------------------------------
     @property
@@ -197,6 +222,7 @@ class RolloutManager:
             dataset_metrics = {
                 f"eval/{dataset.name}/reward_mean": rewards.mean().item(),
                 f"eval/{dataset.name}/reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
+                **reward_component_metrics([s.reward for s in samples], f"eval/{dataset.name}/"),
             }
             skip = self.hooks.eval_rollout_log is not None and self.hooks.eval_rollout_log(
                 rollout_id, self.args, samples, dataset_metrics
@@ -204,6 +230,10 @@ class RolloutManager:
             if not skip:
                 self.run_logger.log(rollout_id, dataset_metrics)
                 self.run_logger.log_samples(rollout_id, samples, prefix=f"eval/{dataset.name}")
+                folder = os.path.join(self.args.output_dir, "eval", str(rollout_id))
+                grid = save_eval_grid(groups, folder, dataset.name)
+                if grid:
+                    logger.info("eval %s images: %s", dataset.name, grid)
             metrics.update(dataset_metrics)
         return metrics
 

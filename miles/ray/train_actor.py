@@ -1,7 +1,7 @@
 """Trainer ranks as Ray actors (docs/design.md §3): one `TrainRayActor` per rank, driven by `TrainActorGroup`.
 
-The ranks form one torch.distributed group (NCCL on GPU, gloo on CPU; with `--fsdp-cpu-offload` a
-`cpu:<--fsdp-cpu-backend>,cuda:nccl` group). Every group call fans out to all ranks and waits for all of them:
+The ranks form one torch.distributed group (`--distributed-backend` on GPU, nccl by default; gloo on CPU whatever
+the flag says; with `--fsdp-cpu-offload` a `cpu:<--fsdp-cpu-backend>,cuda:<--distributed-backend>` group). Every group call fans out to all ranks and waits for all of them:
 FSDP collectives (training, gathering weights for sync, checkpoints) need every rank.
 """
 
@@ -21,6 +21,19 @@ from miles.utils.errors import MilesUserError
 logger = logging.getLogger(__name__)
 
 COLOCATED_TRAIN_GPU_SHARE = 0.7  # train 0.7 + rollout 0.25 + reward 0.05 on one GPU (docs/design.md §3)
+
+
+def process_group_backend(args, on_gpu: bool, log: bool = True) -> str:
+    """The trainer's torch.distributed backend: `--distributed-backend` on GPU (its cuda part under
+    `--fsdp-cpu-offload`), gloo on CPU, where nccl cannot run (`log`: say so, once per run from rank 0)."""
+    requested = getattr(args, "distributed_backend", None) or "nccl"
+    if not on_gpu:
+        if requested != "gloo" and log:
+            logger.info("--distributed-backend %s: no GPU, the trainer's process group uses gloo", requested)
+        return "gloo"
+    if getattr(args, "fsdp_cpu_offload", False):
+        return f"cpu:{getattr(args, 'fsdp_cpu_backend', 'gloo') or 'gloo'},cuda:{requested}"
+    return requested
 
 
 def parse_train_env_vars(value) -> dict[str, str]:
@@ -65,11 +78,7 @@ class TrainRayActor:
         on_gpu = torch.cuda.is_available()
         if on_gpu:
             torch.cuda.set_device(0)  # Ray exposes this actor's GPU as device 0
-            backend = "nccl"
-            if getattr(self.args, "fsdp_cpu_offload", False):
-                backend = f"cpu:{getattr(self.args, 'fsdp_cpu_backend', 'gloo') or 'gloo'},cuda:nccl"
-        else:
-            backend = "gloo"
+        backend = process_group_backend(self.args, on_gpu, log=self.rank == 0)
         timeout = timedelta(minutes=float(getattr(self.args, "distributed_timeout_minutes", 10) or 10))
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=timeout)
         family = _build_family(self.args, self.family_name)

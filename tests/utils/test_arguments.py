@@ -313,10 +313,10 @@ def test_family_resolution_order(monkeypatch):
     assert "'nope' is not a registered family" in error("--diffusion-model-family", "nope")
 
 
-def test_over_sampling_batch_size_must_equal_rollout_batch_size():
-    assert "--over-sampling-batch-size 8 must equal --rollout-batch-size 4" in error(
-        "--over-sampling-batch-size", "8")
-    assert parse("--over-sampling-batch-size", "4").over_sampling_batch_size == 4
+def test_over_sampling_batch_size_covers_the_rollout_batch():
+    assert "--over-sampling-batch-size 2 must be >= --rollout-batch-size 4" in error(
+        "--over-sampling-batch-size", "2")
+    assert parse("--over-sampling-batch-size", "8").over_sampling_batch_size == 8
 
 
 def test_save_interval_needs_save():
