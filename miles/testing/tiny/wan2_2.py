@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from miles.testing import real_size
-from miles.testing.tiny.components import tiny_t5_config, tiny_unipc_flow_scheduler, tiny_wan_vae
+from miles.testing.tiny.components import tiny_t5_config, tiny_unipc_flow_scheduler, tiny_wan22_vae, tiny_wan_vae
 from miles.testing.tiny.tokenizers import build_t5_tokenizer
 
 TINY_FLOW_SHIFT = 3.0
@@ -34,15 +34,7 @@ MAX_SEQUENCE_LENGTH = 16
 
 def _tiny_vae(variant: str):
     if variant == "ti2v_5b":  # the 48-channel residual VAE with a 2x2 patch (16x spatial)
-        return tiny_wan_vae(
-            48,
-            is_residual=True,
-            in_channels=12,
-            out_channels=12,
-            patch_size=2,
-            scale_factor_spatial=16,
-            scale_factor_temporal=4,
-        )
+        return tiny_wan22_vae()
     return tiny_wan_vae(16)
 
 
