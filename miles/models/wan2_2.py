@@ -3,14 +3,15 @@ video latents [C, F, H, W].
 
 One pipeline class holds all of them, so they are one family (key `wan2_2`); the checkpoint's model_index.json
 says which layout a folder holds (`WAN_LAYOUTS`): a `transformer_2` with a `boundary_ratio` is the A14B,
-`expand_timesteps` the TI2V 5B, a single expert without either Wan 2.1 (whose published folders predate those
-entries). Wan 2.1 is the A14B's single-expert special case: one transformer for every step, one timestep per
-sample, the 16-channel Wan 2.1 VAE (8x spatial, 4x temporal) that the A14B also uses.
+`expand_timesteps` the TI2V 5B, a single expert without either Wan 2.1 (whether the index lists those entries
+as null / false or, as diffusers wrote Wan folders before Wan 2.2, not at all). Wan 2.1 is the A14B's
+single-expert special case: one transformer for every step, one timestep per sample, the 16-channel Wan 2.1
+VAE (8x spatial, 4x temporal) that the A14B also uses.
 
 Mirrors `WanPipeline.__call__` (diffusers 0.42):
 - prompts through UMT5, padded to `max_sequence_length` tokens with the padding positions zeroed (the
   pipeline's own `encode_prompt`), so any samples stack; the negative prompt defaults to "" like diffusers;
-- noise [C, (F−1)/4 + 1, H/8, W/8] (A14B; the 5B VAE is 16× spatial) drawn per sample from its own generator;
+- noise [C, (F−1)/4 + 1, H/8, W/8] (A14B, Wan 2.1; the 5B VAE is 16× spatial) drawn per sample from its own generator;
 - the DiT time input t = 1000·σ (docs/algorithms.md §1); the 5B (`expand_timesteps`) takes it per token, [B, tokens];
 - A14B: `transformer` denoises while t ≥ boundary_ratio·1000 (high noise) with `--diffusion-guidance-scale`,
   `transformer_2` below it (low noise) with `--diffusion-guidance-scale-2` (default: the first scale);

@@ -94,6 +94,17 @@ def test_the_checkpoint_resolves_to_wan2_2_and_reads_as_wan2_1(path, loaded):
         get_family_class("wan2_2")().load_modules(path, ["transformer", "transformer_2"], torch.float32)
 
 
+def test_an_index_with_the_wan22_entries_unset_reads_as_wan2_1_too(path, tmp_path):
+    listed = tmp_path / "listed"
+    shutil.copytree(path, listed)
+    index = json.loads((listed / "model_index.json").read_text())
+    index.update(transformer_2=[None, None], boundary_ratio=None, expand_timesteps=False)  # as diffusers 0.42 saves it
+    (listed / "model_index.json").write_text(json.dumps(index))
+    family = get_family_class("wan2_2")()
+    family.load_modules(str(listed), ["transformer"], torch.float32)
+    assert family.layout == "wan2_1" and family.trainable_modules == ("transformer",)
+
+
 def test_a_wan_folder_of_another_pipeline_is_refused_before_loading(path, tmp_path):
     i2v = tmp_path / "Wan2.1-I2V-14B-480P-Diffusers"
     shutil.copytree(path, i2v)

@@ -10,8 +10,8 @@ Three layouts, like the published checkpoints (`python -m miles.testing.make_tin
   (per-token timesteps), the 48-channel residual AutoencoderKLWan with a 2x2 patch (16x spatial).
 - `variant="wan2_1"`: Wan 2.1 T2V (1.3B / 14B): one `transformer`, no boundary, per-sample timesteps, the
   16-channel Wan 2.1 VAE. Its model_index.json is written without `transformer_2`, `boundary_ratio` and
-  `expand_timesteps` entries, as diffusers saved Wan folders before Wan 2.2 added them (the published
-  Wan2.1-T2V-*-Diffusers folders date from then), so the layout is read from what such a folder lacks.
+  `expand_timesteps` entries, as diffusers saved Wan folders before Wan 2.2 added them, so the layout is read
+  from what such a folder lacks (the A14B and 5B variants test the other form).
 
 Text encoder: a 1-layer UMT5 over a locally built T5 Unigram tokenizer. Scheduler: the
 `UniPCMultistepScheduler` with flow sigmas that the real checkpoints ship (our loop only reads its
