@@ -330,3 +330,26 @@ def test_video_rollout_and_train_step(path):
     assert metrics["train/log_prob_mean_abs_diff"] <= 1e-6 and torch.isfinite(torch.tensor(metrics["train/loss"]))
     lora_b = [name for name in before if "lora_B" in name]
     assert lora_b and any(not torch.equal(before[name], after[name]) for name in lora_b)
+
+
+def test_the_engine_returns_the_reference_loops_uint8_frames_for_a_video_request(path):
+    """What the rewards receive: the engine's frames for one video request, uint8 [F, H, W, 3], equal to the
+    reference loop's (same seed, the checkpoint's own UniPC grid, Euler steps)."""
+    from miles.engine.model_runner import ModelRunner
+    from miles.engine.protocol import GenerateRequest
+    from miles.engine.server_args import ServerArgs
+
+    runner = ModelRunner(ServerArgs(model_path=path, model_family="cosmos3", device="cpu", dtype="fp32",
+                                    generator_device="cpu"))
+    request = GenerateRequest(prompt=PROMPTS[1], negative_prompt=" ", num_samples=1, seed=SEEDS[1], num_steps=2,
+                              height=VIDEO.height, width=VIDEO.width, num_frames=VIDEO.num_frames, fps=VIDEO.fps,
+                              guidance=CFG, request_id="video")
+    trajectory = runner.start(request)
+    while not trajectory.done:
+        runner.step([trajectory])
+    frames = runner.finish(trajectory).samples[0].image
+    assert frames.dtype == torch.uint8 and frames.shape == (5, 64, 32, 3)
+    family, pipe = load(path, euler=False)
+    reference = sample_reference(family, pipe, [PROMPTS[1]], seeds=[SEEDS[1]], num_steps=2, shape=VIDEO,
+                                 guidance=CFG, negative_prompt=" ")
+    assert torch.equal(frames, reference.images[0])
