@@ -142,7 +142,7 @@ class DiffusersTrainPipelineConfig(TrainPipelineConfig):
         dtype = parse_dtype(dtype)
         if self.model_backend is not None:
             pipe = self.model_backend(path, dtype)
-            return {name: _pipeline_component(pipe, name, path) for name in names}
+            return {name: pipeline_component(pipe, name, path) for name in names}
         check_components(path, names)
         modules: dict[str, nn.Module] = {}
         for name in names:
@@ -151,7 +151,8 @@ class DiffusersTrainPipelineConfig(TrainPipelineConfig):
         return modules
 
 
-def _pipeline_component(pipe: Any, name: str, path: str) -> nn.Module:
+def pipeline_component(pipe: Any, name: str, path: str) -> nn.Module:
+    """Component `name` of a pipeline returned by `--model-backend-path`, or a one-line error naming it."""
     module = getattr(pipe, name, None)
     if module is None:
         raise MilesUserError(f"the pipeline loaded by --model-backend-path for {path!r} has no component {name!r}")

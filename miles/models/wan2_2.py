@@ -1,9 +1,17 @@
-"""Wan 2.2 (`WanPipeline`): the dual-expert T2V A14B and the single-expert TI2V 5B, video latents [C, F, H, W].
+"""Wan (`WanPipeline`): Wan 2.2's dual-expert T2V A14B and single-expert TI2V 5B, and Wan 2.1 T2V (1.3B, 14B);
+video latents [C, F, H, W].
+
+One pipeline class holds all of them, so they are one family (key `wan2_2`); the checkpoint's model_index.json
+says which layout a folder holds (`WAN_LAYOUTS`): a `transformer_2` with a `boundary_ratio` is the A14B,
+`expand_timesteps` the TI2V 5B, a single expert without either Wan 2.1 (whether the index lists those entries
+as null / false or, as diffusers wrote Wan folders before Wan 2.2, not at all). Wan 2.1 is the A14B's
+single-expert special case: one transformer for every step, one timestep per sample, the 16-channel Wan 2.1
+VAE (8x spatial, 4x temporal) that the A14B also uses.
 
 Mirrors `WanPipeline.__call__` (diffusers 0.42):
 - prompts through UMT5, padded to `max_sequence_length` tokens with the padding positions zeroed (the
   pipeline's own `encode_prompt`), so any samples stack; the negative prompt defaults to "" like diffusers;
-- noise [C, (F−1)/4 + 1, H/8, W/8] (A14B; the 5B VAE is 16× spatial) drawn per sample from its own generator;
+- noise [C, (F−1)/4 + 1, H/8, W/8] (A14B, Wan 2.1; the 5B VAE is 16× spatial) drawn per sample from its own generator;
 - the DiT time input t = 1000·σ (docs/algorithms.md §1); the 5B (`expand_timesteps`) takes it per token, [B, tokens];
 - A14B: `transformer` denoises while t ≥ boundary_ratio·1000 (high noise) with `--diffusion-guidance-scale`,
   `transformer_2` below it (low noise) with `--diffusion-guidance-scale-2` (default: the first scale);
@@ -48,6 +56,13 @@ logger = logging.getLogger(__name__)
 WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # self- and cross-attention of every block
 HIGH_NOISE_EXPERT = "transformer"
 LOW_NOISE_EXPERT = "transformer_2"
+
+# layout -> what it is; `Wan22TrainPipelineConfig.layout` holds the key once a checkpoint is read.
+WAN_LAYOUTS = {
+    "t2v_a14b": "Wan 2.2 T2V A14B (dual expert, switched at boundary_ratio)",
+    "ti2v_5b": "Wan 2.2 TI2V 5B (single expert, per-token timesteps)",
+    "wan2_1": "Wan 2.1 T2V (single expert, one timestep per sample)",
+}
 
 
 def unipc_flow_sigmas(
@@ -103,7 +118,9 @@ def flow_sigmas_for_scheduler(
 @register_family
 class Wan22TrainPipelineConfig(DiffusersTrainPipelineConfig):
     family: ClassVar[str] = "wan2_2"
-    name_hints: ClassVar[tuple[str, ...]] = ("wan2.2", "wan2_2", "wan2-2", "wan22")
+    name_hints: ClassVar[tuple[str, ...]] = (
+        "wan2.2", "wan2_2", "wan2-2", "wan22", "wan2.1", "wan2_1", "wan2-1", "wan21"
+    )
     pipeline_class_name: ClassVar[str] = "WanPipeline"
     trainable_modules: ClassVar[tuple[str, ...]] = (HIGH_NOISE_EXPERT, LOW_NOISE_EXPERT)
     default_lora_target_modules: ClassVar[tuple[str, ...]] = WAN_LORA_TARGETS
@@ -116,6 +133,7 @@ class Wan22TrainPipelineConfig(DiffusersTrainPipelineConfig):
         # Set from the checkpoint by configure(); until then the single-expert layout.
         self.boundary_ratio: float | None = None
         self.expand_timesteps = False
+        self.layout: str | None = None  # a WAN_LAYOUTS key
 
     # ---- loading ------------------------------------------------------------------------------------
     def configure(self, boundary_ratio: float | None, expand_timesteps: bool, has_transformer_2: bool) -> None:
@@ -127,16 +145,29 @@ class Wan22TrainPipelineConfig(DiffusersTrainPipelineConfig):
             )
         self.boundary_ratio = boundary_ratio if has_transformer_2 else None
         self.expand_timesteps = bool(expand_timesteps)
-        logger.info(
-            "Wan 2.2 layout: %s, boundary_ratio=%s, per-token timesteps=%s",
-            "dual expert (A14B)" if self.boundary_ratio is not None else "single expert (5B)",
-            self.boundary_ratio,
-            self.expand_timesteps,
-        )
+        if self.boundary_ratio is not None:
+            self.layout = "t2v_a14b"
+        else:  # (a transformer_2 without a boundary is never switched to: the pipeline runs it as Wan 2.1)
+            self.layout = "ti2v_5b" if self.expand_timesteps else "wan2_1"
+        logger.info("Wan layout: %s, boundary_ratio=%s", WAN_LAYOUTS[self.layout], self.boundary_ratio)
         # Instance attribute: the 5B layout trains and syncs its single transformer only (as does a folder
         # with a transformer_2 but no boundary, which the pipeline never switches to).
         dual = self.boundary_ratio is not None
         self.trainable_modules = (HIGH_NOISE_EXPERT, LOW_NOISE_EXPERT) if dual else (HIGH_NOISE_EXPERT,)
+
+    def check_pipeline_class(self, path: str) -> None:
+        """Refuse a Wan folder of another pipeline (image-to-video, VACE, animate) before loading it."""
+        index = read_model_index(path) if self.model_backend is None else None
+        class_name = (index or {}).get("_class_name", self.pipeline_class_name)
+        if class_name != self.pipeline_class_name:
+            raise MilesUserError(
+                f"--hf-checkpoint {path!r} holds a {class_name}; the wan2_2 family supports {self.pipeline_class_name} "
+                "(text-to-video: Wan 2.1, Wan 2.2 T2V A14B and TI2V 5B) only"
+            )
+
+    def load_pipeline(self, path: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> Any:
+        self.check_pipeline_class(path)
+        return super().load_pipeline(path, dtype, device)
 
     def configure_pipeline(self, pipe: Any) -> None:
         if pipe.transformer is None and getattr(pipe, "transformer_2", None) is None:
@@ -146,6 +177,7 @@ class Wan22TrainPipelineConfig(DiffusersTrainPipelineConfig):
         )
 
     def load_modules(self, path: str, names: Sequence[str], dtype: torch.dtype) -> dict[str, nn.Module]:
+        self.check_pipeline_class(path)
         index = read_model_index(path)
         if index is None and self.model_backend is None:  # a hub id: its model_index.json via the hub cache
             from diffusers import DiffusionPipeline
@@ -158,8 +190,8 @@ class Wan22TrainPipelineConfig(DiffusersTrainPipelineConfig):
             )
             if LOW_NOISE_EXPERT in names and LOW_NOISE_EXPERT not in self.trainable_modules:
                 raise MilesUserError(
-                    f"the Wan 2.2 checkpoint {path!r} is single-expert (TI2V 5B layout, no {LOW_NOISE_EXPERT} in use); "
-                    "train and sync it with --update-weight-target-module transformer"
+                    f"the Wan checkpoint {path!r} is single-expert ({WAN_LAYOUTS[self.layout]}, no {LOW_NOISE_EXPERT} "
+                    "in use); train and sync it with --update-weight-target-module transformer"
                 )
         return super().load_modules(path, names, dtype)
 
@@ -199,13 +231,13 @@ class Wan22TrainPipelineConfig(DiffusersTrainPipelineConfig):
         spatial = pipe.vae_scale_factor_spatial
         if shape.num_frames < 1 or (shape.num_frames - 1) % temporal:
             raise MilesUserError(
-                f"--diffusion-output-num-frames {shape.num_frames} must be {temporal}·k + 1 for Wan 2.2 "
+                f"--diffusion-output-num-frames {shape.num_frames} must be {temporal}·k + 1 for Wan "
                 f"(e.g. 1, {temporal + 1}, 81)"
             )
         if shape.height % (spatial * patch[1]) or shape.width % (spatial * patch[2]):
             raise MilesUserError(
                 f"--diffusion-height/width {shape.height}x{shape.width} must be multiples of {spatial * patch[1]} "
-                "(VAE scale factor × patch size) for this Wan 2.2 checkpoint"
+                "(VAE scale factor × patch size) for this Wan checkpoint"
             )
         latent_frames = (shape.num_frames - 1) // temporal + 1
         return (latent_frames, shape.height // spatial, shape.width // spatial)
@@ -255,7 +287,7 @@ class Wan22TrainPipelineConfig(DiffusersTrainPipelineConfig):
         sigmas = sigmas.to(device=latents.device, dtype=torch.float32).reshape(-1)
         expert = self.batch_expert(sigmas)
         if expert not in modules:
-            raise ValueError(f"the Wan 2.2 batch needs the {expert} expert but modules hold only {sorted(modules)}")
+            raise ValueError(f"the Wan batch needs the {expert} expert but modules hold only {sorted(modules)}")
         transformer = modules[expert]
         scale = self.guidance_scale_for(expert, guidance)
         timesteps = self.timesteps_from_sigmas(sigmas)

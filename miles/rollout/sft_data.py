@@ -37,7 +37,8 @@ from miles.utils.safe_load import load_plain
 logger = logging.getLogger(__name__)
 
 MEDIA_KEYS = ("image", "video")
-CACHE_FORMAT_VERSION = 1
+# 2: the cache key holds --diffusion-fps, and cosmos3's `encoded_shape` holds the fps (it enters the prompt).
+CACHE_FORMAT_VERSION = 2
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif")
 
 
@@ -179,6 +180,7 @@ def sft_cache_folder(args, data_path: str, family_name: str, encoder_path: str) 
         args.diffusion_width,
         int(getattr(args, "sft_frame_stride", 1) or 1),
         int(getattr(args, "diffusion_output_num_frames", 1) or 1),
+        getattr(args, "diffusion_fps", None),
     )
     return os.path.join(root, key)
 
@@ -226,7 +228,12 @@ def build_sft_samples(
         logger.info("SFT: encoding %d of %d rows into %s", len(missing), len(rows), folder)
         pipe = pipe or load_encoder_pipeline(family, encoder_path, dtype, device)
         num_frames = int(getattr(args, "diffusion_output_num_frames", 1) or 1) if getattr(family, "is_video", False) else None
-        shape = GenerationShape(height=args.diffusion_height, width=args.diffusion_width, num_frames=num_frames or 1)
+        shape = GenerationShape(
+            height=args.diffusion_height,
+            width=args.diffusion_width,
+            num_frames=num_frames or 1,
+            fps=getattr(args, "diffusion_fps", None),  # as the trainer's shape: Cosmos 3 writes it into the prompt
+        )
         stride = int(getattr(args, "sft_frame_stride", 1) or 1)
         for start in range(0, len(missing), batch_size):
             chunk = missing[start : start + batch_size]

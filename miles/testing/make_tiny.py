@@ -1,11 +1,13 @@
 """Build a random-weight pipeline of one family, offline, in the diffusers folder format.
 
     python -m miles.testing.make_tiny --family sd3 --out /tmp/tiny-sd3
+    python -m miles.testing.make_tiny --family wan2_2 --variant wan2_1 --out /tmp/tiny-wan21
     python -m miles.testing.make_tiny --family sd3 --real-size --out /tmp/sd35m --device cuda
     python -m miles.testing.make_tiny --family wan2_2 --real-size --num-layers 2 --out /tmp/wan5b-2l
 
-Each family's builder lives in `miles/testing/tiny/<family>.py` and exposes `build(out_dir, seed)`; it
-creates locally built tokenizers (no hub), random weights from a fixed seed, and saves with
+Each family's builder lives in `miles/testing/tiny/<family>.py` and exposes `build(out_dir, seed)`; a family
+with several published layouts lists them in `VARIANTS` and takes `build(out_dir, seed, variant=...)`
+(`--variant`; wan2_2: a14b (default), ti2v_5b, wan2_1). It creates locally built tokenizers (no hub), random weights from a fixed seed, and saves with
 `save_pretrained`, so the result loads through the same `from_pretrained` path as a real checkpoint.
 
 `--real-size` (sd3: SD3.5-Medium; wan2_2: Wan2.2-TI2V-5B) calls the family's `build_real_size` instead: the
@@ -30,17 +32,29 @@ REAL_SIZE_MODELS = {"sd3": "SD3.5-Medium", "wan2_2": "Wan2.2-TI2V-5B"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def build_tiny_pipeline(family: str, out_dir: str, seed: int = 0) -> str:
-    """Build (or reuse, when `out_dir` already holds one) the tiny pipeline of `family`; returns `out_dir`."""
+def build_tiny_pipeline(family: str, out_dir: str, seed: int = 0, variant: str | None = None) -> str:
+    """Build (or reuse, when `out_dir` already holds one) the tiny pipeline of `family` (and `variant`, for a
+    family whose builder has `VARIANTS`); returns `out_dir`."""
     if family not in TINY_FAMILIES:
         raise ValueError(f"no tiny builder for family {family!r}; known: {TINY_FAMILIES}")
+    builder = importlib.import_module(f"miles.testing.tiny.{family}")
+    variants = getattr(builder, "VARIANTS", ())
+    if variant is not None and variant not in variants:
+        raise ValueError(unknown_variant_message(family, variant, variants))
     if os.path.exists(os.path.join(out_dir, "model_index.json")):
         return out_dir
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    builder = importlib.import_module(f"miles.testing.tiny.{family}")
-    builder.build(out_dir, seed=seed)
+    if variant is None:
+        builder.build(out_dir, seed=seed)
+    else:
+        builder.build(out_dir, seed=seed, variant=variant)
     return out_dir
+
+
+def unknown_variant_message(family: str, variant: str, variants: tuple[str, ...]) -> str:
+    known = f"one of {', '.join(variants)}" if variants else "it has none"
+    return f"no tiny {family} variant {variant!r}; {known}"
 
 
 def build_real_size_pipeline(
@@ -73,6 +87,8 @@ def main() -> None:
     parser.add_argument("--family", required=True, choices=TINY_FAMILIES)
     parser.add_argument("--out", required=True, help="output folder (diffusers format)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--variant", default=None,
+                        help="a published layout of the family (wan2_2: a14b (default), ti2v_5b, wan2_1)")
     real = parser.add_argument_group("real size (--real-size only)")
     real.add_argument(
         "--real-size", action="store_true",
@@ -88,8 +104,14 @@ def main() -> None:
                                           ("--device", args.device)) if value is not None]
         if given:
             parser.error(f"{', '.join(given)} only apply with --real-size")
-        print(build_tiny_pipeline(args.family, args.out, args.seed))
+        if args.variant is not None:
+            variants = getattr(importlib.import_module(f"miles.testing.tiny.{args.family}"), "VARIANTS", ())
+            if args.variant not in variants:
+                parser.error(unknown_variant_message(args.family, args.variant, variants))
+        print(build_tiny_pipeline(args.family, args.out, args.seed, args.variant))
         return
+    if args.variant is not None:
+        parser.error(f"--variant does not apply with --real-size (it builds {REAL_SIZE_MODELS.get(args.family)})")
     if args.family not in REAL_SIZE_MODELS:
         parser.error(f"--real-size supports --family {', '.join(REAL_SIZE_MODELS)}, not {args.family}")
     counts = build_real_size_pipeline(

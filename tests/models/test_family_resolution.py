@@ -10,7 +10,14 @@ import textwrap
 import pytest
 import torch
 
-from miles.models import FAMILY_ENV_VAR, FAMILY_NAME_HINTS, get_family_class, resolve_family_name
+from miles.models import (
+    FAMILY_ENV_VAR,
+    FAMILY_MODULES,
+    FAMILY_NAME_HINTS,
+    FAMILY_PIPELINE_CLASSES,
+    get_family_class,
+    resolve_family_name,
+)
 from miles.models.common import (
     DiffusersTrainPipelineConfig,
     build_train_pipeline_config,
@@ -49,6 +56,9 @@ def no_family_env(monkeypatch):
         ("Qwen/Qwen-Image", "qwen_image"),
         ("/models/qwen_image_lora_merged", "qwen_image"),
         ("Wan-AI/Wan2.2-T2V-A14B-Diffusers", "wan2_2"),
+        ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "wan2_2"),
+        ("Wan-AI/Wan2.1-T2V-14B-Diffusers", "wan2_2"),
+        ("/models/cosmos-3-finetune", "cosmos3"),
         ("Lightricks/LTX-Video", "ltx"),
     ],
 )
@@ -87,6 +97,34 @@ def test_registered_classes_agree_with_the_hint_table(key):
     for hint in cls.name_hints:
         assert resolve_family_name(f"org/{hint}-model", None) == key
     assert cls.default_lora_target_modules and cls.trainable_modules == ("transformer",)
+
+
+@pytest.mark.parametrize("key", sorted(FAMILY_MODULES))
+def test_every_family_is_found_by_its_pipeline_class_and_its_hints(key):
+    cls = get_family_class(key)
+    assert FAMILY_PIPELINE_CLASSES[cls.pipeline_class_name] == key
+    table_hints = {hint for hint, family in FAMILY_NAME_HINTS if family == key}
+    assert set(cls.name_hints) == table_hints
+
+
+def test_a_local_folder_resolves_by_its_model_index_before_its_name(tmp_path, tiny_checkpoint):
+    unnamed = tmp_path / "my-finetune"
+    shutil.copytree(tiny_checkpoint("sd3"), unnamed)
+    assert resolve_family_name(str(unnamed), None) == "sd3"
+    misleading = tmp_path / "flux-distilled-from-sd3"  # the folder's content, not its name, decides
+    unnamed.rename(misleading)
+    assert resolve_family_name(str(misleading), None) == "sd3"
+    index = misleading / "model_index.json"
+    index.write_text(index.read_text().replace("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline"))
+    assert resolve_family_name(str(misleading), None) == "flux"  # an unknown class: the name hint
+    other = tmp_path / "my-model"
+    misleading.rename(other)
+    with pytest.raises(MilesUserError, match="its model_index.json names StableDiffusion3Img2ImgPipeline"):
+        resolve_family_name(str(other), None)
+    index = other / "model_index.json"
+    index.write_text("{not json")
+    with pytest.raises(MilesUserError, match="cannot read .*model_index.json"):
+        resolve_family_name(str(other), None)
 
 
 def test_build_train_pipeline_config_resolves_the_family(tiny_checkpoint):

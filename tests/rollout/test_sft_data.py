@@ -191,6 +191,37 @@ def test_wan2_2_video_samples_build_from_a_gif(tmp_path, tiny_checkpoint):
         build_sft_samples(Namespace(**{**vars(args), "sft_frame_stride": 1, "diffusion_output_num_frames": 13}), family=family, pipe=pipe)
 
 
+def test_cosmos3_video_samples_carry_the_fps_they_were_encoded_for(tmp_path, tiny_checkpoint):
+    """Cosmos 3 writes a video's fps into its prompt: the encoding uses --diffusion-fps, and the cache key holds it."""
+    from miles.models.base import GenerationShape
+    from miles.models.common import build_train_pipeline_config
+    from miles.rollout.sft_data import load_encoder_pipeline, sft_cache_folder
+
+    path = tiny_checkpoint("cosmos3")
+    family = build_train_pipeline_config(Namespace(hf_checkpoint=path, diffusion_model_family="cosmos3"))
+    pipe = load_encoder_pipeline(family, path, torch.float32, "cpu")
+    assert pipe.transformer is None  # encoders only: the tokenizer and the VAE
+    rng = np.random.default_rng(0)
+    frames = [Image.fromarray(rng.integers(0, 256, size=(64, 40, 3), dtype=np.uint8)) for _ in range(10)]
+    frames[0].save(tmp_path / "clip.gif", save_all=True, append_images=frames[1:])
+    data = _write_jsonl(tmp_path / "sft.jsonl", [{"input": "a clip", "video": "clip.gif"}])
+    args = Namespace(prompt_data=data, input_key="input", hf_checkpoint=path, diffusion_model_family="cosmos3",
+                     sft_encoder_checkpoint=None, diffusion_height=64, diffusion_width=32, sft_frame_stride=2,
+                     diffusion_output_num_frames=5, diffusion_fps=16.0, sft_cache_dir=str(tmp_path / "cache"))
+    (sample,) = build_sft_samples(args, family=family, pipe=pipe)
+    shape = GenerationShape(height=64, width=32, num_frames=5, fps=16.0)
+    pixels = torch.from_numpy(read_frames(load_sft_rows(data)[0], 64, 32, frame_stride=2, num_frames=5))[None]
+    torch.testing.assert_close(sample.clean_latents, family.encode_images(pipe, pixels, shape)[0])
+    assert sample.clean_latents.shape == (48, 2, 4, 2)
+    assert sample.conditioning["encoded_shape"].tolist() == [64, 32, 5, 16000]
+    expected_ids = pipe.tokenize_prompt("a clip", None, num_frames=5, height=64, width=32, fps=16.0)[0]
+    assert sample.conditioning["input_ids"][: len(expected_ids)].tolist() == expected_ids
+    at_24 = Namespace(**{**vars(args), "diffusion_fps": None})
+    assert sft_cache_folder(at_24, data, "cosmos3", path) != sft_cache_folder(args, data, "cosmos3", path)
+    (sample_24,) = build_sft_samples(at_24, family=family, pipe=pipe)
+    assert sample_24.conditioning["encoded_shape"].tolist() == [64, 32, 5, 24000]
+
+
 def test_sft_data_source_epochs_and_resume():
     from miles.types import Sample
 

@@ -148,14 +148,16 @@ def make_rollout_samples(
         guidance_scale_2=args.diffusion_guidance_scale_2,
         true_cfg_scale=args.diffusion_true_cfg_scale,
     )
-    shape = GenerationShape(args.diffusion_height, args.diffusion_width, args.diffusion_output_num_frames)
+    shape = GenerationShape(
+        args.diffusion_height, args.diffusion_width, args.diffusion_output_num_frames, args.diffusion_fps
+    )
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.diffusion_forward_dtype]
     sde = build_sde_backend(
         args.diffusion_sde_type, args.diffusion_noise_level, args.diffusion_log_prob_no_const, args.sde_step_backend_path
     )
     all_prompts = [p for p in prompts for _ in range(n_samples_per_prompt)]
     count = len(all_prompts)
-    conditioning = family.encode_prompt(pipe, all_prompts, args.diffusion_negative_prompt, guidance)
+    conditioning = family.encode_prompt(pipe, all_prompts, args.diffusion_negative_prompt, guidance, shape=shape)
     sigmas = family.sigmas(pipe, args.diffusion_num_steps, shape, None).to(torch.float32)
     generators = [torch.Generator().manual_seed(seed + i) for i in range(count)]
     latents = family.prepare_latents(pipe, shape, generators, dtype)
@@ -246,6 +248,26 @@ def load_tiny_family(args):
 def trained_state(trainer) -> dict[str, torch.Tensor]:
     """Full (gathered) copies of the trainable parameters; a collective on every rank."""
     return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for name, p in trainer.trainable}
+
+
+def rollout_and_train_step(
+    args, prompts: list[str], n_samples_per_prompt: int, sde_step_indices: list[int], seed: int = 0
+):
+    """One engine-free iteration on a tiny pipeline, on the current process group: rollout samples made with the
+    family's pipeline (velocities recorded), then one trainer step on them. Returns (samples, metrics, trainable
+    weights before the step, after it). With `diffusion_debug_mode=True` the trainer compares its velocities
+    with the rollout's (`train/model_output_max_abs_diff`, docs/algorithms.md §11.7)."""
+    from miles.backends.fsdp_utils.actor import DiffusionTrainer
+
+    family, pipe = load_tiny_family(args)
+    samples = make_rollout_samples(
+        family, pipe, args, prompts, n_samples_per_prompt, sde_step_indices, seed=seed, debug=True
+    )
+    trainer = DiffusionTrainer(args, family)
+    trainer.init()
+    before = trained_state(trainer)
+    metrics = trainer.train(0, samples)
+    return samples, metrics, before, trained_state(trainer)
 
 
 def train_rank_worker(rank: int, args, samples_path: str, rollout_ids: list[int]) -> dict:

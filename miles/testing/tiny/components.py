@@ -5,7 +5,9 @@
 
 The real-size builders (`build_real_size`) reuse the text encoders with the real output widths: only the
 widths reach the denoiser, so a few narrow layers behind them give the real conditioning shapes.
-- `tiny_wan_vae`: a small AutoencoderKLWan with non-trivial latents_mean/std (Wan 2.2, Cosmos 3).
+- `tiny_wan_vae`: a small AutoencoderKLWan with non-trivial latents_mean/std (the Wan 2.1 layout: 16 channels,
+  8x spatial, 4x temporal; Wan 2.1, Wan 2.2 A14B); `tiny_wan22_vae`: the Wan 2.2 layout of the same class (48
+  channels, residual, 2x2 patch, 16x spatial; Wan 2.2 TI2V 5B, Cosmos 3).
 - `tiny_unipc_flow_scheduler`: the UniPC flow-sigma scheduler the Wan 2.2 and Cosmos 3 checkpoints ship.
 
 Callers seed torch before building, and the weights depend on the order of construction: keep it.
@@ -108,6 +110,20 @@ def tiny_wan_vae(z_dim: int = 16, **extra: Any):
         latents_mean=[0.1 * ((i % 5) - 2) for i in range(z_dim)],
         latents_std=[1.0 + 0.05 * (i % 3) for i in range(z_dim)],
         **extra,
+    )
+
+
+def tiny_wan22_vae():
+    """The Wan 2.2 VAE layout (TI2V 5B and Cosmos 3): 48 latent channels, residual blocks, a 2x2 pixel patch
+    (12 = 3·2·2 input channels), 16x spatial and 4x temporal compression."""
+    return tiny_wan_vae(
+        48,
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_spatial=16,
+        scale_factor_temporal=4,
     )
 
 

@@ -1,13 +1,17 @@
-"""Random-weight Wan 2.2 pipelines (`WanPipeline`), built offline: tiny (`build`) and TI2V-5B size
+"""Random-weight Wan pipelines (`WanPipeline`), built offline: tiny (`build`) and TI2V-5B size
 (`build_real_size`).
 
-Two layouts, like the published checkpoints:
+Three layouts, like the published checkpoints (`python -m miles.testing.make_tiny --family wan2_2 --variant V`):
 
 - `variant="a14b"` (default): the dual-expert T2V A14B layout: `transformer` (high noise) and
   `transformer_2` (low noise) switched at `boundary_ratio`, the 16-channel AutoencoderKLWan
   (8x spatial, 4x temporal).
 - `variant="ti2v_5b"`: the single-expert TI2V 5B layout: one `transformer`, `expand_timesteps=True`
   (per-token timesteps), the 48-channel residual AutoencoderKLWan with a 2x2 patch (16x spatial).
+- `variant="wan2_1"`: Wan 2.1 T2V (1.3B / 14B): one `transformer`, no boundary, per-sample timesteps, the
+  16-channel Wan 2.1 VAE. Its model_index.json is written without `transformer_2`, `boundary_ratio` and
+  `expand_timesteps` entries, as diffusers saved Wan folders before Wan 2.2 added them, so the layout is read
+  from what such a folder lacks (the A14B and 5B variants test the other form).
 
 Text encoder: a 1-layer UMT5 over a locally built T5 Unigram tokenizer. Scheduler: the
 `UniPCMultistepScheduler` with flow sigmas that the real checkpoints ship (our loop only reads its
@@ -20,10 +24,13 @@ published scheduler, and a narrow 1-layer UMT5 at the real width 4096, so a prom
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 
 from miles.testing import real_size
-from miles.testing.tiny.components import tiny_t5_config, tiny_unipc_flow_scheduler, tiny_wan_vae
+from miles.testing.tiny.components import tiny_t5_config, tiny_unipc_flow_scheduler, tiny_wan22_vae, tiny_wan_vae
 from miles.testing.tiny.tokenizers import build_t5_tokenizer
 
 TINY_FLOW_SHIFT = 3.0
@@ -34,15 +41,7 @@ MAX_SEQUENCE_LENGTH = 16
 
 def _tiny_vae(variant: str):
     if variant == "ti2v_5b":  # the 48-channel residual VAE with a 2x2 patch (16x spatial)
-        return tiny_wan_vae(
-            48,
-            is_residual=True,
-            in_channels=12,
-            out_channels=12,
-            patch_size=2,
-            scale_factor_spatial=16,
-            scale_factor_temporal=4,
-        )
+        return tiny_wan22_vae()
     return tiny_wan_vae(16)
 
 
@@ -65,13 +64,17 @@ def _tiny_transformer(in_channels: int):
     )
 
 
+VARIANTS = ("a14b", "ti2v_5b", "wan2_1")
+WAN22_ONLY_INDEX_ENTRIES = ("transformer_2", "boundary_ratio", "expand_timesteps")
+
+
 def build(out_dir: str, seed: int = 0, variant: str = "a14b") -> str:
-    """Build and `save_pretrained` a tiny Wan 2.2 pipeline of `variant` ("a14b" or "ti2v_5b") into `out_dir`."""
+    """Build and `save_pretrained` a tiny Wan pipeline of `variant` (one of `VARIANTS`) into `out_dir`."""
     from diffusers import WanPipeline
     from transformers import UMT5Config, UMT5EncoderModel
 
-    if variant not in ("a14b", "ti2v_5b"):
-        raise ValueError(f"unknown Wan 2.2 variant {variant!r}; choose 'a14b' or 'ti2v_5b'")
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown Wan variant {variant!r}; choose one of {VARIANTS}")
     torch.manual_seed(seed)
     tokenizer = build_t5_tokenizer(model_max_length=MAX_SEQUENCE_LENGTH)
     text_encoder = UMT5EncoderModel(UMT5Config(**tiny_t5_config(tokenizer, d_model=TEXT_DIM)))
@@ -90,7 +93,19 @@ def build(out_dir: str, seed: int = 0, variant: str = "a14b") -> str:
         expand_timesteps=variant == "ti2v_5b",
     )
     pipe.save_pretrained(out_dir)
+    if variant == "wan2_1":
+        _drop_model_index_entries(out_dir, WAN22_ONLY_INDEX_ENTRIES)
     return out_dir
+
+
+def _drop_model_index_entries(out_dir: str, keys: tuple[str, ...]) -> None:
+    index_path = os.path.join(out_dir, "model_index.json")
+    with open(index_path) as f:
+        index = json.load(f)
+    for key in keys:
+        index.pop(key, None)
+    with open(index_path, "w") as f:
+        json.dump(index, f, indent=2, sort_keys=True)
 
 
 def build_real_size(
