@@ -257,8 +257,9 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
           "dropped.", ge=1),
     ]),
     ("Data and batching", [
-        F("--prompt-data", str, None, "jsonl, one row per prompt. Required for RL unless "
-          "--disable-rollout-global-dataset or --load-debug-rollout-data."),
+        F("--prompt-data", str, None, "jsonl, one row per prompt; also a .txt file (one prompt per line) or GenEval "
+          "metadata (*_metadata.jsonl), docs/data.md. Required for RL unless --disable-rollout-global-dataset or "
+          "--load-debug-rollout-data."),
         F("--input-key", str, "input", "Prompt field of a row."),
         F("--metadata-key", str, "metadata", "Metadata field of a row."),
         P("--data-source-path", "Data source class; defaults to RolloutDataSourceWithBuffer."),
