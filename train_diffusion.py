@@ -91,6 +91,7 @@ def train(args) -> None:
         if should_save(args, rollout_id):
             with run_logger.phase("save"):
                 actor.save(rollout_id, extra_state={"data_source": rollout_manager.state_dict()})
+        actor.export_if_due(rollout_id)  # --export-interval: the policy for inference, <output-dir>/export/
 
         if rollout_manager.has_engines:
             if turns.engines_release:

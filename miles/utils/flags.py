@@ -382,6 +382,10 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
         F("--ckpt-step", int, None, "Defaults to latest_checkpointed_iteration.txt.", ge=0),
         S("--no-load-optim", "Do not restore the optimizer state."),
         S("--no-load-rng", "Do not restore the RNG state."),
+        F("--export-interval", int, None, "Every N rollouts and after the last one, write the policy the engines "
+          "serve for inference to <--output-dir>/export/iter_<rollout id>/: a diffusers LoRA adapter for a "
+          "--use-lora run, else a complete pipeline folder. `python -m miles.export` does the same from a "
+          "checkpoint (docs/training.md).", ge=1, extension=True, metavar="N"),
     ]),
     ("Logging", [
         F("--output-dir", str, "outputs/miles", "The run's output folder for metrics, plots and sample images.",
