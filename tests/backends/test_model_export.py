@@ -15,11 +15,13 @@ import torch.distributed as dist
 
 from miles.backends.fsdp_utils.actor import DiffusionTrainer
 from miles.backends.fsdp_utils.checkpoint import save_checkpoint
+from miles.backends.fsdp_utils import model_export
 from miles.backends.fsdp_utils.model_export import (
     EXPORT_INFO_FILE,
     LORA_WEIGHTS_FILE,
     export_dir,
     export_from_trainer,
+    lora_format_problem,
     should_export,
     stored_dtype,
 )
@@ -209,6 +211,27 @@ def test_export_interval_writes_the_served_policy_during_training(tiny, tmp_path
     pipe.load_lora_weights(out)
     base = pipeline_output(family, trainer, base_pipe, samples)
     assert_same_policy(pipeline_output(family, trainer, pipe, samples), trainer_output(trainer, samples), base)
+
+
+def test_where_the_lora_format_cannot_hold_the_adapter_training_exports_merge(tiny, tmp_path, monkeypatch, caplog):
+    from diffusers import DiffusionPipeline
+
+    assert lora_format_problem("StableDiffusion3Pipeline", ["transformer"]) is None
+    assert "cannot save LoRA weights" in lora_format_problem("Cosmos3OmniPipeline", ["transformer"])
+    assert "no adapter for ['transformer_2']" in lora_format_problem("WanPipeline", ["transformer", "transformer_2"])
+
+    base_path, family, base_pipe, samples = tiny
+    trainer = train_one_rollout_and_save(tiny, str(tmp_path / "ckpt"), use_lora=True)
+    monkeypatch.setattr(model_export, "lora_format_problem", lambda *a: "a family without a LoRA format")
+    out = str(tmp_path / "export")
+    assert export_from_trainer(trainer, out, 0) == "pipeline"
+    assert "--export-interval: a family without a LoRA format; exporting a merged pipeline instead" in caplog.text
+    pipe = DiffusionPipeline.from_pretrained(out, dtype=torch.float32)
+    assert_same_policy(pipeline_output(family, trainer, pipe, samples), trainer_output(trainer, samples),
+                       pipeline_output(family, trainer, base_pipe, samples))
+    with pytest.raises(MilesUserError, match="a family without a LoRA format; export with --merge for a complete "
+                                             "pipeline instead"):
+        export_checkpoint(["--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "adapter")])
 
 
 def test_the_command_line_needs_no_ray_no_gpu_and_fails_in_one_line(tiny, tmp_path):

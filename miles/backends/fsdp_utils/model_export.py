@@ -235,27 +235,42 @@ def family_for(weights: TrainedWeights, base: str | None):
     return build_train_pipeline_config(args)
 
 
+def _save_lora_parameters(pipeline_class) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(pipeline_class.save_lora_weights).parameters)
+
+
+def lora_format_problem(pipeline_class_name: str, modules: list[str]) -> str | None:
+    """Why the diffusers LoRA format of this pipeline cannot hold adapters of `modules` (None when it can): some
+    pipelines have no LoRA loader (Cosmos 3), others save fewer modules than were trained (Wan2.2 A14B's
+    transformer_2)."""
+    import diffusers
+
+    pipeline_class = getattr(diffusers, pipeline_class_name, None)
+    if pipeline_class is None or not hasattr(pipeline_class, "save_lora_weights"):
+        return f"{pipeline_class_name} cannot save LoRA weights in the diffusers format"
+    unknown = [name for name in modules if f"{name}_lora_layers" not in _save_lora_parameters(pipeline_class)]
+    if unknown:
+        return (f"{pipeline_class_name}.save_lora_weights takes no adapter for {unknown}: the diffusers LoRA format "
+                "of this family covers fewer modules than --update-weight-target-module")
+    return None
+
+
 def write_lora_adapter(pipeline_class_name: str, adapters: dict[str, dict[str, torch.Tensor]], config,
                        path: str) -> None:
     """`<pipeline class>.save_lora_weights(path, <module>_lora_layers=..., <module>_lora_adapter_metadata=...)`.
 
     `adapters`: module -> {"<layer>.lora_A.weight": A, "<layer>.lora_B.weight": B} (unscaled; the scale α/r
     travels in the adapter metadata, `config` a PEFT LoraConfig)."""
-    import inspect
-
     import diffusers
 
-    pipeline_class = getattr(diffusers, pipeline_class_name, None)
-    if pipeline_class is None or not hasattr(pipeline_class, "save_lora_weights"):
-        raise MilesUserError(f"{pipeline_class_name} cannot save LoRA weights in the diffusers format")
-    accepted = inspect.signature(pipeline_class.save_lora_weights).parameters
+    problem = lora_format_problem(pipeline_class_name, list(adapters))
+    if problem:
+        raise MilesUserError(f"{problem}; export with --merge for a complete pipeline instead")
+    pipeline_class = getattr(diffusers, pipeline_class_name)
+    accepted = _save_lora_parameters(pipeline_class)
     layers = {f"{name}_lora_layers": tensors for name, tensors in adapters.items()}
-    unknown = [key for key in layers if key not in accepted]
-    if unknown:
-        raise MilesUserError(
-            f"{pipeline_class.__name__}.save_lora_weights does not take {unknown}: the diffusers LoRA format of "
-            "this family covers fewer modules than --update-weight-target-module"
-        )
     metadata = {f"{name}_lora_adapter_metadata": config.to_dict() for name in adapters}
     kwargs = {**layers, **{key: value for key, value in metadata.items() if key in accepted}}
     os.makedirs(path, exist_ok=True)
@@ -433,9 +448,16 @@ def export_dir(args, rollout_id: int) -> str:
 
 def export_from_trainer(trainer, out: str, rollout_id: int) -> str | None:
     """Every rank calls it: gather the policy the engines serve (θ̄ under `--ema-rollout-policy ema`) and write
-    it on rank 0, as a LoRA adapter for a --use-lora run, else as a pipeline folder. Returns the kind on rank 0."""
+    it on rank 0, as a LoRA adapter for a --use-lora run (a merged pipeline where the family's diffusers LoRA
+    format cannot hold the adapter), else as a pipeline folder. Returns the kind on rank 0."""
     use_ema = getattr(trainer.args, "ema_rollout_policy", "live") == "ema"
     weights = trainer_weights(trainer, use_ema, source=f"rollout {rollout_id} of the run")
     if weights is None:
         return None
-    return export_weights(weights, out, replace=True)
+    merge = False
+    if weights.lora is not None:
+        problem = lora_format_problem(trainer.family.pipeline_class_name, weights.modules)
+        if problem:  # an export must not end a run that trained fine: write what every family can load
+            logger.warning("--export-interval: %s; exporting a merged pipeline instead", problem)
+            merge = True
+    return export_weights(weights, out, merge=merge, replace=True)
