@@ -265,7 +265,8 @@ def test_a_video_without_moviepy_says_how_to_install_it(monkeypatch, caplog):
     import importlib.util
 
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "moviepy" else find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "moviepy" else find_spec(name, *rest))
 
     def needs_moviepy(*args, **kwargs):
         raise wandb.Error('wandb.Video requires moviepy when passing raw data. Install with "pip install wandb[media]"')

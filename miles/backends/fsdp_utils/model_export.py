@@ -167,18 +167,18 @@ def load_checkpoint_weights(root: str, step: int | None = None, use_ema: bool = 
         if lora_alpha is None:
             raise MilesUserError(f"--lora-alpha: the checkpoint {directory} predates recorded LoRA settings in "
                                  "meta.pt; pass the run's --lora-alpha (rank and targets are read off the adapter)")
-        lora = _lora_settings_from_tensors(tensors, lora_alpha)
+        lora = _lora_settings_from_tensors(tensors, lora_alpha, directory)
     return TrainedWeights(tensors=tensors, modules=list(modules), lora=lora if meta["use_lora"] else None,
                           family=meta.get("family"), base=meta.get("hf_checkpoint"),
                           source=f"checkpoint {directory}", ema=use_ema)
 
 
-def _lora_settings_from_tensors(tensors: dict[str, torch.Tensor], lora_alpha: int) -> dict[str, Any]:
+def _lora_settings_from_tensors(tensors: dict[str, torch.Tensor], lora_alpha: int, directory: str) -> dict[str, Any]:
     """`lora_settings` of an adapter whose α is known: r from a `lora_A` weight's rows, the targets are the
     adapted layers' names (PEFT matches a full name as well as a suffix)."""
     downs = {name.split(".lora_A.")[0]: t for name, t in tensors.items() if ".lora_A." in name}
     if not downs:
-        raise MilesUserError("the checkpoint is marked use_lora but holds no lora_A tensors")
+        raise MilesUserError(f"--load {directory}: meta.pt says use_lora, but the shards hold no lora_A tensors")
     targets = sorted({module_parameter_name(owner.partition(".")[2]) for owner in downs})
     return {"r": int(next(iter(downs.values())).shape[0]), "lora_alpha": int(lora_alpha),
             "target_modules": targets, "init_lora_weights": True}
