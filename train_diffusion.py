@@ -22,6 +22,7 @@ logger = logging.getLogger("miles")
 def train(args) -> None:
     # Heavy imports only after the command line is known to be good (a bad flag fails in a second).
     from miles.backends.fsdp_utils.checkpoint import should_save
+    from miles.logging.ci_check import check_ci_metric
     from miles.logging.run_logger import RunLogger
     from miles.ray.colocation import ColocationPolicy
     from miles.ray.placement import create_placement_groups, init_ray
@@ -74,6 +75,8 @@ def train(args) -> None:
 
         with run_logger.phase("rollout"):
             samples = rollout_manager.generate(rollout_id)
+        if args.overlap_rollout and rollout_id + 1 < args.num_rollout:
+            rollout_manager.generate_ahead(rollout_id + 1)  # on the current weights, while this one trains
         if actor is None:
             run_logger.flush(rollout_id)
             continue
@@ -91,9 +94,12 @@ def train(args) -> None:
         if should_save(args, rollout_id):
             with run_logger.phase("save"):
                 actor.save(rollout_id, extra_state={"data_source": rollout_manager.state_dict()})
-        actor.export_if_due(rollout_id)  # --export-interval: the policy for inference, <output-dir>/export/
+        actor.export_if_due(rollout_id, run_logger.phase)  # --export-interval: <output-dir>/export/, for inference
 
         if rollout_manager.has_engines:
+            if args.overlap_rollout:
+                with run_logger.phase("overlap_wait"):
+                    rollout_manager.wait_ahead()  # the engines finish it before their weights change
             if turns.engines_release:
                 with run_logger.phase("resume"):
                     rollout_manager.resume_memory()
@@ -113,6 +119,7 @@ def train(args) -> None:
         run_logger.flush(args.num_rollout)
     rollout_manager.shutdown()
     run_logger.finish()
+    check_ci_metric(args, run_logger.history)  # --ci-test: the run fails here when its metric missed the bar
 
 
 @exit_on_user_error

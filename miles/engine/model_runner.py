@@ -118,6 +118,12 @@ class ModelRunner:
         if server_args.enable_torch_compile:
             self._compile(server_args.torch_compile_mode)
         self.pad_batches = bool(server_args.enable_torch_compile)  # see _forward
+        if self.device.type == "cuda" and 0 < server_args.forward_tile < 4:
+            logger.warning(
+                "DiT forwards run %d sample(s) at a time: the batch_invariant patch group uses the trainer's "
+                "micro-batch as the engine's forward size; raise --micro-batch-size (4-16) for speed, or pass "
+                "--rollout-patch-group none to batch freely without bitwise parity", server_args.forward_tile,
+            )
         self.weight_version = 0
         self._backends: dict[tuple, SdeStepBackend] = {}
 

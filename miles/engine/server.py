@@ -31,6 +31,7 @@ from miles.engine.scheduler import StepScheduler
 from miles.engine.server_args import ServerArgs
 from miles.engine.weight_sync import WeightReceiver, decode_update_message, module_checksums
 from miles.utils.auth import bearer_auth_middleware, json_errors_middleware, resolve_api_key, warn_if_exposed
+from miles.utils.device_memory import current_device_memory
 from miles.utils.errors import MilesUserError
 
 logger = logging.getLogger(__name__)
@@ -174,7 +175,7 @@ class EngineServer:
                 "compiled": bool(self.server_args.enable_torch_compile),
                 "memory_released": self.memory_released,
                 "running_requests": self.scheduler.num_running,
-                "cuda_memory": _device_memory(),
+                "cuda_memory": _device_memory(),  # what the colocation policy reads
                 "counters": {**self.scheduler.counters.as_dict(), **self.counters},
             }
         )
@@ -212,16 +213,8 @@ class EngineServer:
 
 
 def _device_memory() -> dict[str, int] | None:
-    """This engine's GPU memory in `miles.ray.colocation.DeviceMemory` fields (None on a CPU engine)."""
-    if not torch.cuda.is_available():
-        return None
-    free, total = torch.cuda.mem_get_info()
-    return {
-        "free": int(free),
-        "total": int(total),
-        "reserved": int(torch.cuda.memory_reserved()),
-        "peak_reserved": int(torch.cuda.max_memory_reserved()),
-    }
+    memory = current_device_memory()
+    return memory.as_dict() if memory is not None else None
 
 
 def _cuda_memory() -> dict[str, int]:

@@ -1,7 +1,8 @@
-"""The two pictures a run leaves in its output folder: the reward curve and a grid of samples."""
+"""The pictures a run leaves in its output folder: the reward curve, a grid of samples, and each eval's grids."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any, Sequence
@@ -46,10 +47,16 @@ def save_sample_grid(
     first: Sequence[tuple[int, str, torch.Tensor]], last: Sequence[tuple[int, str, torch.Tensor]], path: str
 ) -> str | None:
     """Two rows: samples of the first rollout above samples of the last one (first frame of videos)."""
-    rows = [list(r) for r in (first, last) if r]
+    rows = [[img for _, _, img in r] for r in (first, last) if r]
+    return _save_tiles(rows, path)
+
+
+def _save_tiles(rows: Sequence[Sequence[torch.Tensor]], path: str) -> str | None:
+    """Tile the first frame of each uint8 [F, H, W, 3] image, one list per row; returns the path."""
+    rows = [list(row) for row in rows if row]
     if not rows:
         return None
-    tiles = [[np.asarray(img[0].cpu()) for _, _, img in row] for row in rows]
+    tiles = [[np.asarray(img[0].cpu()) for img in row] for row in rows]
     height = max(t.shape[0] for row in tiles for t in row)
     width = max(t.shape[1] for row in tiles for t in row)
     columns = max(len(row) for row in tiles)
@@ -64,3 +71,21 @@ def save_sample_grid(
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     image.save(path)
     return path
+
+
+EVAL_GRID_MAX_ROWS = 16
+EVAL_GRID_MAX_COLUMNS = 8
+
+
+def save_eval_grid(groups: Sequence[Sequence[Any]], folder: str, name: str) -> str | None:
+    """`<folder>/<name>.png`: one row per eval prompt (its samples side by side, the first frame of a video), at
+    most 16 prompts x 8 samples; and `<folder>/<name>.jsonl`: each row's prompt and the rewards shown."""
+    shown = [[s for s in group if s.image is not None][:EVAL_GRID_MAX_COLUMNS] for group in groups]
+    shown = [row for row in shown if row][:EVAL_GRID_MAX_ROWS]
+    grid = _save_tiles([[s.image for s in row] for row in shown], os.path.join(folder, f"{name}.png"))
+    if grid is None:
+        return None
+    with open(os.path.join(folder, f"{name}.jsonl"), "w") as f:
+        for position, row in enumerate(shown):
+            f.write(json.dumps({"row": position, "prompt": row[0].prompt, "rewards": [s.reward for s in row]}) + "\n")
+    return grid

@@ -1,4 +1,5 @@
-"""Everything a run reports: the metrics JSONL, the console line, wandb, phase timings and the final plots.
+"""Everything a run reports: the metrics JSONL, the console line, wandb, TensorBoard, phase timings and the
+final plots.
 
 Metric names are stable: `rollout/*` (rewards, advantages), `train/*` (losses, ratios, grad norm, lr),
 `eval/<name>/*`, `perf/*` (phase times, images/s, pairs/s, MFU). One JSON line per rollout id goes to
@@ -9,6 +10,9 @@ its parts with `phase`; `flush` adds `perf/iteration_time` and `perf/unaccounted
 its phases). An iteration's clock starts when the previous one's `flush` starts, so that flush's own writing is
 the `perf/log_time` phase of the next record and the records tile the run's wall time without gaps.
 `perf/startup_time` (process start to the first iteration) comes with the first record.
+
+`--use-tensorboard` writes every record's scalars, at step = rollout id, to `<output-dir>/tensorboard`
+(torch.utils.tensorboard; scalars only: images stay on disk and in wandb).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class RunLogger:
         self._sample_images: list[tuple[int, str, torch.Tensor]] = []  # (rollout id, prompt, uint8 [F,H,W,3])
         self.timeline = PhaseTimeline(args.miles_dashboard_workspace) if args.use_miles_dashboard else None
         self.wandb = self._init_wandb(args) if args.use_wandb else None
+        self.tensorboard = self._init_tensorboard(args) if getattr(args, "use_tensorboard", False) else None
         self._started_at = started_at
         self._iteration_start: float | None = None
         self._next_iteration_start: float | None = None  # when the last flush began
@@ -135,6 +140,11 @@ class RunLogger:
         logger.info("rollout %d | %s", rollout_id, self._console_summary(record))
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if k not in ("rollout_id", "time")}, step=rollout_id)
+        if self.tensorboard is not None:
+            for key, value in record.items():
+                if key not in ("rollout_id", "time"):
+                    self.tensorboard.add_scalar(key, value, global_step=rollout_id)
+            self.tensorboard.flush()
         if self.timeline is not None:
             self.timeline.flush()
         self._next_iteration_start = flush_start
@@ -152,6 +162,8 @@ class RunLogger:
             logger.info("sample grid: %s", grid)
         if self.wandb is not None:
             self.wandb.finish()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
     @property
     def history(self) -> list[dict[str, Any]]:
@@ -195,6 +207,12 @@ class RunLogger:
             dir=args.wandb_dir or os.path.abspath("wandb"),
             config=vars(args),
         )
+
+    @staticmethod
+    def _init_tensorboard(args):
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package (validation checks)
+
+        return SummaryWriter(log_dir=os.path.join(args.output_dir, "tensorboard"))
 
     @staticmethod
     def _to_wandb_media(sample):

@@ -15,21 +15,12 @@ and the turns cost nothing. `always` takes turns at every iteration (the referen
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+
+from miles.utils.device_memory import DeviceMemory
 
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
-
-
-@dataclass(frozen=True)
-class DeviceMemory:
-    """One process's view of its GPU, in bytes (`torch.cuda.mem_get_info` and the caching allocator)."""
-
-    free: int  # free on the whole device now
-    total: int
-    reserved: int  # held by this process's caching allocator now
-    peak_reserved: int  # the most it has held since it started
 
 
 def fits_resident(trainers: list[DeviceMemory], engines: list[DeviceMemory], margin_bytes: int) -> bool:

@@ -122,7 +122,7 @@ class EngineFleet:
 
     def memory_stats(self) -> list:
         """Each engine's GPU memory (`DeviceMemory`), from its `/server_info`; empty for CPU engines."""
-        from miles.ray.colocation import DeviceMemory
+        from miles.utils.device_memory import DeviceMemory
 
         stats = []
         for url in self.urls:

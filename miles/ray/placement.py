@@ -78,8 +78,16 @@ def init_ray(args) -> None:
         # A CPU machine gets logical CPU slots for every process the job starts (they mostly wait on each other).
         slots = train_world_size(args) + _num_engines(args) * max(1, args.rollout_num_gpus_per_engine) + 8
         num_cpus = None if use_gpus() else max(slots, os.cpu_count() or 1)
-        ray.init(num_cpus=num_cpus, runtime_env=runtime_env, include_dashboard=False, log_to_driver=True)
+        num_gpus = _local_gpu_budget(args) if use_gpus() else None  # --num-gpus-per-node caps this node's GPUs
+        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=runtime_env, include_dashboard=False,
+                 log_to_driver=True)
     reinstall_signal_handlers()  # ray.init made SIGTERM a bare sys.exit, which would skip the run's cleanup
+
+
+def _local_gpu_budget(args) -> int:
+    import torch
+
+    return min(int(getattr(args, "num_gpus_per_node", 8) or 8), torch.cuda.device_count())
 
 
 def _num_engines(args) -> int:

@@ -3,6 +3,11 @@
 `generate(rollout_id)` returns the rollout's samples (trajectories, rewards, advantages), flattened in
 group-contiguous order. Without engines (`--train-only`, `--load-debug-rollout-data`) the samples come
 from the SFT dataset or from a saved rollout.
+
+At start-up the model rewards the run names (`--rm-type`, the eval sets' `rm_type`) load their workers, behind a
+progress bar; with `--colocate-reward` those workers go onto the rollout GPUs' placement-group bundles.
+`eval(rollout_id)` logs each eval set's reward and reward components and writes its image grid under
+`<--output-dir>/eval/<rollout_id>/`.
 """
 
 from __future__ import annotations
@@ -12,16 +17,24 @@ import os
 import random
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
 
+from miles.logging.plots import save_eval_grid
 from miles.ray.engines import EngineFleet
 from miles.ray.shutdown import on_run_exit
 from miles.rollout.advantages import assign_advantages
 from miles.rollout.data_source import build_data_source
 from miles.rollout.eval_config import build_eval_datasets
 from miles.rollout.hooks import apply_rollout_sample_filter, load_rollout_hooks
+from miles.rollout.rm_hub import (
+    configured_reward_types,
+    load_reward_models,
+    model_reward_workers,
+    reward_component_metrics,
+)
 from miles.types import Sample
 from miles.utils.errors import MilesUserError
 from miles.utils.safe_load import load_plain, save_plain
@@ -44,10 +57,26 @@ class RolloutManager:
             self.data_source = build_data_source(args)
         self.eval_datasets = build_eval_datasets(args) if not args.train_only else []
         self.fleet = EngineFleet(args, placement) if placement.num_engines > 0 else None
+        if self.data_source is not None or self.eval_datasets:
+            self._load_rewards(placement)
         self.weight_version = 0
         self._watcher: threading.Thread | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._ahead: tuple[int, Future] | None = None  # (rollout id, its samples and metrics) under --overlap-rollout
+        self._state_before_ahead: dict[str, Any] | None = None
         self._stop_watching = threading.Event()
         on_run_exit("the rollout engines, the router and the engine watcher", self.shutdown)
+
+    def _load_rewards(self, placement) -> None:
+        """Start the model rewards' workers now, so a bad model path fails before the first rollout."""
+        reward_types = configured_reward_types(self.args, [dataset.rm_type for dataset in self.eval_datasets])
+        if getattr(self.args, "colocate_reward", False):
+            from miles.rollout.rm_hub.workers import colocate_reward_workers
+
+            rollout_bundles = list(range(placement.num_engines * placement.gpus_per_engine))
+            colocate_reward_workers(placement.rollout.placement_group, rollout_bundles,
+                                    model_reward_workers(self.args, reward_types), on_gpu=placement.device == "cuda")
+        load_reward_models(self.args, reward_types)
 
     # ---- engines ------------------------------------------------------------------------------------
     @property
@@ -92,16 +121,17 @@ class RolloutManager:
 
     # ---- rollouts -----------------------------------------------------------------------------------
     def generate(self, rollout_id: int) -> list[Sample]:
-        start = time.perf_counter()
-        samples, metrics = self._produce_samples(rollout_id)
-        rollout_time = time.perf_counter() - start
-        apply_rollout_sample_filter(self.hooks, self.args, samples)  # masked samples still count for advantages
-        if self.args.loss_type != "sft_loss":
-            metrics.update(assign_advantages(self.args, samples))
-        metrics["rollout/num_samples"] = len(samples)
-        num_images = sum(1 if s.image is None else s.image.shape[0] for s in samples)
-        if rollout_time > 0 and self.sft_dataset is None and not self.args.load_debug_rollout_data:
-            metrics["perf/images_per_second"] = num_images / rollout_time
+        """The rollout's samples with their advantages, logged. With `--overlap-rollout` the rollout started by
+        `generate_ahead(rollout_id)` is waited for instead of generating it now."""
+        if self._ahead is not None and self._ahead[0] == rollout_id:
+            samples, metrics = self._ahead[1].result()
+            self._ahead = None
+            self._state_before_ahead = None
+        else:
+            samples, metrics = self._generate_scored(rollout_id)
+        staleness = [self.weight_version - s.weight_version for s in samples if s.engine_url is not None]
+        if staleness:
+            metrics["rollout/staleness"] = sum(staleness) / len(staleness)
         skip_default = self.hooks.rollout_log is not None and self.hooks.rollout_log(rollout_id, self.args, samples, metrics)
         if not skip_default:
             self.run_logger.log(rollout_id, metrics)
@@ -112,6 +142,35 @@ class RolloutManager:
             save_plain({"rollout_id": rollout_id, "samples": [sample.to_record() for sample in samples]}, path,
                        "--save-debug-rollout-data")
         return samples
+
+    def generate_ahead(self, rollout_id: int) -> None:
+        """`--overlap-rollout`: start generating `rollout_id` on the engines' current weights, in the background,
+        while the trainer trains on the previous one (one step off-policy). `wait_ahead` before the engines'
+        weights change; `generate(rollout_id)` returns it."""
+        self._state_before_ahead = self.state_dict()  # a checkpoint taken meanwhile resumes before this rollout
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-rollout-ahead")
+        self._ahead = (rollout_id, self._executor.submit(self._generate_scored, rollout_id))
+
+    def wait_ahead(self) -> None:
+        """Block until the rollout started by `generate_ahead` has all its samples (re-raising its error)."""
+        if self._ahead is not None:
+            self._ahead[1].result()
+
+    def _generate_scored(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
+        """Samples with filters and advantages applied, and the rollout's metrics; logs nothing (may run on the
+        overlap thread)."""
+        start = time.perf_counter()
+        samples, metrics = self._produce_samples(rollout_id)
+        rollout_time = time.perf_counter() - start
+        apply_rollout_sample_filter(self.hooks, self.args, samples)  # masked samples still count for advantages
+        if self.args.loss_type != "sft_loss":
+            metrics.update(assign_advantages(self.args, samples))
+        metrics["rollout/num_samples"] = len(samples)
+        num_images = sum(1 if s.image is None else s.image.shape[0] for s in samples)
+        if rollout_time > 0 and self.sft_dataset is None and not self.args.load_debug_rollout_data:
+            metrics["perf/images_per_second"] = num_images / rollout_time
+        return samples, metrics
 
     def _produce_samples(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
         """The rollout's samples and the rollout function's own counters (retries, dropped groups, ...)."""
@@ -163,6 +222,7 @@ class RolloutManager:
             dataset_metrics = {
                 f"eval/{dataset.name}/reward_mean": rewards.mean().item(),
                 f"eval/{dataset.name}/reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
+                **reward_component_metrics([s.reward for s in samples], f"eval/{dataset.name}/"),
             }
             skip = self.hooks.eval_rollout_log is not None and self.hooks.eval_rollout_log(
                 rollout_id, self.args, samples, dataset_metrics
@@ -170,11 +230,17 @@ class RolloutManager:
             if not skip:
                 self.run_logger.log(rollout_id, dataset_metrics)
                 self.run_logger.log_samples(rollout_id, samples, prefix=f"eval/{dataset.name}")
+                folder = os.path.join(self.args.output_dir, "eval", str(rollout_id))
+                grid = save_eval_grid(groups, folder, dataset.name)
+                if grid:
+                    logger.info("eval %s images: %s", dataset.name, grid)
             metrics.update(dataset_metrics)
         return metrics
 
     # ---- state --------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any] | None:
+        if self._state_before_ahead is not None:  # the overlapped rollout is not trained on yet: regenerate it
+            return self._state_before_ahead
         source = self.data_source or self.sft_dataset
         return source.state_dict() if source is not None else None
 
@@ -187,6 +253,8 @@ class RolloutManager:
         """Stop the engine watcher, the engines and the router; idempotent (the loop's end and the run's cleanup
         both call it)."""
         self._stop_watching.set()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
         if self._watcher is not None:
             self._watcher.join(timeout=self.args.rollout_health_check_timeout)
         if self.fleet is not None:

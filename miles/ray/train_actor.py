@@ -1,7 +1,7 @@
 """Trainer ranks as Ray actors (docs/design.md §3): one `TrainRayActor` per rank, driven by `TrainActorGroup`.
 
-The ranks form one torch.distributed group (NCCL on GPU, gloo on CPU; with `--fsdp-cpu-offload` a
-`cpu:<--fsdp-cpu-backend>,cuda:nccl` group). Every group call fans out to all ranks and waits for all of them:
+The ranks form one torch.distributed group (`--distributed-backend` on GPU, nccl by default; gloo on CPU whatever
+the flag says; with `--fsdp-cpu-offload` a `cpu:<--fsdp-cpu-backend>,cuda:<--distributed-backend>` group). Every group call fans out to all ranks and waits for all of them:
 FSDP collectives (training, gathering weights for sync, checkpoints) need every rank.
 """
 
@@ -21,6 +21,19 @@ from miles.utils.errors import MilesUserError
 logger = logging.getLogger(__name__)
 
 COLOCATED_TRAIN_GPU_SHARE = 0.7  # train 0.7 + rollout 0.25 + reward 0.05 on one GPU (docs/design.md §3)
+
+
+def process_group_backend(args, on_gpu: bool, log: bool = True) -> str:
+    """The trainer's torch.distributed backend: `--distributed-backend` on GPU (its cuda part under
+    `--fsdp-cpu-offload`), gloo on CPU, where nccl cannot run (`log`: say so, once per run from rank 0)."""
+    requested = getattr(args, "distributed_backend", None) or "nccl"
+    if not on_gpu:
+        if requested != "gloo" and log:
+            logger.info("--distributed-backend %s: no GPU, the trainer's process group uses gloo", requested)
+        return "gloo"
+    if getattr(args, "fsdp_cpu_offload", False):
+        return f"cpu:{getattr(args, 'fsdp_cpu_backend', 'gloo') or 'gloo'},cuda:{requested}"
+    return requested
 
 
 def parse_train_env_vars(value) -> dict[str, str]:
@@ -65,11 +78,7 @@ class TrainRayActor:
         on_gpu = torch.cuda.is_available()
         if on_gpu:
             torch.cuda.set_device(0)  # Ray exposes this actor's GPU as device 0
-            backend = "nccl"
-            if getattr(self.args, "fsdp_cpu_offload", False):
-                backend = f"cpu:{getattr(self.args, 'fsdp_cpu_backend', 'gloo') or 'gloo'},cuda:nccl"
-        else:
-            backend = "gloo"
+        backend = process_group_backend(self.args, on_gpu, log=self.rank == 0)
         timeout = timedelta(minutes=float(getattr(self.args, "distributed_timeout_minutes", 10) or 10))
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=timeout)
         family = _build_family(self.args, self.family_name)
@@ -132,18 +141,11 @@ class TrainRayActor:
         self.trainer.onload()
 
     def memory_stats(self) -> dict | None:
-        """This rank's GPU memory (`miles.ray.colocation.DeviceMemory` fields), None on a CPU run."""
-        import torch
+        """This rank's GPU memory (`DeviceMemory` fields), None on a CPU run."""
+        from miles.utils.device_memory import current_device_memory
 
-        if not torch.cuda.is_available():
-            return None
-        free, total = torch.cuda.mem_get_info()
-        return {
-            "free": int(free),
-            "total": int(total),
-            "reserved": int(torch.cuda.memory_reserved()),
-            "peak_reserved": int(torch.cuda.max_memory_reserved()),
-        }
+        memory = current_device_memory()
+        return memory.as_dict() if memory is not None else None
 
     def shutdown(self) -> None:
         import torch.distributed as dist
@@ -241,16 +243,22 @@ class TrainActorGroup:
     def export_lora(self, path: str) -> None:
         self._all("export_lora", path)
 
-    def export_if_due(self, rollout_id: int) -> str | None:
+    def export_if_due(self, rollout_id: int, phase=None) -> str | None:
         """`--export-interval N`: every N rollouts and after the last one, write the policy the engines serve for
         inference (a LoRA adapter, or a pipeline folder for a full fine-tune) to
-        `<--output-dir>/export/iter_<rollout id>/`; returns that folder, or None when no export is due."""
+        `<--output-dir>/export/iter_<rollout id>/`; returns that folder, or None when no export is due.
+
+        `phase`: the run logger's `phase`, so that an export is timed as `perf/export_time` (and not as
+        unaccounted time) in the rollouts that export, and nothing is logged in the others."""
+        import contextlib
+
         from miles.backends.fsdp_utils.model_export import export_dir, should_export
 
         if not should_export(self.args, rollout_id):
             return None
         path = export_dir(self.args, rollout_id)  # resolved here: the ranks may run in another folder
-        self._all("export", path, rollout_id)
+        with phase("export") if phase is not None else contextlib.nullcontext():
+            self._all("export", path, rollout_id)
         return path
 
     def offload(self) -> None:
@@ -261,7 +269,7 @@ class TrainActorGroup:
 
     def memory_stats(self) -> list:
         """Every rank's GPU memory as `DeviceMemory` (empty on a CPU run)."""
-        from miles.ray.colocation import DeviceMemory
+        from miles.utils.device_memory import DeviceMemory
 
         return [DeviceMemory(**stats) for stats in self._all("memory_stats") if stats]
 

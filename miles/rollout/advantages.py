@@ -1,10 +1,11 @@
 """Rewards → advantages for one rollout batch, and the `rollout/*` reward metrics.
 
 `assign_advantages` runs the math core's GRPO (docs/algorithms.md §4) on the scalar rewards
-(`reward_value`: `--reward-key` picks from dict rewards), or `--custom-reward-post-process-path`
+(`reward_value`: `--reward-key` picks from dict rewards, `--reward-weights` sums their components), or `--custom-reward-post-process-path`
 `fn(args, samples) -> list[float]`, which replaces §4 steps 1–3 wholesale. Samples must be ordered
 group-contiguously (`--n-samples-per-prompt` per prompt). Samples masked by `--rollout-sample-filter-path`
-still count in the statistics (§4).
+still count in the statistics (§4). Each component of dict rewards is logged as `rollout/reward/<name>_mean` and
+`_std` beside the scalar's `rollout/reward_mean`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Sequence
 import torch
 
 from miles.diffusion.advantages import compute_grpo_advantages
-from miles.rollout.rm_hub import reward_value
+from miles.rollout.rm_hub import reward_component_metrics, reward_value
 from miles.types import Sample
 from miles.utils.errors import MilesUserError
 from miles.utils.imports import load_function
@@ -91,4 +92,5 @@ def assign_advantages(args, samples: Sequence[Sample]) -> dict[str, float]:
         f"{METRIC_PREFIX}zero_std_ratio": zero_std_ratio,
         f"{METRIC_PREFIX}advantage_abs_mean": advantage_tensor.abs().mean().item(),
         f"{METRIC_PREFIX}num_masked_samples": float(sum(sample.remove_sample for sample in samples)),
+        **reward_component_metrics([sample.reward for sample in samples], METRIC_PREFIX),
     }

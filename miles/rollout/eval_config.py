@@ -13,9 +13,11 @@
           n_samples_per_eval_prompt: 4   # default --n-samples-per-eval-prompt
           num_steps: 40                  # default --diffusion-eval-num-steps, else --diffusion-num-steps
           reward_key: ocr                # default --eval-reward-key, else --reward-key
+          reward_weights: {ocr: 1.0, pickscore: 0.5}   # default --reward-weights; reward_key wins when set
           rm_type: ocr                   # default: as in training; a row's metadata.rm_type still wins
 
-Metrics of a dataset are logged under `eval/<name>/*`.
+Metrics of a dataset are logged under `eval/<name>/*`: the scalar reward's mean and std, and each reward
+component's (`eval/<name>/reward/<component>_mean`, `_std`).
 """
 
 from __future__ import annotations
@@ -37,21 +39,28 @@ class EvalDataset:
     n_samples_per_eval_prompt: int = 1
     num_steps: int = 10
     reward_key: str | None = None
+    reward_weights: dict[str, float] | None = None
     rm_type: str | None = None
 
     def load_prompts(self) -> list[PromptRow]:
         return load_prompt_data(self.path, self.input_key, self.metadata_key, flag=f"eval dataset {self.name!r}")
 
     def scalar_reward(self, reward: float | dict | None) -> float:
-        """The logged eval reward: a float as is, or the value at this dataset's `reward_key`."""
+        """The logged eval reward: a float as is, the value at this dataset's `reward_key`, or (without a key)
+        the sum of its `reward_weights`."""
         if reward is None:
             raise MilesUserError(f"eval dataset {self.name!r}: a sample has no reward")
+        if self.reward_key is None and self.reward_weights:
+            from miles.rollout.rm_hub import weighted_reward
+
+            return weighted_reward(self.reward_weights, reward, f"eval dataset {self.name!r} reward_weights")
         if not isinstance(reward, dict):
             return float(reward)
         if self.reward_key is None or self.reward_key not in reward:
             raise MilesUserError(
                 f"eval dataset {self.name!r}: the reward is a dict with keys {sorted(reward)}; set its reward_key "
-                f"(--eval-reward-key / --reward-key or reward_key in --eval-config), got {self.reward_key!r}"
+                f"(--eval-reward-key / --reward-key or reward_key in --eval-config) or reward_weights "
+                f"(--reward-weights), got reward_key {self.reward_key!r}"
             )
         return float(reward[self.reward_key])
 
@@ -68,6 +77,7 @@ def _defaults(args) -> dict[str, Any]:
             getattr(args, "diffusion_eval_num_steps", None) or getattr(args, "diffusion_num_steps", None) or 10
         ),
         "reward_key": getattr(args, "eval_reward_key", None) or getattr(args, "reward_key", None),
+        "reward_weights": getattr(args, "reward_weights", None),
         "rm_type": None,  # None: routed like training (metadata.rm_type, --custom-rm-path, --rm-type)
     }
 
@@ -126,6 +136,13 @@ def _from_config(args, config_path: str) -> list[EvalDataset]:
         dataset = EvalDataset(name=str(entry["name"]), path=path, **values)
         dataset.n_samples_per_eval_prompt = int(dataset.n_samples_per_eval_prompt)
         dataset.num_steps = int(dataset.num_steps)
+        if dataset.reward_weights is not None:
+            from miles.utils.flags import parse_reward_weights
+
+            try:
+                dataset.reward_weights = parse_reward_weights(dataset.reward_weights)
+            except ValueError as err:
+                raise MilesUserError(f"{entry_where}: reward_weights: {err}") from err
         datasets.append(_check(dataset, entry_where))
     names = [dataset.name for dataset in datasets]
     if len(set(names)) != len(names):

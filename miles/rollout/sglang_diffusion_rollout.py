@@ -11,9 +11,13 @@ takes `--rollout-batch-size` groups, splits each group of `--n-samples-per-promp
   microgroup's first sample with that seed;
 - each microgroup is scored by `batched_async_rm` as soon as it returns (a whole group at once with
   `--group-rm`);
+- `--over-sampling-batch-size` groups (default `--rollout-batch-size`) start at once, so that a filter dropping
+  some still leaves a full batch without waiting for replacements;
 - a finished group goes through `--dynamic-sampling-filter-path`; a dropped group is replaced by a new one from
   the data source until `--rollout-batch-size` groups are kept (at most `MAX_GROUPS_FACTOR` × that many groups
-  are generated: a filter that keeps (almost) nothing ends the rollout with a MilesUserError);
+  are generated: a filter that keeps (almost) nothing ends the rollout with a MilesUserError); once enough are
+  kept, groups still in flight are cancelled, and kept groups beyond the batch are left out (the earliest prompts
+  are kept); both count in `rollout/num_groups_unused`;
 The result is group-contiguous, ordered by group_index, with `sample.index` renumbered 0..P·G−1, and carries
 the rollout's metrics as `.metrics` (a `RolloutGroups` list). `--rollout-sample-filter-path` is applied by the
 caller (the RolloutManager), once, after the rollout.
@@ -24,7 +28,8 @@ back, rewards are scored with `evaluation=True`, and no filter runs. `data_sourc
   `rm_type` are used (a row's `metadata.rm_type` wins), or
 - a list of groups (`list[list[Sample]]`, each the samples of one prompt), generated with
   `--diffusion-eval-num-steps` (default `--diffusion-num-steps`).
-Eval seeds use the group's position in the eval set as group_index, so every evaluation sees the same noise.
+Eval seeds use the group's position in the eval set as group_index, so every evaluation sees the same noise. A
+progress bar counts the eval samples (shown once the eval has run a few seconds).
 
 `--custom-generate-function-path`: `async fn(args, group, sampling_params) -> list[Sample]` replaces the HTTP
 call for each microgroup (`group` = the microgroup's samples; `sampling_params` = the request's fields as a dict
@@ -49,6 +54,7 @@ from miles.rollout.step_strategy_hub import request_seed, resolve_step_strategy
 from miles.types import GuidanceConfig, Sample
 from miles.utils.async_utils import run_sync
 from miles.utils.errors import MilesUserError
+from miles.utils.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
@@ -233,11 +239,18 @@ async def generate_rollout_async(
             rollout.num_steps = num_steps or int(
                 getattr(args, "diffusion_eval_num_steps", None) or getattr(args, "diffusion_num_steps", 10)
             )
-            await asyncio.gather(*(rollout.generate_group(g, i, len(g)) for i, g in enumerate(groups)))
+            name = getattr(data_source, "name", None) or "groups"
+            with progress_bar(sum(map(len, groups)), f"eval {name}", unit="sample") as bar:
+
+                async def generate_counted(group: list[Sample], group_index: int) -> None:
+                    await rollout.generate_group(group, group_index, len(group))
+                    bar.update(len(group))
+
+                await asyncio.gather(*(generate_counted(g, i) for i, g in enumerate(groups)))
             _reindex(groups)
             metrics = {"eval/rollout_seconds": time.perf_counter() - began, "eval/num_samples": sum(map(len, groups))}
             return groups, metrics
-        kept, generated, dropped = await _generate_train_groups(args, rollout_id, data_source, rollout)
+        kept, generated, dropped, unused = await _generate_train_groups(args, rollout_id, data_source, rollout)
         stats = dict(client.stats)
     kept.sort(key=lambda g: g[0].group_index)
     _reindex(kept)
@@ -245,6 +258,7 @@ async def generate_rollout_async(
         "rollout/seconds": time.perf_counter() - began,
         "rollout/num_groups_generated": generated,
         "rollout/num_groups_dropped": dropped,
+        "rollout/num_groups_unused": unused,
         "rollout/num_requests": stats["requests"],
         "rollout/num_retries": stats["retries"],
         **{f"rollout/engine_{name}_seconds": value for name, value in rollout.engine_seconds.items()},
@@ -254,18 +268,23 @@ async def generate_rollout_async(
 
 
 async def _generate_train_groups(args, rollout_id: int, data_source, rollout: _Rollout):
+    """(kept groups, generated, dropped, unused): `--over-sampling-batch-size` groups start at once (default
+    `--rollout-batch-size`); a dropped group is replaced until `--rollout-batch-size` groups are kept; groups
+    beyond that (finished late or cancelled in flight) are unused."""
     target = int(getattr(args, "rollout_batch_size", 0) or 0)
     if target <= 0:
         raise MilesUserError(f"--rollout-batch-size must be > 0, got {target}")
+    first_wave = max(target, int(getattr(args, "over_sampling_batch_size", None) or target))
+    max_groups = max(MAX_GROUPS_FACTOR * target, first_wave)
     group_size = int(getattr(args, "n_samples_per_prompt", 1) or 1)
     kept: list[list[Sample]] = []
     in_flight: set[asyncio.Task] = set()
     generated = dropped = 0
     try:
         while len(kept) < target:
-            need = target - len(kept) - len(in_flight)
+            need = (first_wave if generated == 0 else target) - len(kept) - len(in_flight)
             if need > 0:
-                if generated >= MAX_GROUPS_FACTOR * target:
+                if generated >= max_groups:
                     raise MilesUserError(
                         f"--dynamic-sampling-filter-path kept {len(kept)} of {generated} groups, fewer than "
                         f"--rollout-batch-size {target} after {MAX_GROUPS_FACTOR}x that many; check the filter"
@@ -282,8 +301,11 @@ async def _generate_train_groups(args, rollout_id: int, data_source, rollout: _R
             kept.extend(keep)
             dropped += len(drop)
     finally:
+        unused = len(in_flight)
         for task in in_flight:
             task.cancel()
         if in_flight:
             await asyncio.gather(*in_flight, return_exceptions=True)
-    return kept, generated, dropped
+    kept.sort(key=lambda g: g[0].group_index)  # surplus kept groups: the batch takes the earliest prompts
+    unused += len(kept) - target
+    return kept[:target], generated, dropped, unused

@@ -18,6 +18,10 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any, Callable, get_args, get_origin, get_type_hints
 
 MIB = 1024 * 1024
+DEFAULT_VLM_JUDGE_PROMPT = (
+    'Rate how well this image matches the description "{prompt}" on a scale from 0 to 10, where 10 is a perfect '
+    "match. Reply with only the number."
+)
 
 
 # ---- value parsers (argparse `type=`; an ArgumentTypeError becomes a one-line user error) -----------------
@@ -57,6 +61,64 @@ def comma_list(text: str) -> list[str]:
     if not items:
         raise argparse.ArgumentTypeError(f"expected a comma-separated list like 'a,b', got {text!r}")
     return items
+
+
+REWARD_TYPE_NAMES = ("pickscore", "ocr", "remote_rm", "jpeg_compressibility", "brightness", "clipscore", "aesthetic",
+                     "vlm_judge", "geneval")
+
+
+class RewardTypeChoices(tuple):
+    """The built-in rewards as `choices`; a comma-separated list of them ("ocr,pickscore") is a member too, so
+    argparse, `--help` and `Flag.problem` accept several rewards per sample."""
+
+    def __contains__(self, value: object) -> bool:
+        if not isinstance(value, str):
+            return False
+        parts = [part.strip() for part in value.split(",")]
+        return all(tuple.__contains__(self, part) for part in parts) and len(set(parts)) == len(parts)
+
+
+REWARD_TYPES = RewardTypeChoices(REWARD_TYPE_NAMES)
+
+
+def parse_reward_weights(value: Any) -> dict[str, float]:
+    """ "ocr=1,pickscore=0.5" (or a YAML mapping) -> {"ocr": 1.0, "pickscore": 0.5}; ValueError says what is wrong."""
+    if isinstance(value, dict):
+        items = [(str(name), weight) for name, weight in value.items()]
+    else:
+        items = []
+        for part in str(value).split(","):
+            if not part.strip():
+                continue
+            name, sep, weight = part.partition("=")
+            if not sep:
+                raise ValueError(f"expected name=weight pairs like 'ocr=1,pickscore=0.5', got {value!r}")
+            items.append((name.strip(), weight.strip()))
+    weights: dict[str, float] = {}
+    for name, weight in items:
+        if not name:
+            raise ValueError(f"a weight without a component name in {value!r}")
+        if name in weights:
+            raise ValueError(f"component {name!r} is weighted twice in {value!r}")
+        try:
+            number = float(weight)
+        except (TypeError, ValueError):
+            raise ValueError(f"the weight of {name!r} is not a number: {weight!r}") from None
+        if not math.isfinite(number):
+            raise ValueError(f"the weight of {name!r} must be finite, got {weight!r}")
+        weights[name] = number
+    if not weights:
+        raise ValueError(f"expected name=weight pairs like 'ocr=1,pickscore=0.5', got {value!r}")
+    if all(weight == 0 for weight in weights.values()):
+        raise ValueError(f"every weight is 0 in {value!r}: the trained reward would be a constant")
+    return weights
+
+
+def reward_weights(text: str) -> dict[str, float]:
+    try:
+        return parse_reward_weights(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 _BYTE_UNITS = {"kib": 1024, "mib": MIB, "gib": 1024 * MIB, "b": 1}
@@ -170,8 +232,9 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
           "--colocate. For train-only SFT, unset colocates encoders with training; set it to reserve dedicated "
           "encoder GPUs.", ge=1),
         F("--rollout-num-gpus-per-engine", int, 1, "GPUs per engine (its TP x SP), like sglang's tp_size.", ge=1),
-        F("--num-gpus-per-node", int, 8, "Total GPUs the job may use per node. Set this when using fewer than 8.",
-          ge=1),
+        F("--num-gpus-per-node", int, 8, "Total GPUs the job may use per node. Set this when using fewer than 8: a "
+          "Ray cluster miles starts itself gets at most this many of the node's GPUs, and --actor-num-gpus-per-node "
+          "and --rollout-num-gpus-per-engine must fit in it.", ge=1),
         S("--colocate", "Trainer and engines share the GPUs (the reference requires it for CUDA IPC weight sync); "
           "forces --rollout-num-gpus to the train world size and turns both offload flags on."),
         S("--offload", "--offload-train + --offload-rollout.", action=_OffloadAction),
@@ -183,13 +246,19 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
           "iteration; 'auto' takes turns in the first iteration, measures both sides' GPU memory, and keeps both "
           "resident from then on when the engine's peak fits beside the trainer (docs/training.md).",
           choices=("auto", "always"), extension=True),
+        S("--overlap-rollout", "Generate rollout k+1 on the engines while the trainer trains on rollout k (one step "
+          "off-policy; the ratio is taken against the engines' log-probs, `rollout/staleness` logs the lag). Needs "
+          "engines of their own (not --colocate).", extension=True),
         F("--colocate-memory-margin-gb", float, 8.0, "GiB that must stay free on each GPU for "
           "--colocate-offload-policy auto to keep trainer and engines resident.", ge=0, extension=True),
-        F("--distributed-backend", str, "nccl", "torch.distributed backend of the trainer (gloo on a CPU run)."),
+        F("--distributed-backend", str, "nccl", "torch.distributed backend of the trainer's process group on GPU "
+          "(with --fsdp-cpu-offload, its cuda part). A CPU run uses gloo whatever the value, and logs it once.",
+          choices=("nccl", "gloo")),
         F("--distributed-timeout-minutes", int, 10, "torch.distributed timeout.", ge=1),
     ]),
     ("Training backend", [
-        F("--train-backend", str, "fsdp", "Training backend. The only value.", choices=("fsdp",)),
+        F("--train-backend", str, "fsdp", "Training backend: FSDP2 (miles/backends/fsdp_utils). The only value; "
+          "any other is refused.", choices=("fsdp",)),
     ]),
     ("Optimizer and schedule", [
         F("--seed", int, 1234, "Trainer seed (init, NFT/SFT noise).", ge=0),
@@ -245,12 +314,15 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
         F("--update-weight-buffer-size", byte_size, 512 * MIB, "Weight-sync chunk size in bytes (512MiB-style "
           "units accepted).", ge=1, type_name="int"),
         F("--rollout-seed", int, 42, "Base seed of rollout noise and step selection.", ge=0),
-        F("--over-sampling-batch-size", int, None, "Must equal --rollout-batch-size today.", ge=1),
+        F("--over-sampling-batch-size", int, None, "Prompt groups a rollout starts at once (>= --rollout-batch-size; "
+          "unset = --rollout-batch-size). With --dynamic-sampling-filter-path dropping groups, the extra ones fill "
+          "the batch without waiting for replacements; --rollout-batch-size kept groups are trained, the rest are "
+          "left out (rollout/num_groups_unused).", ge=1),
         F("--sglang-server-concurrency", int, 512, "Per-engine in-flight request cap.", ge=1),
         S("--use-distributed-post", "Rollout HTTP POSTs go through per-node Ray actors instead of the local client "
           "(MILES_HTTP_POST_ACTORS_PER_NODE sets the count)."),
-        S("--use-miles-router", "Accepted for compatibility: miles always routes through its own router (the "
-          "SGLang router is not supported), so this is always on."),
+        S("--use-miles-router", "Required by the reference (the SGLang router is not supported). miles always "
+          "routes rollout requests through its own router, so it is implied: on whether given or not."),
         F("--miles-router-timeout", finite_float, None, "Router request timeout in seconds.", gt=0),
         F("--miles-router-max-connections", int, None, "Router connection cap.", ge=1),
         F("--miles-router-health-check-failure-threshold", int, 3, "Failed health checks before an engine is "
@@ -312,7 +384,9 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
     ("Algorithm and loss", [
         F("--loss-type", str, "policy_loss", "policy_loss (Flow-GRPO), nft (DiffusionNFT), sft_loss or custom_loss.",
           choices=("policy_loss", "nft", "sft_loss", "custom_loss")),
-        F("--advantage-estimator", str, "grpo", "Only grpo today.", choices=("grpo",)),
+        F("--advantage-estimator", str, "grpo", "grpo: group-relative advantages (docs/algorithms.md §4). The "
+          "only value; any other is refused. --custom-reward-post-process-path replaces it with your own.",
+          choices=("grpo",)),
         S("--disable-grpo-std-normalization", "Dr.GRPO. Also forced on when --n-samples-per-prompt is 1."),
         S("--globalize-reward-mean", "Batch-wide mean instead of per-prompt. Leave off for flow_grpo parity."),
         S("--globalize-reward-std", "Batch-wide std instead of per-group. On for flow_grpo's PickScore recipe."),
@@ -336,24 +410,54 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
         S("--no-diffusion-nft-shuffle-timesteps", "NFT: keep descending sigma order."),
     ]),
     ("Reward", [
-        F("--rm-type", str, None, "Built-in reward. Overridable per sample via metadata.rm_type.",
-          choices=("pickscore", "ocr", "remote_rm", "jpeg_compressibility", "brightness")),
+        F("--rm-type", str, None, "Built-in reward, or several comma-separated (e.g. ocr,pickscore): each sample then "
+          "gets every component, combined by --reward-weights or picked by --reward-key. Overridable per sample via "
+          "metadata.rm_type.", choices=REWARD_TYPES),
         F("--rm-url", str, None, "URL of the remote reward service for --rm-type remote_rm.", extension=True),
-        F("--rm-timeout", finite_float, 300.0, "Seconds per remote reward request (--rm-type remote_rm).", gt=0,
-          extension=True),
-        F("--rm-max-retries", int, 3, "Retries of a failed remote reward request.", ge=0, extension=True),
+        F("--rm-timeout", finite_float, 300.0, "Seconds per HTTP reward request (remote_rm, vlm_judge, geneval).",
+          gt=0, extension=True),
+        F("--rm-max-retries", int, 3, "Retries of a failed HTTP reward request (remote_rm, vlm_judge, geneval).",
+          ge=0, extension=True),
+        F("--reward-weights", reward_weights, None, "The trained reward as a weighted sum of reward components, e.g. "
+          "ocr=1,pickscore=0.5 (components: the rewards of --rm-type, or the keys of a dict reward). Excludes "
+          "--reward-key. Every component is logged as rollout/reward/<name>_mean and _std.", extension=True,
+          metavar="NAME=W,...", type_name="name=w,..."),
         F("--reward-key", str, None, "Key to read when the reward is a dict."),
         S("--group-rm", "Score a whole prompt group at once."),
         P("--custom-rm-path", "async def rm(args, samples) -> list[float]. Batched only."),
         P("--custom-reward-post-process-path", "Replace advantage normalisation: fn(args, samples) -> list[float]."),
         S("--colocate-reward", "Reward actors onto rollout GPUs (train 0.7 + rollout 0.25 + reward 0.05). Requires "
-          "--colocate."),
+          "--colocate. The model rewards' workers (pickscore, clipscore, aesthetic) go onto the colocated bundles, "
+          "splitting each GPU's 0.05 among those on it; ocr and the HTTP rewards need no GPU."),
         F("--pickscore-model-path", str, None, "Required for --rm-type pickscore."),
         F("--pickscore-processor-path", str, None, "Required for --rm-type pickscore."),
         F("--pickscore-num-workers", int, 1, "PickScore actors.", ge=1),
         F("--pickscore-num-gpus-per-worker", finite_float, 1.0, "Fractional values allowed.", ge=0),
         F("--pickscore-batch-size", int, 8, "Images per PickScore forward.", ge=1),
-        F("--pickscore-num-frames", int, None, "Frames scored per video; unset = all.", ge=1),
+        F("--pickscore-num-frames", int, None, "Frames scored per video; unset = all. Also used by clipscore and "
+          "aesthetic.", ge=1),
+        F("--clipscore-model-path", str, None, "CLIP folder (model + processor) for --rm-type clipscore.",
+          extension=True),
+        F("--aesthetic-model-path", str, None, "CLIP folder (model + processor) for --rm-type aesthetic.",
+          extension=True),
+        F("--aesthetic-head-path", str, None, "Safetensors file of the aesthetic head on CLIP image embeddings "
+          "(LAION aesthetic predictor style) for --rm-type aesthetic.", extension=True),
+        F("--clip-reward-num-workers", int, 1, "Ray actors of each of clipscore and aesthetic.", ge=1,
+          extension=True),
+        F("--clip-reward-num-gpus-per-worker", finite_float, 1.0, "GPUs per clipscore/aesthetic actor; fractional "
+          "values allowed.", ge=0, extension=True),
+        F("--clip-reward-batch-size", int, 8, "Images per clipscore/aesthetic forward.", ge=1, extension=True),
+        F("--vlm-judge-url", str, None, "OpenAI-compatible endpoint for --rm-type vlm_judge: the base URL "
+          "(http://host:8000/v1) or the full .../chat/completions URL.", extension=True),
+        F("--vlm-judge-model", str, None, "The \"model\" field of the vlm_judge chat request.", extension=True),
+        F("--vlm-judge-prompt", str, DEFAULT_VLM_JUDGE_PROMPT, "Question sent with each image; {prompt} is "
+          "replaced by the sample's prompt. The reward is the first number in the reply.", extension=True,
+          default_text="asks for a 0-10 match score"),
+        F("--vlm-judge-api-key-env", str, "MILES_VLM_JUDGE_API_KEY", "Environment variable holding the vlm_judge "
+          "API key (sent as Authorization: Bearer); unset variable = no key.", extension=True),
+        F("--vlm-judge-max-concurrency", int, 8, "vlm_judge requests in flight at once.", ge=1, extension=True),
+        F("--geneval-url", str, None, "URL of a GenEval-style scorer for --rm-type geneval (remote_rm wire format; "
+          "samples need metadata tag and include).", extension=True),
         F("--ocr-num-workers", int, 4, "OCR actors.", ge=1),
         F("--rollout-parser-num-workers", int, 1, "Ray actors deserializing rollout responses. Raise when "
           "trajectory tensors are large.", ge=1),
@@ -402,8 +506,11 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
         F("--wandb-mode", str, None, "Overrides WANDB_MODE.", choices=("online", "offline", "disabled")),
         F("--wandb-dir", str, None, "Defaults to ./wandb."),
         S("--disable-wandb-random-suffix", "Run names include a random suffix by default; this disables it."),
-        F("--wandb-log-num-images", int, 0, "Images/videos per rollout; 0 disables.", ge=0),
+        F("--wandb-log-num-images", int, 0, "Images/videos per rollout sent to wandb; 0 disables. Every eval's images "
+          "are written to <output-dir>/eval/<rollout_id>/ whatever this says.", ge=0),
         F("--wandb-log-image-interval", int, 1, "Send media every N rollouts.", ge=1),
+        S("--use-tensorboard", "Also write every metric (scalars) to TensorBoard under <output-dir>/tensorboard "
+          "(needs the tensorboard package).", extension=True),
         S("--use-miles-dashboard", "Async phase/trajectory telemetry."),
         F("--miles-dashboard-workspace", str, "./miles_dashboard", "Dashboard output folder."),
     ]),
@@ -434,9 +541,13 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
           "metrics."),
     ]),
     ("CI", [
-        S("--ci-test", "CI mode (tests/e2e); not meant for manual runs."),
-        F("--ci-metric-checker-key", str, None, "Metric the CI checker reads."),
-        F("--ci-metric-checker-threshold", finite_float, None, "Threshold the CI checker compares against."),
+        S("--ci-test", "CI mode (tests/e2e); not meant for manual runs. At the end of the run the metric checker "
+          "passes if any logged value of --ci-metric-checker-key is >= --ci-metric-checker-threshold, else the run "
+          "exits with status 2 and one line. Needs both checker flags."),
+        F("--ci-metric-checker-key", str, None, "Metric the CI checker reads (a metrics.jsonl key, e.g. "
+          "eval/<name>/reward_mean). Needs --ci-test."),
+        F("--ci-metric-checker-threshold", finite_float, None, "Threshold the CI checker compares against (value >= "
+          "threshold passes)."),
     ]),
 ]
 SGLANG_GROUP = "sglang-d passthrough"

@@ -16,7 +16,7 @@ from typing import Callable
 
 from miles.utils.batch_geometry import batch_geometry, step_strategy
 from miles.utils.errors import MilesUserError
-from miles.utils.flags import all_flags
+from miles.utils.flags import REWARD_TYPE_NAMES, all_flags
 
 # The command line's logger: these warnings keep the name users (and tests) filter on.
 logger = logging.getLogger(__name__)
@@ -116,7 +116,24 @@ def _rule_placement(args: argparse.Namespace) -> None:
     if args.rollout_num_gpus_per_engine > args.num_gpus_per_node:
         _fail(f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine} exceeds --num-gpus-per-node "
               f"{args.num_gpus_per_node}")
-    args.use_miles_router = True  # miles always routes through its own router
+    if args.actor_num_gpus_per_node > args.num_gpus_per_node:
+        _fail(f"--actor-num-gpus-per-node {args.actor_num_gpus_per_node} exceeds --num-gpus-per-node "
+              f"{args.num_gpus_per_node} (the GPUs the job may use per node)")
+    if not args.use_miles_router:
+        logger.info("--use-miles-router is implied: miles always routes rollout requests through its own router")
+    args.use_miles_router = True  # the SGLang router is not supported
+
+
+def _rule_ci(args: argparse.Namespace) -> None:
+    """--ci-test runs the end-of-run metric check (train_diffusion.py), which needs its key and threshold."""
+    key, threshold = args.ci_metric_checker_key, args.ci_metric_checker_threshold
+    if (key is None) != (threshold is None):
+        _fail(f"--ci-metric-checker-key {key!r} and --ci-metric-checker-threshold {threshold!r} go together")
+    if key is not None and not args.ci_test:
+        _fail(f"--ci-metric-checker-key {key!r} only runs with --ci-test")
+    if args.ci_test and key is None:
+        _fail("--ci-test checks a metric at the end of the run: set --ci-metric-checker-key and "
+              "--ci-metric-checker-threshold")
 
 
 def _rule_modes(args: argparse.Namespace) -> None:
@@ -147,9 +164,9 @@ def _rule_batch(args: argparse.Namespace) -> None:
             _fail(f"--global-batch-size {gbs} x --num-steps-per-rollout {steps} must be divisible by "
                   f"--n-samples-per-prompt {g}")
         rbs = args.rollout_batch_size = gbs * steps // g
-    if args.over_sampling_batch_size is not None and args.over_sampling_batch_size != rbs:
-        _fail(f"--over-sampling-batch-size {args.over_sampling_batch_size} must equal --rollout-batch-size {rbs} "
-              "(over-sampling is not supported yet)")
+    if args.over_sampling_batch_size is not None and args.over_sampling_batch_size < rbs:
+        _fail(f"--over-sampling-batch-size {args.over_sampling_batch_size} must be >= --rollout-batch-size {rbs}: "
+              "it is how many prompt groups a rollout starts, of which --rollout-batch-size are trained")
     trajectories = rbs * g
     knobs = f"--rollout-batch-size {rbs} x --n-samples-per-prompt {g} = {trajectories} samples per rollout"
     if gbs is None and steps is None:
@@ -298,12 +315,55 @@ def _rule_optimizer(args: argparse.Namespace) -> None:
             _fail(f"--lr-wsd-decay-iters {args.lr_wsd_decay_iters} must be <= --lr-decay-iters {args.lr_decay_iters}")
 
 
+# What each built-in reward needs: (flags that must be set, the one-line reason).
+_REWARD_NEEDS = {
+    "pickscore": (("pickscore_model_path", "pickscore_processor_path"), "the PickScore model and its CLIP processor"),
+    "remote_rm": (("rm_url",), "the reward service's URL"),
+    "clipscore": (("clipscore_model_path",), "a CLIP folder (model + processor)"),
+    "aesthetic": (("aesthetic_model_path", "aesthetic_head_path"), "a CLIP folder and the head's safetensors file"),
+    "vlm_judge": (("vlm_judge_url", "vlm_judge_model"), "the OpenAI-compatible endpoint and the model to ask"),
+    "geneval": (("geneval_url",), "the GenEval scorer's URL"),
+}
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
 def _rule_reward(args: argparse.Namespace) -> None:
-    if args.rm_type == "pickscore" and not (args.pickscore_model_path and args.pickscore_processor_path):
-        _fail("--rm-type pickscore needs --pickscore-model-path and --pickscore-processor-path "
-              f"(got {args.pickscore_model_path!r}, {args.pickscore_processor_path!r})")
-    if args.rm_type == "remote_rm" and not args.rm_url:
-        _fail("--rm-type remote_rm needs --rm-url (the reward service's URL)")
+    """Each reward's inputs; several rewards per sample need --reward-weights or --reward-key to become one scalar."""
+    from miles.utils.flags import parse_reward_weights
+
+    rm_types = [part.strip() for part in args.rm_type.split(",")] if args.rm_type else []
+    if rm_types:
+        args.rm_type = ",".join(rm_types)
+    for rm_type in rm_types:
+        needs, what = _REWARD_NEEDS.get(rm_type, ((), ""))
+        missing = [dest for dest in needs if not getattr(args, dest, None)]
+        if missing:
+            got = ", ".join(repr(getattr(args, dest, None)) for dest in needs)
+            _fail(f"--rm-type {rm_type} needs {' and '.join(_flag(dest) for dest in needs)}: {what} (got {got})")
+    if args.reward_weights is not None:
+        try:
+            args.reward_weights = parse_reward_weights(args.reward_weights)
+        except ValueError as err:
+            _fail(f"--reward-weights: {err}")
+    if args.reward_weights and args.reward_key:
+        _fail(f"--reward-key {args.reward_key!r} and --reward-weights exclude each other: the trained reward is one "
+              "component or their weighted sum")
+    # Rewards that may return dicts with keys of their own; without them every component is named by its reward.
+    free_keys = bool(args.custom_rm_path or args.rm_url or args.geneval_url)
+    if args.reward_weights and not free_keys:
+        unknown = sorted(set(args.reward_weights) - set(REWARD_TYPE_NAMES))
+        if unknown:
+            _fail(f"--reward-weights names {unknown}, which no reward produces: a component is a reward's name "
+                  f"({', '.join(REWARD_TYPE_NAMES)}) or a key of a dict reward (--custom-rm-path, remote_rm)")
+    if len(rm_types) > 1 and not args.custom_rm_path:
+        if not args.reward_weights and not args.reward_key:
+            _fail(f"--rm-type {args.rm_type} gives {len(rm_types)} reward components per sample: set --reward-weights "
+                  f"(e.g. {'=1,'.join(rm_types)}=1) or --reward-key (one of them)")
+        if args.reward_key and args.reward_key not in rm_types and not free_keys:
+            _fail(f"--reward-key {args.reward_key!r} is none of the --rm-type components {rm_types}")
 
 
 def _rule_eval(args: argparse.Namespace) -> None:
@@ -326,6 +386,11 @@ def _rule_outputs(args: argparse.Namespace) -> None:
         _fail(f"--save-keep-latest {args.save_keep_latest} needs --save DIR")
     if args.metrics_path is None:
         args.metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    if args.use_tensorboard:
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
+            _fail("--use-tensorboard needs the tensorboard package: pip install tensorboard")
 
 
 def _rule_micro_batches(args: argparse.Namespace) -> None:
@@ -338,6 +403,20 @@ def _rule_micro_batches(args: argparse.Namespace) -> None:
         _fail(f"--micro-batch-size {m} must divide the {q} train pairs per DP rank per optimizer step "
               f"(--global-batch-size {args.global_batch_size} / dp_size {args.dp_size} x "
               f"{geometry.trained_steps_per_trajectory} trained steps per sample)")
+
+
+def _rule_overlap(args: argparse.Namespace) -> None:
+    if not args.overlap_rollout:
+        return
+    if args.colocate:
+        _fail("--overlap-rollout needs engines of their own: with --colocate trainer and engines take turns on "
+              "the same GPUs; drop one of the two")
+    if args.diffusion_recompute_old_log_prob:
+        _fail("--overlap-rollout trains one step off-policy, so the ratio must be taken against the engines' "
+              "log-probs: drop --diffusion-recompute-old-log-prob")
+    if args.train_only or args.debug_rollout_only or args.load_debug_rollout_data:
+        _fail("--overlap-rollout overlaps generation with training; it needs both (no --train-only, "
+              "--debug-rollout-only or --load-debug-rollout-data)")
 
 
 def _rule_parity(args: argparse.Namespace) -> None:
@@ -355,9 +434,9 @@ def _rule_parity(args: argparse.Namespace) -> None:
 
 
 RULES: tuple[Callable[[argparse.Namespace], None], ...] = (
-    _rule_values, _rule_model, _rule_topology, _rule_placement, _rule_modes, _rule_batch, _rule_run_length,
+    _rule_values, _rule_model, _rule_topology, _rule_placement, _rule_ci, _rule_modes, _rule_batch, _rule_run_length,
     _rule_sde_steps, _rule_loss, _rule_reference, _rule_optimizer, _rule_reward, _rule_eval, _rule_outputs,
-    _rule_micro_batches, _rule_parity,
+    _rule_micro_batches, _rule_parity, _rule_overlap,
 )
 
 

@@ -122,6 +122,7 @@ def test_sft_loss_falls(sd3, tmp_path):
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, f"loss did not fall: {losses}"
     # --export-interval 20: after rollout 19 and after the last one, a full fine-tune as a pipeline folder
     assert sorted(os.listdir(out / "export")) == ["iter_0000019", "iter_0000029"]
+    assert [r["rollout_id"] for r in metrics(out) if "perf/export_time" in r] == [19, 29]  # timed, not unaccounted
     from diffusers import DiffusionPipeline
 
     exported = DiffusionPipeline.from_pretrained(str(out / "export" / "iter_0000029"))
@@ -184,3 +185,20 @@ def test_hybrid_sharded_trainer_with_its_own_engine_matches_one_rank(sd3, prompt
         assert abs(a - b) < 1e-5
     for a, b in zip(series(sharded, "train/grad_norm"), series(single, "train/grad_norm")):
         assert abs(a - b) < 1e-2 * b
+
+
+def test_overlapped_rollout_learns_one_step_off_policy(sd3, prompts, tmp_path):
+    """--overlap-rollout (engines of their own): rollout k+1 is generated while rollout k trains, so every
+    rollout after the first is one weight version old, the ratio is taken against the engine's log-probs, and the
+    reward still rises."""
+    out = tmp_path / "overlap"
+    flags = [f for f in base_flags(sd3, prompts, out)]
+    flags[flags.index("--lr") + 1] = "1e-2"
+    flags[flags.index("--diffusion-clip-range") + 1] = "0.2"
+    run([*flags, "--num-rollout", "16", "--seed", "1", "--rollout-seed", "1", "--overlap-rollout"])
+    records = metrics(out)
+    assert series(records, "rollout/staleness") == [0.0] + [1.0] * 15
+    assert all("perf/overlap_wait_time" in r for r in records)
+    rewards = series(records, "rollout/reward_mean")
+    spread = series(records, "rollout/reward_std")[0]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + max(0.01, 3 * spread), f"reward did not rise: {rewards}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -245,7 +246,13 @@ def test_wandb_offline_gets_metrics_and_images_on_the_interval(tmp_path):
 
     run_dirs = list((wandb_dir / "wandb").glob("offline-run-*"))
     assert len(run_dirs) == 1
-    records = b"".join(path.read_bytes() for path in run_dirs[0].glob("*.wandb"))
+    # wandb's service process may still be writing the run file when finish() returns on a busy machine
+    deadline = time.monotonic() + 30
+    while True:
+        records = b"".join(path.read_bytes() for path in run_dirs[0].glob("*.wandb"))
+        if (b"rollout/reward_mean" in records and b"rollout/samples" in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert b"rollout/reward_mean" in records and b"rollout/samples" in records
     images = list((run_dirs[0] / "files" / "media").rglob("*.png"))
     assert len(images) == 2 * 2  # wandb_log_num_images per logged rollout, two logged rollouts

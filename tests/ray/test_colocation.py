@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from miles.ray.colocation import GIB, ColocationPolicy, DeviceMemory, fits_resident
+from miles.ray.colocation import GIB, ColocationPolicy, fits_resident
+from miles.utils.device_memory import DeviceMemory
 
 
 def memory(free_gib: float, reserved_gib: float, peak_gib: float, total_gib: float = 141.0) -> DeviceMemory:

@@ -17,26 +17,9 @@ from miles.utils.errors import MilesUserError
 
 @pytest.fixture(scope="module")
 def tiny_clip(tmp_path_factory) -> str:
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+    from miles.testing.tiny.clip import build_tiny_clip
 
-    from miles.testing.tiny.tokenizers import build_clip_tokenizer
-
-    folder = tmp_path_factory.mktemp("tiny-clip")
-    tokenizer = build_clip_tokenizer()
-    config = CLIPConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, max_position_embeddings=77, bos_token_id=0, eos_token_id=1,
-                         pad_token_id=1),
-        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                           image_size=32, patch_size=8),
-        projection_dim=8,
-        logit_scale_init_value=4.6,
-    )
-    torch.manual_seed(0)
-    CLIPModel(config).save_pretrained(folder)
-    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(folder)
-    return str(folder)
+    return build_tiny_clip(str(tmp_path_factory.mktemp("tiny-clip")))
 
 
 def _args(path: str, **overrides) -> Namespace:

@@ -177,3 +177,28 @@ def test_engine_rejections_and_missing_router_are_clear_errors(stack, prompt_fil
         generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
     with pytest.raises(MilesUserError, match="miles_router_url"):
         generate_rollout(_args(stack, prompt_file, miles_router_url=None), 0, RolloutDataSourceWithBuffer(args))
+
+
+def test_over_sampling_starts_the_extra_groups_at_once(stack, prompt_file):
+    requested: list[int] = []
+
+    class CountingSource(RolloutDataSourceWithBuffer):
+        def get_samples(self, num_groups, rollout_id=None):
+            requested.append(num_groups)
+            return super().get_samples(num_groups, rollout_id)
+
+    hooks = dict(custom_generate_function_path="test_sglang_diffusion_rollout.fake_generate",
+                 over_sampling_batch_size=4)
+    args = _args(stack, prompt_file, dynamic_sampling_filter_path="test_sglang_diffusion_rollout.keep_odd_groups",
+                 **hooks)
+    groups, metrics = run_sync(generate_rollout_async(args, 0, CountingSource(args)))
+    assert requested == [4]  # one wave covers the two groups the filter drops: no replacement round
+    assert [g[0].group_index for g in groups] == [1, 3]
+    assert (metrics["rollout/num_groups_generated"], metrics["rollout/num_groups_dropped"],
+            metrics["rollout/num_groups_unused"]) == (4, 2, 0)
+
+    requested.clear()
+    args = _args(stack, prompt_file, **hooks)
+    groups, metrics = run_sync(generate_rollout_async(args, 0, CountingSource(args)))
+    assert requested == [4] and len(groups) == 2  # --rollout-batch-size groups are trained, the rest unused
+    assert metrics["rollout/num_groups_unused"] == 2 and [s.index for g in groups for s in g] == list(range(8))

@@ -313,10 +313,10 @@ def test_family_resolution_order(monkeypatch):
     assert "'nope' is not a registered family" in error("--diffusion-model-family", "nope")
 
 
-def test_over_sampling_batch_size_must_equal_rollout_batch_size():
-    assert "--over-sampling-batch-size 8 must equal --rollout-batch-size 4" in error(
-        "--over-sampling-batch-size", "8")
-    assert parse("--over-sampling-batch-size", "4").over_sampling_batch_size == 4
+def test_over_sampling_batch_size_covers_the_rollout_batch():
+    assert "--over-sampling-batch-size 2 must be >= --rollout-batch-size 4" in error(
+        "--over-sampling-batch-size", "2")
+    assert parse("--over-sampling-batch-size", "8").over_sampling_batch_size == 8
 
 
 def test_save_interval_needs_save():
@@ -614,3 +614,20 @@ def test_entry_point_dry_run_checks_user_paths():
     result = _run_entry_point(*BASE, "--dry-run")
     assert result.returncode == 2
     assert "--prompt-data" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_parity_group_is_the_eager_default_and_sets_the_forward_tile():
+    args = parse("--micro-batch-size", "4")
+    assert args.rollout_patch_group == ["batch_invariant"] and args.parity_forward_tile == 4
+    compiled = parse("--micro-batch-size", "4", "--fsdp-torch-compile")
+    assert compiled.rollout_patch_group == [] and compiled.parity_forward_tile == 0
+    off = parse("--micro-batch-size", "4", "--rollout-patch-group", "none")
+    assert off.rollout_patch_group == [] and off.parity_forward_tile == 0
+    engine_only = parse("--rollout-patch-group", "sgld")
+    assert engine_only.rollout_patch_group == ["sgld"] and engine_only.parity_forward_tile == 0
+
+
+def test_overlapped_rollout_needs_engines_of_their_own_and_engine_log_probs():
+    assert parse("--overlap-rollout").overlap_rollout
+    assert "--overlap-rollout needs engines of their own" in error("--overlap-rollout", "--colocate")
+    assert "drop --diffusion-recompute-old-log-prob" in error("--overlap-rollout", "--diffusion-recompute-old-log-prob")

@@ -119,7 +119,9 @@ class FSDPArgs:
     )
 
     # ---- Optimizer and schedule (docs/algorithms.md §9) --------------------------------------------------
-    optimizer: str = field(default="adam", metadata=_opt("AdamW. The only value.", OPTIMIZER, choices=("adam",)))
+    optimizer: str = field(default="adam", metadata=_opt(
+        "adam: torch.optim.AdamW with --adam-beta1/--adam-beta2, --adam-eps and --weight-decay. The only value; any "
+        "other is refused.", OPTIMIZER, choices=("adam",)))
     lr: float = field(default=1e-6, metadata=_opt("Peak learning rate.", OPTIMIZER, ge=0))
     adam_beta1: float = field(default=0.9, metadata=_opt("AdamW beta1.", OPTIMIZER, ge=0, lt=1))
     adam_beta2: float = field(

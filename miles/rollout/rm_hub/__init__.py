@@ -1,14 +1,23 @@
-"""Reward dispatch: which reward scores which sample, and the checks every reward's output passes.
+"""Reward dispatch: which rewards score which sample, how their components combine, and the checks every
+reward's output passes.
 
-`batched_async_rm(args, samples, evaluation)` routes each sample by
-`sample.metadata.get("rm_type")`, else `--custom-rm-path` (when given), else `--rm-type`, calls each reward
-once per batch (or once per prompt group with `--group-rm`), and returns one reward per sample in the input
-order, a float or a dict of floats. It does not write `sample.reward`: the caller does.
+`batched_async_rm(args, samples, evaluation)` routes each sample by its reward spec:
+`sample.metadata.get("rm_type")`, else `--custom-rm-path` (when given), else `--rm-type`. A spec names one reward
+or several, comma-separated (`ocr,pickscore`). Each reward is called once per batch of samples sharing the spec
+(or once per prompt group with `--group-rm`), and the result is one reward per sample in the input order:
+- a float, when the spec names one reward that returns a float and `--reward-weights` is unset (as before);
+- else a dict of components: a reward returning a float contributes `{its name: value}`, a reward returning a
+  dict contributes its keys; the same key from two rewards is an error.
+It does not write `sample.reward`: the caller does.
+
+`reward_value` turns a sample's reward into the scalar the advantages use: a float as is; from a dict the value at
+`--reward-key` (evaluation: `--eval-reward-key`, defaulting to `--reward-key`), or with `--reward-weights` the
+weighted sum of the components the sample has. `reward_component_metrics` gives each component's mean and std
+(`<prefix>reward/<name>_mean`, `_std`), so a component that climbs while another falls (reward hacking) shows.
 
 Every reward is an `async def rm(args, samples) -> list[float | dict]`. A NaN or infinite value, an
 exception, a non-number or a list of the wrong length is a `MilesUserError` naming the reward and the
-sample (index and prompt), never a silent zero. `reward_value` picks the scalar out of a dict reward with
-`--reward-key` (or `--eval-reward-key` for evaluation).
+sample (index and prompt), never a silent zero.
 """
 
 from __future__ import annotations
@@ -48,13 +57,92 @@ def _remote_rm(args, samples):
     return remote_rm(args, samples)
 
 
+def _clipscore_rm(args, samples):
+    from miles.rollout.rm_hub.clipscore import clipscore_rm
+
+    return clipscore_rm(args, samples)
+
+
+def _aesthetic_rm(args, samples):
+    from miles.rollout.rm_hub.aesthetic import aesthetic_rm
+
+    return aesthetic_rm(args, samples)
+
+
+def _vlm_judge_rm(args, samples):
+    from miles.rollout.rm_hub.vlm_judge import vlm_judge_rm
+
+    return vlm_judge_rm(args, samples)
+
+
+def _geneval_rm(args, samples):
+    from miles.rollout.rm_hub.geneval import geneval_rm
+
+    return geneval_rm(args, samples)
+
+
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "pickscore": _pickscore_rm,
     "ocr": _ocr_rm,
     "remote_rm": _remote_rm,
     "jpeg_compressibility": jpeg_compressibility_rm,
     "brightness": brightness_rm,
+    "clipscore": _clipscore_rm,
+    "aesthetic": _aesthetic_rm,
+    "vlm_judge": _vlm_judge_rm,
+    "geneval": _geneval_rm,
 }
+
+
+def _model_pool_getter(rm_type: str) -> Callable[[Any], Any] | None:
+    """The pool getter of a reward that loads a model into workers, or None for the others."""
+    if rm_type == "pickscore":
+        from miles.rollout.rm_hub.pickscore import get_pickscore_pool
+
+        return get_pickscore_pool
+    if rm_type == "clipscore":
+        from miles.rollout.rm_hub.clipscore import get_clipscore_pool
+
+        return get_clipscore_pool
+    if rm_type == "aesthetic":
+        from miles.rollout.rm_hub.aesthetic import get_aesthetic_pool
+
+        return get_aesthetic_pool
+    return None
+
+
+MODEL_REWARDS = ("pickscore", "clipscore", "aesthetic")
+
+
+def split_reward_spec(spec: str) -> list[str]:
+    """ "ocr, pickscore" -> ["ocr", "pickscore"]."""
+    return [part.strip() for part in str(spec).split(",") if part.strip()]
+
+
+def configured_reward_types(args, eval_specs: Sequence[str | None] = ()) -> list[str]:
+    """The built-in rewards the flags name: `--rm-type` (unless `--custom-rm-path` takes its place) and the eval
+    sets' `rm_type`s. Rewards named only in prompt metadata are found at their first use."""
+    specs = [] if getattr(args, "custom_rm_path", None) else [getattr(args, "rm_type", None)]
+    specs += list(eval_specs)
+    return list(dict.fromkeys(rm_type for spec in specs if spec for rm_type in split_reward_spec(spec)))
+
+
+def model_reward_workers(args, reward_types: Sequence[str]) -> int:
+    """How many Ray workers the model rewards among `reward_types` start (for --colocate-reward)."""
+    from miles.rollout.rm_hub.clipscore import clip_reward_workers
+
+    counts = {"pickscore": int(getattr(args, "pickscore_num_workers", 1) or 1)}
+    counts["clipscore"] = counts["aesthetic"] = clip_reward_workers(args)[0]
+    return sum(counts[rm_type] for rm_type in set(reward_types) if rm_type in counts)
+
+
+def load_reward_models(args, reward_types: Sequence[str]) -> None:
+    """Start the workers of the model rewards among `reward_types` and wait until their models are loaded
+    (behind a progress bar), so a wrong model path fails at start-up instead of in the first rollout."""
+    for rm_type in dict.fromkeys(reward_types):
+        getter = _model_pool_getter(rm_type)
+        if getter is not None:
+            getter(args)
 
 
 def load_custom_rm(path: str) -> RewardFn:
@@ -112,7 +200,7 @@ def _checked_value(rm_type: str, sample: Sample, value: Any) -> float | dict[str
     return as_float(value, "")
 
 
-async def _score(args, rm_type: str, samples: list[Sample]) -> list[Any]:
+async def _score_one(args, rm_type: str, samples: list[Sample]) -> list[Any]:
     fn = _reward_fn(args, rm_type)
     try:
         rewards = await fn(args, samples)
@@ -127,6 +215,30 @@ async def _score(args, rm_type: str, samples: list[Sample]) -> list[Any]:
             f"reward {rm_type!r} returned {got} for {len(samples)} samples (first: {_describe(samples[0])})"
         )
     return [_checked_value(rm_type, sample, value) for sample, value in zip(samples, rewards)]
+
+
+async def _score(args, spec: str, samples: list[Sample]) -> list[Any]:
+    """Every reward of the spec on the samples, combined into one reward per sample (see the module docstring)."""
+    rm_types = split_reward_spec(spec)
+    if not rm_types:
+        raise MilesUserError(f"reward spec {spec!r} names no reward (for {_describe(samples[0])})")
+    named = bool(getattr(args, "reward_weights", None))  # weights need every component under its name
+    if len(rm_types) == 1 and not named:
+        return await _score_one(args, rm_types[0], samples)
+    results = await asyncio.gather(*(_score_one(args, rm_type, samples) for rm_type in rm_types))
+    combined: list[dict[str, float]] = []
+    for position, sample in enumerate(samples):
+        components: dict[str, float] = {}
+        for rm_type, values in zip(rm_types, results):
+            value = values[position]
+            for key, number in (value.items() if isinstance(value, dict) else [(rm_type, value)]):
+                if key in components:
+                    raise MilesUserError(
+                        f"reward component {key!r} comes from two of the rewards {rm_types} for {_describe(sample)}"
+                    )
+                components[key] = number
+        combined.append(components)
+    return combined
 
 
 async def batched_async_rm(args, samples: Sequence[Sample], evaluation: bool = False) -> list[float | dict]:
@@ -150,34 +262,80 @@ async def batched_async_rm(args, samples: Sequence[Sample], evaluation: bool = F
     return rewards
 
 
+def weighted_reward(weights: dict[str, float], reward: float | dict, flag: str = "--reward-weights") -> float:
+    """Σ weight·component over the weighted components the reward has (a sample routed to one reward of a mixed
+    dataset has only that one); a reward with none of them, or a plain float, is an error."""
+    if not isinstance(reward, dict):
+        raise MilesUserError(
+            f"{flag} needs named reward components, but a sample has the plain reward {reward!r} (set by "
+            "--custom-generate-function-path?)"
+        )
+    present = [key for key in weights if key in reward]
+    if not present:
+        raise MilesUserError(f"{flag} {weights} names none of the sample's reward components {sorted(reward)}")
+    return float(sum(weights[key] * float(reward[key]) for key in present))
+
+
 def reward_value(args, reward: float | dict | None, evaluation: bool = False) -> float:
     """The scalar reward: a float as is; from a dict, the value at `--reward-key` (evaluation:
-    `--eval-reward-key`, defaulting to `--reward-key`)."""
+    `--eval-reward-key`, defaulting to `--reward-key`), or with `--reward-weights` the weighted sum."""
     if reward is None:
         raise MilesUserError("a sample reached advantage computation without a reward")
+    key, flag = getattr(args, "reward_key", None), "--reward-key"
+    if evaluation and getattr(args, "eval_reward_key", None):
+        key, flag = args.eval_reward_key, "--eval-reward-key"  # an eval key wins over the training weights
+    elif getattr(args, "reward_weights", None):
+        return weighted_reward(args.reward_weights, reward)
     if not isinstance(reward, dict):
         return float(reward)
-    key = getattr(args, "reward_key", None)
-    flag = "--reward-key"
-    if evaluation and getattr(args, "eval_reward_key", None):
-        key, flag = args.eval_reward_key, "--eval-reward-key"
     if key is None:
-        raise MilesUserError(f"the reward is a dict with keys {sorted(reward)}: set --reward-key to choose one")
+        raise MilesUserError(
+            f"the reward is a dict with keys {sorted(reward)}: set --reward-key to choose one or --reward-weights "
+            "to sum them"
+        )
     if key not in reward:
         raise MilesUserError(f"{flag} {key!r} is not in the reward dict (keys: {sorted(reward)})")
     return float(reward[key])
 
 
+def reward_component_metrics(rewards: Sequence[float | dict | None], prefix: str) -> dict[str, float]:
+    """`<prefix>reward/<name>_mean` and `_std` of every component of the dict rewards (each over the samples that
+    have it; std with Bessel's correction, 0 for one sample)."""
+    values: dict[str, list[float]] = {}
+    for reward in rewards:
+        if isinstance(reward, dict):
+            for key, value in reward.items():
+                values.setdefault(key, []).append(float(value))
+    metrics: dict[str, float] = {}
+    for key, items in sorted(values.items()):
+        tensor = torch.tensor(items, dtype=torch.float64)
+        metrics[f"{prefix}reward/{key}_mean"] = tensor.mean().item()
+        metrics[f"{prefix}reward/{key}_std"] = tensor.std().item() if len(items) > 1 else 0.0
+    return metrics
+
+
 def shutdown_reward_pools() -> None:
-    """Kill the PickScore and OCR Ray actors (if any were started)."""
+    """Kill the reward Ray actors (model rewards and OCR), if any were started."""
     import sys
 
     for module_name, fn_name in (
-        ("miles.rollout.rm_hub.pickscore", "shutdown_pickscore_pools"),
+        ("miles.rollout.rm_hub.workers", "shutdown_scorer_pools"),
         ("miles.rollout.rm_hub.ocr", "shutdown_ocr_pools"),
     ):
         if module_name in sys.modules:
             getattr(sys.modules[module_name], fn_name)()
 
 
-__all__ = ["BUILTIN_REWARDS", "batched_async_rm", "reward_value", "shutdown_reward_pools"]
+__all__ = [
+    "BUILTIN_REWARDS",
+    "MODEL_REWARDS",
+    "batched_async_rm",
+    "configured_reward_types",
+    "load_reward_models",
+    "model_reward_workers",
+    "reward_component_metrics",
+    "reward_value",
+    "shutdown_reward_pools",
+    "split_reward_spec",
+    "weighted_reward",
+]

@@ -11,6 +11,8 @@ response  200 with {"rewards": [float | {str: float}, ...]} (one per sample, sam
 A connection error, a timeout or a 5xx status is retried (`--rm-max-retries`, exponential back-off); a
 4xx status or a malformed body is a user error at once.
 
+`geneval` (miles/rollout/rm_hub/geneval.py) speaks the same protocol to a GenEval-style scorer.
+
 Auth: with $MILES_RM_API_KEY set, every request carries `Authorization: Bearer <that key>` for the service to
 check. It is a key of its own on purpose: the reward service lives outside the run, often on another host, and
 must never receive the run's engine key ($MILES_API_KEY), which controls the engines.
@@ -63,25 +65,24 @@ def encode_request(samples: Sequence[Sample]) -> bytes:
     return msgpack.packb({"samples": payload}, use_bin_type=True)
 
 
-def decode_response(body: bytes, content_type: str, url: str) -> list[Any]:
+def decode_response(body: bytes, content_type: str, url: str, flag: str = "--rm-url") -> list[Any]:
     try:
         if "json" in content_type:
             decoded = json.loads(body)
         else:
             decoded = msgpack.unpackb(body, raw=False)
     except Exception as err:
-        raise MilesUserError(f"--rm-url {url}: cannot decode the response ({content_type or 'no content type'}): {err}") from err
+        raise MilesUserError(f"{flag} {url}: cannot decode the response ({content_type or 'no content type'}): {err}") from err
     if not isinstance(decoded, dict) or not isinstance(decoded.get("rewards"), list):
-        raise MilesUserError(f"--rm-url {url}: the response must be a map with a 'rewards' list, got {str(decoded)[:200]!r}")
+        raise MilesUserError(f"{flag} {url}: the response must be a map with a 'rewards' list, got {str(decoded)[:200]!r}")
     return decoded["rewards"]
 
 
-async def remote_rm(args, samples: Sequence[Sample]) -> list[Any]:
-    url = getattr(args, "rm_url", None)
-    if not url:
-        raise MilesUserError("--rm-type remote_rm needs --rm-url")
-    timeout_s = float(getattr(args, "rm_timeout", None) or DEFAULT_TIMEOUT_S)
-    max_retries = int(getattr(args, "rm_max_retries", DEFAULT_MAX_RETRIES) or 0)
+async def post_samples(url: str, samples: Sequence[Sample], timeout_s: float, max_retries: int, flag: str) -> list[Any]:
+    """POST the samples in the wire format above and return the service's `rewards` list (one per sample).
+
+    Connection errors, timeouts and 5xx statuses are retried with exponential back-off; a 4xx status or a
+    malformed body is a user error at once. `flag` names the URL's flag in every message."""
     body = encode_request(samples)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     last_error: str = ""
@@ -93,18 +94,32 @@ async def remote_rm(args, samples: Sequence[Sample]) -> list[Any]:
                     if response.status >= 500:
                         last_error = f"HTTP {response.status}: {content[:200]!r}"
                     elif response.status >= 400:
-                        raise MilesUserError(f"--rm-url {url}: HTTP {response.status}: {content[:300]!r}")
+                        raise MilesUserError(f"{flag} {url}: HTTP {response.status}: {content[:300]!r}")
                     else:
-                        rewards = decode_response(content, response.headers.get("Content-Type", ""), url)
+                        rewards = decode_response(content, response.headers.get("Content-Type", ""), url, flag)
                         if len(rewards) != len(samples):
                             raise MilesUserError(
-                                f"--rm-url {url}: returned {len(rewards)} rewards for {len(samples)} samples"
+                                f"{flag} {url}: returned {len(rewards)} rewards for {len(samples)} samples"
                             )
                         return rewards
         except (aiohttp.ClientError, asyncio.TimeoutError) as err:
             last_error = f"{type(err).__name__}: {err}"
         if attempt < max_retries:
             delay = min(2.0**attempt * 0.5, 10.0)
-            logger.warning("remote reward %s failed (%s); retry %d/%d in %.1fs", url, last_error, attempt + 1, max_retries, delay)
+            logger.warning("reward service %s failed (%s); retry %d/%d in %.1fs", url, last_error, attempt + 1,
+                           max_retries, delay)
             await asyncio.sleep(delay)
-    raise MilesUserError(f"--rm-url {url}: no valid response after {max_retries + 1} attempt(s): {last_error}")
+    raise MilesUserError(f"{flag} {url}: no valid response after {max_retries + 1} attempt(s): {last_error}")
+
+
+def request_limits(args) -> tuple[float, int]:
+    """(timeout in seconds, retries) of one HTTP reward request: --rm-timeout, --rm-max-retries."""
+    return (float(getattr(args, "rm_timeout", None) or DEFAULT_TIMEOUT_S),
+            int(getattr(args, "rm_max_retries", DEFAULT_MAX_RETRIES) or 0))
+
+
+async def remote_rm(args, samples: Sequence[Sample]) -> list[Any]:
+    url = getattr(args, "rm_url", None)
+    if not url:
+        raise MilesUserError("--rm-type remote_rm needs --rm-url")
+    return await post_samples(url, samples, *request_limits(args), flag="--rm-url")
