@@ -258,6 +258,10 @@ def test_geneval_metadata_rows_put_everything_but_the_prompt_in_the_metadata(tmp
     group[0].metadata["include"].append("changed")  # each sample owns its metadata
     assert group[1].metadata["include"] == [{"class": "bench", "count": 1}]
 
+    from miles.rollout.rm_hub.geneval import check_geneval_metadata
+
+    check_geneval_metadata(group[1])  # what --rm-type geneval sends to its scorer
+
 
 def test_geneval_rows_are_recognised_by_content_and_checked_by_line(tmp_path):
     renamed = tmp_path / "geneval.jsonl"
