@@ -94,6 +94,7 @@ def train(args) -> None:
         if should_save(args, rollout_id):
             with run_logger.phase("save"):
                 actor.save(rollout_id, extra_state={"data_source": rollout_manager.state_dict()})
+        actor.export_if_due(rollout_id, run_logger.phase)  # --export-interval: <output-dir>/export/, for inference
 
         if rollout_manager.has_engines:
             if args.overlap_rollout:

@@ -227,5 +227,9 @@ class RunLogger:
         try:  # wandb needs a container format for raw frames, and moviepy to encode them
             return wandb.Video(np.transpose(frames, (0, 3, 1, 2)), fps=fps, format="mp4", caption=caption)
         except (ImportError, ValueError, wandb.Error) as error:
-            logger.warning("cannot encode a video for wandb (%s); logging its first frame instead", error)
+            import importlib.util
+
+            hint = "" if importlib.util.find_spec("moviepy") else (
+                "; moviepy is not installed: pip install -e '.[video]' (or pip install moviepy) to log videos")
+            logger.warning("cannot encode a video for wandb (%s)%s; logging its first frame instead", error, hint)
             return wandb.Image(frames[0], caption=caption)

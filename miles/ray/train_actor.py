@@ -129,6 +129,11 @@ class TrainRayActor:
 
         export_lora(self.trainer, path)
 
+    def export(self, path: str, rollout_id: int) -> str | None:
+        from miles.backends.fsdp_utils.model_export import export_from_trainer
+
+        return export_from_trainer(self.trainer, path, rollout_id)
+
     def offload(self) -> None:
         self.trainer.offload()
 
@@ -237,6 +242,24 @@ class TrainActorGroup:
 
     def export_lora(self, path: str) -> None:
         self._all("export_lora", path)
+
+    def export_if_due(self, rollout_id: int, phase=None) -> str | None:
+        """`--export-interval N`: every N rollouts and after the last one, write the policy the engines serve for
+        inference (a LoRA adapter, or a pipeline folder for a full fine-tune) to
+        `<--output-dir>/export/iter_<rollout id>/`; returns that folder, or None when no export is due.
+
+        `phase`: the run logger's `phase`, so that an export is timed as `perf/export_time` (and not as
+        unaccounted time) in the rollouts that export, and nothing is logged in the others."""
+        import contextlib
+
+        from miles.backends.fsdp_utils.model_export import export_dir, should_export
+
+        if not should_export(self.args, rollout_id):
+            return None
+        path = export_dir(self.args, rollout_id)  # resolved here: the ranks may run in another folder
+        with phase("export") if phase is not None else contextlib.nullcontext():
+            self._all("export", path, rollout_id)
+        return path
 
     def offload(self) -> None:
         self._all("offload")

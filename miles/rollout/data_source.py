@@ -1,8 +1,13 @@
 """Prompt data for rollouts: the JSONL reader, the data source with its buffer, and `num_rollout`.
 
-Prompt JSONL: one JSON object per line, the prompt under `--input-key` (default "input"), optional
-metadata (a JSON object) under `--metadata-key` (default "metadata"); blank lines are skipped. A bad
-line is a `MilesUserError` naming the file and the line.
+Prompt files come in three formats (`prompt_file_format` tells which; docs/data.md):
+- JSONL: one JSON object per line, the prompt under `--input-key` (default "input"), optional metadata (a
+  JSON object) under `--metadata-key` (default "metadata");
+- text (`.txt`): one prompt per line, as flow_grpo's `train.txt` / `test.txt`;
+- GenEval metadata JSONL (`*_metadata.jsonl`, or rows with `prompt`, `tag` and `include` but no
+  `--input-key`): the prompt under `prompt`, every other key of the row (`tag`, `include`, `exclude`, ...)
+  goes into the sample's metadata for the reward.
+Blank lines are skipped in all three. A bad line is a `MilesUserError` naming the file and the line.
 
 Order: every epoch walks the prompts in a fresh permutation drawn from `--rollout-seed` + epoch, so a run
 is reproducible and a resumed run continues the same order (`--no-rollout-shuffle` keeps file order).
@@ -37,40 +42,102 @@ class PromptRow:
     line: int = 0  # 1-based line number in the file
 
 
+TEXT_SUFFIX = ".txt"
+GENEVAL_SUFFIX = "_metadata.jsonl"
+GENEVAL_KEYS = ("prompt", "tag", "include")  # what every GenEval metadata row holds
+
+
+def _decoded_lines(path: str, flag: str) -> Iterator[tuple[int, str, str]]:
+    """(1-based line number, "flag file:line", text) of each non-blank line. Decoded line by line so that a
+    file that is not UTF-8 fails naming the line instead of somewhere in a buffer."""
+    with open(path, "rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            where = f"{flag} {path}:{line_number}"
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise MilesUserError(f"{where}: not UTF-8 text (byte {err.start + 1} of the line)") from None
+            if text.strip():
+                yield line_number, where, text
+
+
+def _json_object(where: str, text: str) -> dict[str, Any]:
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise MilesUserError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(record, dict):
+        raise MilesUserError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    return record
+
+
+def _checked_prompt(where: str, record: dict[str, Any], key: str, key_origin: str) -> str:
+    if key not in record:
+        raise MilesUserError(f"{where}: no key {key!r} ({key_origin}); keys are {sorted(record)}")
+    prompt = record[key]
+    if not isinstance(prompt, str):
+        raise MilesUserError(f"{where}: {key!r} must be a string, got {type(prompt).__name__}")
+    if not prompt.strip():
+        raise MilesUserError(f"{where}: empty prompt under {key!r}")
+    return prompt
+
+
+def prompt_file_format(path: str, input_key: str = "input", flag: str = "--prompt-data") -> str:
+    """"txt", "geneval" or "jsonl": by the file name first, then by the first row's keys.
+
+    A `.txt` file is text; a name ending in `_metadata.jsonl` is GenEval metadata (GenEval's
+    `evaluation_metadata.jsonl`, flow_grpo's `train_metadata.jsonl`). Any other file is JSONL, unless its first
+    row holds GenEval's `prompt`, `tag` and `include` and no `--input-key` (a renamed GenEval file).
+    """
+    name = os.path.basename(path).lower()
+    if name.endswith(TEXT_SUFFIX):
+        return "txt"
+    if name.endswith(GENEVAL_SUFFIX):
+        return "geneval"
+    first_line = next(_decoded_lines(path, flag), None)
+    if first_line is None:
+        return "jsonl"  # no rows: the reader reports the empty file
+    try:
+        first = json.loads(first_line[2])
+    except json.JSONDecodeError:
+        return "jsonl"  # the JSONL reader names the line
+    # --input-key prompt on a GenEval file reads it as GenEval too: same prompt, and tag/include are kept
+    looks_geneval = (isinstance(first, dict) and all(key in first for key in GENEVAL_KEYS)
+                     and (input_key not in first or input_key == "prompt"))
+    return "geneval" if looks_geneval else "jsonl"
+
+
 def iter_prompt_rows(path: str, input_key: str = "input", metadata_key: str = "metadata",
                      flag: str = "--prompt-data") -> Iterator[PromptRow]:
-    """Read and check a prompt JSONL file row by row (lazily: a caller may stop after the first rows).
+    """Read and check a prompt file row by row (lazily: a caller may stop after the first rows), in the
+    format `prompt_file_format` detects.
 
     Errors name the flag, the file and the line: `--prompt-data data.jsonl:7: no key 'input' (--input-key) ...`.
     """
     if not os.path.isfile(path):
         raise MilesUserError(f"{flag} {path!r}: prompt file does not exist")
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{flag} {path}:{line_number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise MilesUserError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from err
-            if not isinstance(record, dict):
-                raise MilesUserError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            if input_key not in record:
-                raise MilesUserError(f"{where}: no key {input_key!r} (--input-key); keys are {sorted(record)}")
-            prompt = record[input_key]
-            if not isinstance(prompt, str):
-                raise MilesUserError(f"{where}: {input_key!r} must be a string, got {type(prompt).__name__}")
-            if not prompt.strip():
-                raise MilesUserError(f"{where}: empty prompt under {input_key!r}")
-            metadata = record.get(metadata_key, {})
-            if metadata is None:
-                metadata = {}
-            if not isinstance(metadata, dict):
-                raise MilesUserError(
-                    f"{where}: {metadata_key!r} (--metadata-key) must be a JSON object, got {type(metadata).__name__}"
-                )
+    file_format = prompt_file_format(path, input_key, flag)
+    geneval_reason = ("GenEval metadata, by the file name *_metadata.jsonl" if path.lower().endswith(GENEVAL_SUFFIX)
+                      else "GenEval metadata, as the first row has prompt/tag/include")
+    for line_number, where, text in _decoded_lines(path, flag):
+        if file_format == "txt":
+            yield PromptRow(prompt=text.strip(), metadata={}, line=line_number)
+            continue
+        record = _json_object(where, text)
+        if file_format == "geneval":
+            prompt = _checked_prompt(where, record, "prompt", f"read as {geneval_reason}")
+            metadata = {key: value for key, value in record.items() if key != "prompt"}
             yield PromptRow(prompt=prompt, metadata=metadata, line=line_number)
+            continue
+        prompt = _checked_prompt(where, record, input_key, "--input-key")
+        metadata = record.get(metadata_key, {})
+        if metadata is None:
+            metadata = {}
+        if not isinstance(metadata, dict):
+            raise MilesUserError(
+                f"{where}: {metadata_key!r} (--metadata-key) must be a JSON object, got {type(metadata).__name__}"
+            )
+        yield PromptRow(prompt=prompt, metadata=metadata, line=line_number)
 
 
 def check_prompt_file(path: str, input_key: str, metadata_key: str, flag: str, max_rows: int) -> int:
@@ -91,7 +158,7 @@ def check_prompt_file(path: str, input_key: str, metadata_key: str, flag: str, m
 
 def load_prompt_data(path: str, input_key: str = "input", metadata_key: str = "metadata",
                      flag: str = "--prompt-data") -> list[PromptRow]:
-    """Read and check a whole prompt JSONL file."""
+    """Read and check a whole prompt file (any of the formats above)."""
     rows = list(iter_prompt_rows(path, input_key, metadata_key, flag))
     if not rows:
         raise MilesUserError(f"{flag} {path!r}: the file holds no prompts")

@@ -329,8 +329,9 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
           "dropped.", ge=1),
     ]),
     ("Data and batching", [
-        F("--prompt-data", str, None, "jsonl, one row per prompt. Required for RL unless "
-          "--disable-rollout-global-dataset or --load-debug-rollout-data."),
+        F("--prompt-data", str, None, "jsonl, one row per prompt; also a .txt file (one prompt per line) or GenEval "
+          "metadata (*_metadata.jsonl), docs/data.md. Required for RL unless --disable-rollout-global-dataset or "
+          "--load-debug-rollout-data."),
         F("--input-key", str, "input", "Prompt field of a row."),
         F("--metadata-key", str, "metadata", "Metadata field of a row."),
         P("--data-source-path", "Data source class; defaults to RolloutDataSourceWithBuffer."),
@@ -485,6 +486,10 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
         F("--ckpt-step", int, None, "Defaults to latest_checkpointed_iteration.txt.", ge=0),
         S("--no-load-optim", "Do not restore the optimizer state."),
         S("--no-load-rng", "Do not restore the RNG state."),
+        F("--export-interval", int, None, "Every N rollouts and after the last one, write the policy the engines "
+          "serve for inference to <--output-dir>/export/iter_<rollout id>/: a diffusers LoRA adapter for a "
+          "--use-lora run, else a complete pipeline folder. `python -m miles.export` does the same from a "
+          "checkpoint (docs/training.md).", ge=1, extension=True, metavar="N"),
     ]),
     ("Logging", [
         F("--output-dir", str, "outputs/miles", "The run's output folder for metrics, plots and sample images.",

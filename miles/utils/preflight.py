@@ -3,8 +3,9 @@
 `check_run_inputs` is what the entry point calls after parsing (through `check_user_paths`): a mistake that
 would otherwise surface minutes later, after engines loaded their models (or never: a `--load` typo used to
 train from scratch) is one `MilesUserError` naming the flag and the file, printed as one line with exit code 2:
-- prompt files (`--prompt-data`, `--eval-prompt-data`): present, not empty, and their first rows are JSON
-  objects with the prompt under `--input-key` (`--eval-input-key`); the first bad line is named as file:line.
+- prompt files (`--prompt-data`, `--eval-prompt-data`): present, not empty, and their first rows are prompts in
+  the file's format (JSONL objects with the prompt under `--input-key` / `--eval-input-key`, text lines, or GenEval
+  metadata rows; `data_source.prompt_file_format`); the first bad line is named as file:line.
   Only the first `PROMPT_ROWS_CHECKED` rows are read, so a huge file costs nothing; the data source checks the
   rest when it loads the file.
 - `--save` and `--output-dir`: a folder (or creatable under one) in which a probe file can be created and removed.
@@ -35,13 +36,17 @@ def check_run_inputs(args: argparse.Namespace) -> None:
 
 
 def _check_prompt_files(args: argparse.Namespace) -> None:
-    from miles.rollout.data_source import check_prompt_file
+    from miles.rollout.data_source import check_prompt_file, prompt_file_format
 
     input_key, metadata_key = args.input_key or "input", args.metadata_key or "metadata"
     if args.prompt_data:
         if not os.path.isfile(args.prompt_data):
             raise MilesUserError(f"--prompt-data {args.prompt_data!r}: no such file")
         if not args.disable_rollout_global_dataset:  # otherwise a custom data source reads it, in its own format
+            file_format = prompt_file_format(args.prompt_data, input_key, "--prompt-data")
+            if args.loss_type == "sft_loss" and file_format != "jsonl":
+                raise MilesUserError(f"--prompt-data {args.prompt_data!r}: --loss-type sft_loss reads JSONL rows of a "
+                                     f"caption and an image or video; this {file_format} file holds prompts only")
             check_prompt_file(args.prompt_data, input_key, metadata_key, "--prompt-data", PROMPT_ROWS_CHECKED)
     eval_key = args.eval_input_key or input_key
     for name, path in getattr(args, "eval_prompt_data_pairs", None) or []:

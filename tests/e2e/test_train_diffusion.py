@@ -116,10 +116,17 @@ def test_sft_loss_falls(sd3, tmp_path):
          "--train-only", "--loss-type", "sft_loss", "--actor-num-gpus-per-node", "1", "--num-gpus-per-node", "1",
          "--rollout-batch-size", "4", "--global-batch-size", "4", "--num-rollout", "30",
          "--diffusion-height", "32", "--diffusion-width", "32", "--diffusion-forward-dtype", "fp32",
-         "--lr", "1e-3", "--micro-batch-size", "4", "--output-dir", str(out)])
+         "--lr", "1e-3", "--micro-batch-size", "4", "--output-dir", str(out), "--export-interval", "20"])
     losses = series(metrics(out), "train/loss")
     assert len(losses) == 30
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, f"loss did not fall: {losses}"
+    # --export-interval 20: after rollout 19 and after the last one, a full fine-tune as a pipeline folder
+    assert sorted(os.listdir(out / "export")) == ["iter_0000019", "iter_0000029"]
+    assert [r["rollout_id"] for r in metrics(out) if "perf/export_time" in r] == [19, 29]  # timed, not unaccounted
+    from diffusers import DiffusionPipeline
+
+    exported = DiffusionPipeline.from_pretrained(str(out / "export" / "iter_0000029"))
+    assert type(exported).__name__ == "StableDiffusion3Pipeline"
 
 
 def test_resume_matches_uninterrupted(sd3, prompts, tmp_path):

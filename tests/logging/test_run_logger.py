@@ -265,3 +265,20 @@ def test_wandb_media_for_images_and_videos():
     # A video becomes wandb.Video where moviepy can encode it, otherwise its first frame: never an error.
     video = RunLogger._to_wandb_media(make_sample(7, num_frames=3))
     assert isinstance(video, (wandb.Video, wandb.Image))
+
+
+def test_a_video_without_moviepy_says_how_to_install_it(monkeypatch, caplog):
+    wandb = pytest.importorskip("wandb")
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "moviepy" else find_spec(name, *rest))
+
+    def needs_moviepy(*args, **kwargs):
+        raise wandb.Error('wandb.Video requires moviepy when passing raw data. Install with "pip install wandb[media]"')
+
+    monkeypatch.setattr(wandb, "Video", needs_moviepy)
+    with caplog.at_level("WARNING"):
+        assert isinstance(RunLogger._to_wandb_media(make_sample(7, num_frames=3)), wandb.Image)
+    assert "moviepy is not installed: pip install -e '.[video]' (or pip install moviepy)" in caplog.text

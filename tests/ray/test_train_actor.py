@@ -1,7 +1,8 @@
 """TrainActorGroup: two gloo ranks as Ray actors on CPU, against a one-rank trainer in this process.
 
 One Ray cluster and one actor group per file: DP = 2 equals DP = 1 (weights, metrics), a two-rank
-checkpoint resumes, the LoRA export loads, and a weight push reaches a live engine bit for bit.
+checkpoint resumes, the LoRA export loads, `--export-interval` writes the gathered adapter, and a weight push
+reaches a live engine bit for bit.
 """
 
 from __future__ import annotations
@@ -92,6 +93,22 @@ def test_two_rank_checkpoint_and_lora_export(setup, tmp_path):
     fused = {strip_peft_name(n): p for n, p in pipe.transformer.named_parameters() if not is_lora_param(n)}
     for name, tensor in group.named_tensors().items():
         torch.testing.assert_close(fused[name.split(".", 1)[1]], tensor, rtol=1e-6, atol=1e-6)
+
+
+def test_export_interval_writes_the_adapter_of_both_ranks(setup, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    args, _, _, group = setup
+    monkeypatch.setattr(args, "export_interval", 2, raising=False)
+    monkeypatch.setattr(args, "output_dir", str(tmp_path / "out"), raising=False)
+    assert group.export_if_due(0) is None  # not due: rollout 1 of 2 is the interval and the last one
+    path = group.export_if_due(1)
+    assert path == str(tmp_path / "out" / "export" / "iter_0000001")
+    exported = load_file(f"{path}/pytorch_lora_weights.safetensors")
+    gathered = group.named_tensors(lora_only=True)
+    assert exported.keys() == gathered.keys()
+    for name, tensor in gathered.items():
+        assert torch.equal(exported[name], tensor), name
 
 
 def test_weight_push_reaches_a_live_engine(setup, tmp_path):

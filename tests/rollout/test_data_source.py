@@ -1,4 +1,5 @@
-"""Prompt JSONL errors, epochs, seeded shuffling, the buffer, resume of the position, custom sources."""
+"""Prompt files (JSONL, text, GenEval metadata) and their errors, epochs, seeded shuffling, the buffer, resume of
+the position, custom sources."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from miles.rollout.data_source import (
     compute_num_rollout,
     load_prompt_data,
     num_rollout_from_args,
+    prompt_file_format,
 )
 from miles.utils.errors import MilesUserError
 
@@ -218,3 +220,68 @@ def test_num_rollout_derivation(tmp_path):
     assert num_rollout_from_args(_args(path, num_epoch=2, rollout_batch_size=4)) == 3
     with pytest.raises(MilesUserError, match="set --num-rollout"):
         num_rollout_from_args(_args(None, disable_rollout_global_dataset=True))
+
+
+# ---- other prompt formats: flow_grpo's text files and GenEval metadata --------------------------------------
+GENEVAL_ROWS = [
+    {"tag": "single_object", "include": [{"class": "bench", "count": 1}], "prompt": "a photo of a bench"},
+    {"tag": "counting", "include": [{"class": "cat", "count": 2}], "exclude": [{"class": "cat", "count": 3}],
+     "prompt": "a photo of two cats"},
+]
+
+
+def test_text_files_hold_one_prompt_per_line(tmp_path):
+    path = tmp_path / "train.txt"
+    path.write_text("a red fox in the snow\n\n   \n  a sign that says \"miles\"  \r\nlast line without newline")
+    assert prompt_file_format(str(path)) == "txt"
+    rows = load_prompt_data(str(path))
+    assert [(r.prompt, r.metadata, r.line) for r in rows] == [
+        ("a red fox in the snow", {}, 1), ('a sign that says "miles"', {}, 4), ("last line without newline", {}, 5)]
+    source = RolloutDataSourceWithBuffer(_args(str(path), no_rollout_shuffle=True))
+    assert [group[0].prompt for group in source.get_samples(2)] == ["a red fox in the snow", 'a sign that says "miles"']
+    (tmp_path / "latin1.txt").write_bytes("a cat\ncaf\xe9 au lait\n".encode("latin-1"))
+    with pytest.raises(MilesUserError, match=r"latin1.txt:2: not UTF-8 text \(byte 4 of the line\)"):
+        load_prompt_data(str(tmp_path / "latin1.txt"))
+
+
+def test_geneval_metadata_rows_put_everything_but_the_prompt_in_the_metadata(tmp_path):
+    path = tmp_path / "train_metadata.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in GENEVAL_ROWS))
+    assert prompt_file_format(str(path)) == "geneval"
+    rows = load_prompt_data(str(path))
+    assert [r.prompt for r in rows] == ["a photo of a bench", "a photo of two cats"]
+    assert rows[1].metadata == {"tag": "counting", "include": [{"class": "cat", "count": 2}],
+                                "exclude": [{"class": "cat", "count": 3}]}
+    source = RolloutDataSourceWithBuffer(_args(str(path), no_rollout_shuffle=True))
+    group = source.get_samples(1)[0]
+    assert [s.metadata["tag"] for s in group] == ["single_object"] * 2
+    group[0].metadata["include"].append("changed")  # each sample owns its metadata
+    assert group[1].metadata["include"] == [{"class": "bench", "count": 1}]
+
+    from miles.rollout.rm_hub.geneval import check_geneval_metadata
+
+    check_geneval_metadata(group[1])  # what --rm-type geneval sends to its scorer
+
+
+def test_geneval_rows_are_recognised_by_content_and_checked_by_line(tmp_path):
+    renamed = tmp_path / "geneval.jsonl"
+    renamed.write_text("".join(json.dumps(row) + "\n" for row in GENEVAL_ROWS))
+    assert prompt_file_format(str(renamed)) == "geneval"
+    assert prompt_file_format(str(renamed), input_key="prompt") == "geneval"  # tag/include are kept either way
+    assert load_prompt_data(str(renamed), input_key="prompt")[0].metadata["tag"] == "single_object"
+    ordinary = tmp_path / "prompts.jsonl"
+    ordinary.write_text('{"input": "a cat", "tag": "t", "include": [], "prompt": "unused"}\n')
+    assert prompt_file_format(str(ordinary)) == "jsonl"  # it has --input-key: the JSONL format wins
+
+    named = tmp_path / "test_metadata.jsonl"
+    named.write_text(json.dumps(GENEVAL_ROWS[0]) + "\n\n" + '{"tag": "colors", "include": []}\n')
+    with pytest.raises(MilesUserError) as info:
+        load_prompt_data(str(named))
+    assert str(info.value) == (f"--prompt-data {named}:3: no key 'prompt' (read as GenEval metadata, by the file "
+                               "name *_metadata.jsonl); keys are ['include', 'tag']")
+    named.write_text(json.dumps(GENEVAL_ROWS[0]) + "\n" + json.dumps({**GENEVAL_ROWS[1], "prompt": " "}) + "\n")
+    with pytest.raises(MilesUserError, match="test_metadata.jsonl:2: empty prompt under 'prompt'"):
+        load_prompt_data(str(named))
+    named.write_text("[1, 2]\n")
+    with pytest.raises(MilesUserError, match="test_metadata.jsonl:1: expected a JSON object, got list"):
+        load_prompt_data(str(named))

@@ -155,6 +155,37 @@ def test_only_the_first_rows_of_a_big_prompt_file_are_read(tmp_path, monkeypatch
     assert error(str(big), tmp_path).startswith(f"--prompt-data {big}:6: not valid JSON")
 
 
+def test_text_and_geneval_prompt_files_are_checked_in_their_own_format(tmp_path):
+    text = tmp_path / "train.txt"
+    text.write_text("a red fox\n\na blue car\n")
+    check(str(text), tmp_path)
+    text.write_text("\n \n")
+    assert error(str(text), tmp_path) == f"--prompt-data {str(text)!r}: the file holds no prompts (only blank lines)"
+    text.write_bytes(b"a red fox\n\xff\xfe\n")
+    assert error(str(text), tmp_path) == f"--prompt-data {text}:2: not UTF-8 text (byte 1 of the line)"
+
+    geneval = tmp_path / "train_metadata.jsonl"
+    row = '{"tag": "single_object", "include": [{"class": "bench", "count": 1}], "prompt": "a photo of a bench"}\n'
+    geneval.write_text(row * 3)
+    check(str(geneval), tmp_path)
+    geneval.write_text(row + '{"tag": "colors", "include": [], "text": "a red bench"}\n')
+    assert error(str(geneval), tmp_path) == (f"--prompt-data {geneval}:2: no key 'prompt' (read as GenEval metadata, "
+                                             "by the file name *_metadata.jsonl); keys are ['include', 'tag', 'text']")
+    eval_file = tmp_path / "test_metadata.jsonl"
+    eval_file.write_text(row + "{broken\n")
+    text.write_text("a red fox\n")
+    message = error(str(text), tmp_path, "--eval-prompt-data", "geneval", str(eval_file), "--eval-interval", "1")
+    assert message.startswith(f"--eval-prompt-data geneval {eval_file}:2: not valid JSON")
+
+
+def test_sft_refuses_a_prompt_only_file(tmp_path):
+    text = tmp_path / "captions.txt"
+    text.write_text("a watercolor fox\n")
+    message = error(str(text), tmp_path, "--loss-type", "sft_loss")
+    assert message == (f"--prompt-data {str(text)!r}: --loss-type sft_loss reads JSONL rows of a caption and an image "
+                       "or video; this txt file holds prompts only")
+
+
 # ---- --custom-config-path -----------------------------------------------------------------------------------
 def test_yaml_typo_of_a_flag_is_an_error_with_a_suggestion(prompts, tmp_path, caplog):
     config = tmp_path / "config.yaml"
@@ -179,3 +210,20 @@ def test_dry_run_runs_the_checks_and_fails_in_one_line(prompts, tmp_path):
     assert result.stderr.strip().splitlines() == [f"error: --load {missing!r}: no such folder (to start from scratch "
                                                   "drop --load; --load equal to --save resumes only if a checkpoint "
                                                   "is there)"]
+
+
+def test_dry_run_reads_text_and_geneval_prompt_files(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env.pop("MILES_DIFFUSION_MODEL_FAMILY", None)
+    text = tmp_path / "train.txt"
+    text.write_text("a red fox\n\na blue car\n")
+    geneval = tmp_path / "test_metadata.jsonl"
+    geneval.write_text('{"tag": "colors", "include": [{"class": "car", "count": 1, "color": "blue"}], '
+                       '"prompt": "a photo of a blue car"}\n{"tag": "colors", "include": []}\n')
+    result = subprocess.run([sys.executable, str(REPO / "train_diffusion.py"), *argv(str(text), tmp_path),
+                             "--eval-prompt-data", "geneval", str(geneval), "--eval-interval", "1", "--dry-run"],
+                            capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert result.returncode == 2  # the text file passed; the GenEval file's second row has no prompt
+    assert result.stderr.strip().splitlines() == [
+        f"error: --eval-prompt-data geneval {geneval}:2: no key 'prompt' (read as GenEval metadata, by the file name "
+        "*_metadata.jsonl); keys are ['include', 'tag']"]

@@ -303,6 +303,8 @@ def save_checkpoint(trainer, rollout_id: int, extra_state: dict | None = None, r
 def _write_checkpoint(trainer, rollout_id: int, extra_state: dict | None, temp_dir: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+    from miles.backends.fsdp_utils.model_export import lora_settings, recorded_base
+
     args = trainer.args
     state: dict = {"model": _model_state(trainer)}
     save_optim = not getattr(args, "no_save_optim", False)
@@ -322,6 +324,10 @@ def _write_checkpoint(trainer, rollout_id: int, extra_state: dict | None, temp_d
             "ema_num_updates": None if trainer.ema is None else trainer.ema.num_updates,
             "use_lora": bool(getattr(args, "use_lora", False)),
             "family": run_family_label(args),
+            # what `python -m miles.export` needs besides the shards (absent from older checkpoints)
+            "hf_checkpoint": recorded_base(getattr(args, "hf_checkpoint", None)),
+            "modules": list(trainer.model.keys()),
+            "lora": lora_settings(trainer.lora_config) if getattr(args, "use_lora", False) else None,
             "world_size": trainer.world_size,
             "extra_state": extra_state or {},
         }
@@ -472,35 +478,17 @@ def _load_rng(directory: str, meta: dict[str, Any], world_size: int) -> None:
 def export_lora(trainer, path: str) -> None:
     """Write the LoRA adapter in the diffusers/PEFT format `pipeline.load_lora_weights(path)` reads.
 
-    Every rank calls it (the adapter tensors are gathered); rank 0 writes.
+    Every rank calls it (the adapter tensors are gathered); rank 0 writes. `python -m miles.export` does the same
+    from a checkpoint (miles.backends.fsdp_utils.model_export).
     """
-    import diffusers
-
+    from miles.backends.fsdp_utils.model_export import write_lora_adapter
     from miles.backends.fsdp_utils.weight_export import lora_adapter_state
 
     if not getattr(trainer.args, "use_lora", False):
         raise MilesUserError("export_lora needs a run with --use-lora")
-    pipeline_class = getattr(diffusers, trainer.family.pipeline_class_name, None)
-    if pipeline_class is None or not hasattr(pipeline_class, "save_lora_weights"):
-        raise MilesUserError(f"{trainer.family.pipeline_class_name} cannot save LoRA weights in the diffusers format")
-    layers = {}
-    metadata = {}
-    for name in trainer.model.keys():
-        layers[f"{name}_lora_layers"] = lora_adapter_state(trainer, name)
-        metadata[f"{name}_lora_adapter_metadata"] = trainer.lora_config.to_dict()
+    adapters = {name: lora_adapter_state(trainer, name) for name in trainer.model.keys()}
     if _rank() == 0:
-        import inspect
-
-        accepted = inspect.signature(pipeline_class.save_lora_weights).parameters
-        unknown = [key for key in layers if key not in accepted]
-        if unknown:
-            raise MilesUserError(
-                f"{pipeline_class.__name__}.save_lora_weights does not take {unknown}: the diffusers LoRA format of "
-                "this family covers fewer modules than --update-weight-target-module"
-            )
-        kwargs = {**layers, **{k: v for k, v in metadata.items() if k in accepted}}
-        os.makedirs(path, exist_ok=True)
-        pipeline_class.save_lora_weights(path, **kwargs)
+        write_lora_adapter(trainer.family.pipeline_class_name, adapters, trainer.lora_config, path)
         logger.info("exported LoRA adapter to %s", path)
     _barrier()
 
