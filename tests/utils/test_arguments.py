@@ -252,6 +252,14 @@ def test_colocate_reward_needs_colocate():
     assert parse("--colocate-reward", "--colocate").colocate_reward
 
 
+def test_weight_sync_transport_and_check_flags():
+    assert parse().update_weight_transport == "auto" and not parse().check_weight_sync
+    assert parse("--update-weight-transport", "broadcast", "--check-weight-sync").update_weight_transport == "broadcast"
+    assert "--update-weight-transport" in error("--update-weight-transport", "nccl")
+    message = error("--check-weight-sync", "--use-lora", "--lora-ipc-weight-sync")
+    assert "--check-weight-sync" in message and "--lora-ipc-weight-sync" in message and "\n" not in message.strip()
+
+
 def test_lora_ipc_weight_sync_needs_use_lora():
     assert "--lora-ipc-weight-sync needs --use-lora" in error("--lora-ipc-weight-sync")
     assert parse("--lora-ipc-weight-sync", "--use-lora").lora_ipc_weight_sync
