@@ -4,11 +4,17 @@ One bundle per GPU (`{"GPU": 1, "CPU": 1}`), or one CPU slot per process on a CP
 how tests and the quick start run. The trainer takes the first `train_world_size` bundles; engines take
 the next `rollout_num_gpus` (or, under `--colocate`, share the trainer's: fractional GPUs, trainer 0.7 +
 engine 0.25 + reward 0.05 with `--colocate-reward`). Reward workers take fractional GPUs on their own.
+
+Ray may spread the bundles over several nodes (a cluster joined through RAY_ADDRESS, docs/cluster.md). The
+placement records each bundle's node: a run whose processes span nodes has its engines bind their node's
+address instead of loopback, since the driver's router and the trainer must reach them.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -44,6 +50,35 @@ class Slots:
     gpu_ids: list[int] = field(default_factory=list)  # physical device of each bundle (GPU only)
 
 
+@dataclass(frozen=True)
+class RewardSlots:
+    """Where each reward worker (a PickScore actor) runs: its bundle of the job's placement group and its shares.
+
+    `--colocate-reward`: on the rollout bundles, `REWARD_GPU_SHARE` of the GPU the trainer rank (0.7) and the
+    engine (0.25) share, and the CPU they leave. Otherwise: bundles of their own appended to the placement
+    group, `--pickscore-num-gpus-per-worker` each (fractional shares pack several workers onto one GPU)."""
+
+    placement_group: object | None
+    bundle_indices: list[int]  # one per worker
+    gpu_share: float
+    cpu_share: float
+
+    def actor_options(self) -> list[dict]:
+        """The Ray options of each worker's actor (`num_gpus`, `num_cpus`, its bundle)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return [
+            {
+                "num_gpus": self.gpu_share,
+                "num_cpus": self.cpu_share,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    self.placement_group, placement_group_bundle_index=index
+                ),
+            }
+            for index in self.bundle_indices
+        ]
+
+
 @dataclass
 class Placement:
     device: str  # "cuda" or "cpu"
@@ -51,6 +86,17 @@ class Placement:
     rollout: Slots
     num_engines: int
     gpus_per_engine: int
+    bundle_nodes: list[str] = field(default_factory=list)  # the Ray node id of each bundle
+    driver_node: str | None = None  # the node of the driver (and of the router it starts)
+    reward: RewardSlots | None = None  # GPU reward workers (PickScore), when the run scores with them
+
+    def nodes_of(self, slots: Slots) -> list[str]:
+        return [self.bundle_nodes[i] for i in slots.bundle_indices] if self.bundle_nodes else []
+
+    @property
+    def spans_nodes(self) -> bool:
+        """True when the driver, the trainer ranks and the engines are not all on one node."""
+        return len(set(self.bundle_nodes) | ({self.driver_node} if self.driver_node else set())) > 1
 
 
 def train_world_size(args) -> int:
@@ -62,24 +108,88 @@ def init_ray(args) -> None:
     run's API key (created here unless $MILES_API_KEY is set)."""
     import ray
 
-    from miles.utils.auth import API_KEY_ENV, ensure_run_api_key
+    from miles.utils.auth import ensure_run_api_key
 
     # the run's key for engines, router and trainer ranks: through the environment, never a command line or args
     api_key = ensure_run_api_key()
     if ray.is_initialized():
         return
-    env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
-    env.update(args.train_env_vars or {})
-    env[API_KEY_ENV] = api_key
-    runtime_env = {"env_vars": env}
+    runtime_env = {"env_vars": worker_env_vars(args, api_key)}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=True)
     else:
         # A CPU machine gets logical CPU slots for every process the job starts (they mostly wait on each other).
-        slots = train_world_size(args) + _num_engines(args) * max(1, args.rollout_num_gpus_per_engine) + 8
+        slots = (train_world_size(args) + _num_engines(args) * max(1, args.rollout_num_gpus_per_engine)
+                 + num_reward_workers(args) + 8)
         num_cpus = None if use_gpus() else max(slots, os.cpu_count() or 1)
         ray.init(num_cpus=num_cpus, runtime_env=runtime_env, include_dashboard=False, log_to_driver=True)
     reinstall_signal_handlers()  # ray.init made SIGTERM a bare sys.exit, which would skip the run's cleanup
+
+
+# Set by `ray job submit` in the driver's environment: the job's config, its runtime_env included.
+_RAY_JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+
+
+def worker_env_vars(args, api_key: str, environ=os.environ) -> dict[str, str]:
+    """The environment every Ray worker of the run gets: the offline settings, --train-env-vars and the key.
+
+    Inside a submitted job (`ray job submit`) the job's own runtime_env already reaches every worker, and Ray
+    refuses a `ray.init` runtime_env that sets any variable the job sets (even to the same value): those are
+    left to the job (they are in this process's environment too, so the values agree)."""
+    from miles.utils.auth import API_KEY_ENV
+
+    env = {k: environ[k] for k in _FORWARDED_ENV if k in environ}
+    env.update(args.train_env_vars or {})
+    env[API_KEY_ENV] = api_key
+    job_config = environ.get(_RAY_JOB_CONFIG_ENV)
+    if job_config:
+        job_env = (json.loads(job_config).get("runtime_env") or {}).get("env_vars") or {}
+        for key in sorted(set(env) & set(job_env)):
+            if job_env[key] != env[key]:
+                logger.warning("%s differs between the job's runtime_env and this run; the job's value reaches the "
+                               "workers", key)
+            del env[key]
+    return env
+
+
+def num_reward_workers(args) -> int:
+    """Reward actors placed with the job: the PickScore pool (OCR workers are CPU-only and placed by Ray)."""
+    if getattr(args, "rm_type", None) != "pickscore" or args.train_only or args.load_debug_rollout_data:
+        return 0
+    return int(getattr(args, "pickscore_num_workers", 1) or 1)
+
+
+# The CPU of a colocated bundle: the trainer rank and the engine's supervisor take this much each, a colocated
+# reward worker shares what is left.
+COLOCATED_CPU_SHARE = 0.45
+
+
+def reward_layout(args, on_gpu: bool, rollout_bundles: list[int], first_free_bundle: int
+                  ) -> tuple[list[dict], list[int], float, float]:
+    """(extra bundles to reserve, each worker's bundle index, GPU share, CPU share) of the reward workers.
+
+    `rollout_bundles`: the bundles of the rollout GPUs (under --colocate, the trainer's)."""
+    workers = num_reward_workers(args)
+    if workers == 0:
+        return [], [], 0.0, 0.0
+    if getattr(args, "colocate_reward", False):
+        if workers > len(rollout_bundles):
+            raise ValueError(f"{workers} colocated reward workers for {len(rollout_bundles)} rollout GPUs")
+        # one worker per rollout GPU: trainer 0.7 + engine 0.25 + reward 0.05 fill it; the CPU the two leave
+        cpu_left = round(1.0 - 2 * COLOCATED_CPU_SHARE, 4)  # Ray counts resources in units of 1e-4
+        return [], rollout_bundles[:workers], REWARD_GPU_SHARE if on_gpu else 0.0, cpu_left
+    share = float(getattr(args, "pickscore_num_gpus_per_worker", 1.0))
+    if not on_gpu or share <= 0:
+        return ([{"CPU": 1} for _ in range(workers)], [first_free_bundle + i for i in range(workers)], 0.0, 1.0)
+    if share >= 1:
+        # a worker of one or more whole GPUs gets a bundle of its own
+        gpus = float(math.ceil(share))
+        return ([{"GPU": gpus, "CPU": 1} for _ in range(workers)], [first_free_bundle + i for i in range(workers)],
+                share, 1.0)
+    per_bundle = int(math.floor(1.0 / share + 1e-9))  # fractional workers share one GPU bundle
+    num_bundles = -(-workers // per_bundle)
+    bundles = [{"GPU": 1, "CPU": min(per_bundle, workers - b * per_bundle)} for b in range(num_bundles)]
+    return bundles, [first_free_bundle + i // per_bundle for i in range(workers)], share, 1.0
 
 
 def _num_engines(args) -> int:
@@ -98,10 +208,17 @@ def create_placement_groups(args) -> Placement:
     world = train_world_size(args)
     num_engines = _num_engines(args)
     gpus_per_engine = args.rollout_num_gpus_per_engine
+    on_gpu = device == "cuda"
     rollout_bundles = 0 if args.colocate else num_engines * gpus_per_engine
-    total = world + rollout_bundles
-    bundle = {"GPU": 1, "CPU": 1} if device == "cuda" else {"CPU": 1}
-    pg = placement_group([dict(bundle) for _ in range(total)], strategy="PACK")
+    first_engine_bundle = 0 if args.colocate else world
+    engine_bundles = [first_engine_bundle + i * gpus_per_engine for i in range(num_engines)]
+    rollout_gpu_bundles = list(range(first_engine_bundle, first_engine_bundle + num_engines * gpus_per_engine))
+    reward_bundles, reward_indices, reward_gpu, reward_cpu = reward_layout(args, on_gpu, rollout_gpu_bundles,
+                                                                           world + rollout_bundles)
+    bundle = {"GPU": 1, "CPU": 1} if on_gpu else {"CPU": 1}
+    bundles = [dict(bundle) for _ in range(world + rollout_bundles)] + reward_bundles
+    total = len(bundles)
+    pg = placement_group(bundles, strategy="PACK")
     ready, _ = ray.wait([pg.ready()], timeout=120)
     if not ready:
         from miles.utils.errors import MilesUserError
@@ -109,26 +226,47 @@ def create_placement_groups(args) -> Placement:
         raise MilesUserError(
             f"Ray could not reserve {total} {'GPU' if device == 'cuda' else 'CPU'} slots "
             f"(trainer {world} = --actor-num-nodes × --actor-num-gpus-per-node, rollout {rollout_bundles} = "
-            f"--rollout-num-gpus); cluster resources: {ray.cluster_resources()}"
+            f"--rollout-num-gpus, reward {len(reward_bundles)} = --pickscore-num-workers × "
+            f"--pickscore-num-gpus-per-worker unless --colocate-reward); cluster resources: {ray.cluster_resources()}"
         )
     gpu_ids = _bundle_gpu_ids(pg, total) if device == "cuda" else []
-    on_gpu = device == "cuda"
-    cpu_share = 0.45 if args.colocate else 1.0
+    cpu_share = COLOCATED_CPU_SHARE if args.colocate else 1.0
     train_gpu_share = TRAIN_GPU_SHARE if args.colocate else 1.0
     train = Slots(pg, list(range(world)), train_gpu_share if on_gpu else 0.0, cpu_share, gpu_ids[:world])
-    first_engine_bundle = 0 if args.colocate else world
-    engine_bundles = [first_engine_bundle + i * gpus_per_engine for i in range(num_engines)]
     # An engine's actor only supervises its process, which owns the devices: a small share is enough.
     rollout = Slots(pg, engine_bundles, ROLLOUT_GPU_SHARE if on_gpu else 0.0, cpu_share, gpu_ids)
+    reward = RewardSlots(pg, reward_indices, reward_gpu, reward_cpu) if reward_indices else None
+    placement = Placement(device, train, rollout, num_engines, gpus_per_engine, _bundle_nodes(pg, total),
+                          ray.get_runtime_context().get_node_id(), reward)
     logger.info(
-        "placement: %s, trainer ranks %d, engines %d × %d device(s)%s",
+        "placement: %s, trainer ranks %d on nodes %s, engines %d × %d device(s) on nodes %s%s; driver on node %s%s",
         device,
         world,
+        _short_ids(placement.nodes_of(train)),
         num_engines,
         gpus_per_engine,
+        _short_ids(placement.nodes_of(rollout)),
         " (colocated)" if args.colocate else "",
+        _short_ids([placement.driver_node]),
+        "; the run spans nodes: engines bind their node's address" if placement.spans_nodes else "",
     )
-    return Placement(device, train, rollout, num_engines, gpus_per_engine)
+    if reward is not None:
+        logger.info("placement: %d reward worker(s) on bundles %s, %.2f GPU and %.2f CPU each%s", len(reward_indices),
+                    reward_indices, reward_gpu, reward_cpu,
+                    " (colocated with the rollout GPUs)" if getattr(args, "colocate_reward", False) else "")
+    return placement
+
+
+def _bundle_nodes(pg, total: int) -> list[str]:
+    """The node id of each bundle of a ready placement group (Ray decided where they went)."""
+    from ray.util.placement_group import placement_group_table
+
+    by_bundle = placement_group_table(pg)["bundles_to_node_id"]
+    return [by_bundle[i] for i in range(total)]
+
+
+def _short_ids(node_ids: list[str]) -> list[str]:
+    return [node_id[:8] for node_id in node_ids]
 
 
 def _bundle_gpu_ids(pg, total: int) -> list[int]:

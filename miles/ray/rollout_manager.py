@@ -44,6 +44,12 @@ class RolloutManager:
             self.data_source = build_data_source(args)
         self.eval_datasets = build_eval_datasets(args) if not args.train_only else []
         self.fleet = EngineFleet(args, placement) if placement.num_engines > 0 else None
+        if placement.reward is not None:
+            # the reward workers go where the placement reserved them (beside the engines with
+            # --colocate-reward, on GPUs of their own otherwise), not wherever Ray finds room at first use
+            from miles.rollout.rm_hub.pickscore import get_pickscore_pool
+
+            get_pickscore_pool(args, actor_options=placement.reward.actor_options())
         self.weight_version = 0
         self._watcher: threading.Thread | None = None
         self._stop_watching = threading.Event()

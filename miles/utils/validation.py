@@ -307,6 +307,9 @@ def _rule_reward(args: argparse.Namespace) -> None:
               f"(got {args.pickscore_model_path!r}, {args.pickscore_processor_path!r})")
     if args.rm_type == "remote_rm" and not args.rm_url:
         _fail("--rm-type remote_rm needs --rm-url (the reward service's URL)")
+    if args.colocate_reward and args.rm_type == "pickscore" and args.pickscore_num_workers > args.rollout_num_gpus:
+        _fail(f"--pickscore-num-workers {args.pickscore_num_workers} exceeds the {args.rollout_num_gpus} rollout GPUs: "
+              "--colocate-reward puts one reward worker (0.05 of the GPU) beside each trainer rank and engine")
 
 
 def _rule_eval(args: argparse.Namespace) -> None:

@@ -127,6 +127,14 @@ def test_ray_worker_pools_give_the_in_process_scores(tiny_clip):
         args = _args(tiny_clip, pickscore_num_workers=1, pickscore_num_gpus_per_worker=0.5, pickscore_batch_size=2,
                      ocr_num_workers=1)
         remote = asyncio.run(batched_async_rm(args, samples))
+        shutdown_reward_pools()
+        # a pool made up front from the run's placement (one options dict per worker) is the one scoring uses
+        from miles.rollout.rm_hub.pickscore import get_pickscore_pool
+
+        placed = get_pickscore_pool(args, actor_options=[{"num_cpus": 0.5, "num_gpus": 0}] * 2)
+        assert len(placed.actors) == 2
+        assert asyncio.run(batched_async_rm(args, samples[:3])) == pytest.approx(local, abs=1e-5)
+        assert get_pickscore_pool(args) is placed
     finally:
         shutdown_reward_pools()
         ray.shutdown()

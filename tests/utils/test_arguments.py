@@ -250,6 +250,10 @@ def test_nft_geometry_counts_trained_sigmas():
 def test_colocate_reward_needs_colocate():
     assert "--colocate-reward needs --colocate" in error("--colocate-reward")
     assert parse("--colocate-reward", "--colocate").colocate_reward
+    pickscore = ["--rm-type", "pickscore", "--pickscore-model-path", "m", "--pickscore-processor-path", "p"]
+    assert parse("--colocate-reward", "--colocate", *pickscore).colocate_reward
+    message = error("--colocate-reward", "--colocate", *pickscore, "--pickscore-num-workers", "2")
+    assert "--pickscore-num-workers 2 exceeds the 1 rollout GPUs" in message
 
 
 def test_weight_sync_transport_and_check_flags():

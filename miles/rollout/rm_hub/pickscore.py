@@ -93,7 +93,9 @@ class PickScoreScorer:
 class PickScorePool:
     """Ray actors when Ray is up, else one in-process scorer; `score` spreads batches over the workers."""
 
-    def __init__(self, args, scheduling_strategy: Any | None = None):
+    def __init__(self, args, scheduling_strategy: Any | None = None, actor_options: Sequence[dict] | None = None):
+        """`actor_options`: one dict of Ray options per worker (the run's placement, miles.ray.placement), which
+        then replace `--pickscore-num-workers` / `--pickscore-num-gpus-per-worker` and `scheduling_strategy`."""
         processor_path = getattr(args, "pickscore_processor_path", None)
         model_path = getattr(args, "pickscore_model_path", None)
         if not processor_path or not model_path:
@@ -105,7 +107,11 @@ class PickScorePool:
         self.local: PickScoreScorer | None = None
         import ray
 
-        if ray.is_initialized():
+        if ray.is_initialized() and actor_options is not None:
+            actor_class = ray.remote(PickScoreScorer)
+            self.actors = [actor_class.options(**options).remote(processor_path, model_path) for options in actor_options]
+            logger.info("PickScore: %d Ray workers on the run's placement", len(self.actors))
+        elif ray.is_initialized():
             num_workers = int(getattr(args, "pickscore_num_workers", 1) or 1)
             num_gpus = float(getattr(args, "pickscore_num_gpus_per_worker", 1.0))
             if num_gpus > 0 and ray.cluster_resources().get("GPU", 0) == 0:
@@ -148,9 +154,10 @@ class PickScorePool:
 _POOLS: dict[tuple, PickScorePool] = {}
 
 
-def get_pickscore_pool(args, scheduling_strategy: Any | None = None) -> PickScorePool:
-    """The pool for these flags, created on first use (the RolloutManager may create it up front with a
-    placement-group `scheduling_strategy` for `--colocate-reward`)."""
+def get_pickscore_pool(args, scheduling_strategy: Any | None = None,
+                       actor_options: Sequence[dict] | None = None) -> PickScorePool:
+    """The pool for these flags, created on first use (the RolloutManager creates it up front with each worker's
+    placement: `actor_options`, see `PickScorePool`)."""
     import ray
 
     key = (
@@ -162,7 +169,7 @@ def get_pickscore_pool(args, scheduling_strategy: Any | None = None) -> PickScor
         ray.is_initialized(),
     )
     if key not in _POOLS:
-        _POOLS[key] = PickScorePool(args, scheduling_strategy)
+        _POOLS[key] = PickScorePool(args, scheduling_strategy, actor_options)
     return _POOLS[key]
 
 
