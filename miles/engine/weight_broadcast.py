@@ -277,9 +277,11 @@ def _connect(master_address: str, master_port: int, rank: int, world_size: int, 
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        torch.cuda.set_device(device)
+        if device.index is not None:
+            torch.cuda.set_device(device)  # NCCL binds its communicator to the current device at the first collective
         process_group = dist.ProcessGroupNCCL(store, rank, world_size, options)
     else:
+        # _Options is how torch itself hands gloo its devices (distributed_c10d._new_process_group_helper)
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
         # gloo listens on one interface of each member: the one that reaches the master (loopback on one machine)
