@@ -289,11 +289,14 @@ def _connect(master_address: str, master_port: int, rank: int, world_size: int, 
         process_group = dist.ProcessGroupGloo(store, rank, world_size, options)
     group = _Group(store, process_group, backend, rank, world_size, timeout)
     probe = torch.tensor([world_size if rank == 0 else -1], dtype=torch.int64, device=device)
-    group.broadcast(probe)
-    if int(probe.item()) != world_size:
+    try:
+        group.broadcast(probe)
+        if int(probe.item()) != world_size:
+            raise RuntimeError(f"weight broadcast group {group_name}: the set-up broadcast carried "
+                               f"{int(probe.item())}, expected the world size {world_size}")
+    except BaseException:
         group.close()
-        raise RuntimeError(f"weight broadcast group {group_name}: the set-up broadcast carried {int(probe.item())}, "
-                           f"expected the world size {world_size}")
+        raise
     return group
 
 
@@ -393,7 +396,7 @@ class BroadcastMember:
     def describe(self) -> dict[str, Any]:
         return {"group_name": self.spec.group_name, "backend": self.spec.backend, "rank": self.spec.rank_offset,
                 "world_size": self.spec.world_size, "state": self.state, "error": self.error,
-                "buckets_received": self.buckets_received}
+                "joined_in_seconds": self.joined_in_seconds, "buckets_received": self.buckets_received}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import time
 import urllib.error
 from concurrent.futures import ThreadPoolExecutor
 import urllib.request
@@ -236,3 +238,23 @@ def test_transport_choice():
     assert split_by_transport(urls, "auto", True, mine, identities) == (["http://a:1", "http://c:3"], ["http://b:2"])
     assert split_by_transport(urls, "ipc", False, mine, identities) == (urls, [])
     assert split_by_transport(urls, "broadcast", True, mine, identities) == ([], urls)
+
+
+def test_a_join_that_fails_is_reported_and_refuses_receives(engines):
+    url = engines[1]
+    with socket.socket() as closed:  # a port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    status, answer = _call(url, "/init_weights_update_group",
+                           _spec(master_port=port, group_name="miles-weights-unreachable", timeout_seconds=2.0))
+    assert status == 200 and answer["state"] == "joining"  # answered before joining: HTTP stays responsive
+    deadline = time.monotonic() + 60
+    while (info := _call(url, "/server_info", method="GET")[1]["weights_update_group"])["state"] == "joining":
+        assert time.monotonic() < deadline, info
+        time.sleep(0.2)  # the join runs on the engine's background thread; nothing to wait on but its state
+    assert info["state"] == "failed" and info["error"]
+    status, answer = _call(url, "/receive_weights_broadcast",
+                           {"group_name": "miles-weights-unreachable", "bucket": 1, "size": 8})
+    assert status == 409 and "failed" in answer["error"]
+    assert _call(url, "/destroy_weights_update_group", {"group_name": "miles-weights-unreachable"}) == \
+        (200, {"ok": True, "left": True})
