@@ -510,15 +510,12 @@ def _url_is_loopback(url: str) -> bool:
 
 
 def node_address() -> str:
-    """This node's address as the cluster knows it (Ray's view when Ray runs, else the route to the outside)."""
-    try:
-        import ray
+    """This node's address as the cluster knows it (Ray's node IP). Outside Ray, pass `master_address`."""
+    import ray
 
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    return local_address_towards("8.8.8.8")
+    if not ray.is_initialized():
+        raise ValueError("engines beyond loopback and no Ray to name this node's address: pass master_address")
+    return ray.util.get_node_ip_address()
 
 
 async def _post_all(urls: Sequence[str], path: str, payloads: Sequence[dict], api_key: str | None,
