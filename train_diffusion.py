@@ -105,6 +105,7 @@ def train(args) -> None:
                     rollout_manager.resume_memory()
             with run_logger.phase("weight_sync"):
                 actor.update_weights(rollout_manager.engine_urls(), weight_version=rollout_id + 1)
+            run_logger.log(rollout_id, actor.weight_sync_metrics)  # weight_sync/*: transports, bytes, checks
             rollout_manager.weight_version = rollout_id + 1
         if not turns.decided:
             with run_logger.phase("offload"):  # measured once, with the trainer resident and the engines resumed

@@ -7,6 +7,10 @@ Endpoints (see docs/engine.md):
 - `GET  /weights_checksum`            JSON: sha256 per module over its parameters (`?per_tensor=1`, `?modules=a,b`,
                                       `?include_buffers=1`)
 - `POST /release_memory_occupation`, `POST /resume_memory_occupation`, `GET /health`
+- `POST /init_weights_update_group`, `POST /destroy_weights_update_group` (JSON): join / leave the trainer's
+  weight broadcast group; `POST /update_weights_from_distributed` (msgpack bucket message: check and stage a
+  broadcast bucket, or flush), `POST /receive_weights_broadcast` (JSON: receive the staged bucket and apply it);
+  see weight_broadcast.py
 
 Every endpoint requires `Authorization: Bearer <api key>` (401 otherwise; docs/security.md). Errors are one-line
 JSON {"error": ...}: 400 for a malformed or unservable request (wrong type, value beyond a `--max-*` limit),
@@ -29,7 +33,14 @@ from miles.engine.model_runner import ModelRunner
 from miles.engine.protocol import CONTENT_TYPE, ProtocolError, RequestLimits, decode_request, encode_response
 from miles.engine.scheduler import StepScheduler
 from miles.engine.server_args import ServerArgs
-from miles.engine.weight_sync import WeightReceiver, decode_update_message, module_checksums
+from miles.engine.weight_broadcast import (
+    BroadcastMember,
+    decode_group_name,
+    decode_group_spec,
+    decode_receive_request,
+    device_identity,
+)
+from miles.engine.weight_sync import BroadcastRef, UpdateMessage, WeightReceiver, decode_update_message, module_checksums
 from miles.utils.auth import bearer_auth_middleware, json_errors_middleware, resolve_api_key, warn_if_exposed
 from miles.utils.device_memory import current_device_memory
 from miles.utils.errors import MilesUserError
@@ -65,6 +76,10 @@ class EngineServer:
         self.counters: dict[str, Any] = {
             "generate_requests": 0, "weight_updates": 0, "weight_buckets": 0, "bad_requests": 0
         }
+        # the trainer's weight broadcast group this engine belongs to, and the bucket it staged for it
+        self.weight_group: BroadcastMember | None = None
+        self._staged_bucket: UpdateMessage | None = None
+        self.device_identity = device_identity(self.runner.device)
         self.app = web.Application(
             client_max_size=server_args.max_request_bytes,
             middlewares=[json_errors_middleware, bearer_auth_middleware(api_key)],
@@ -78,6 +93,10 @@ class EngineServer:
                 web.post("/release_memory_occupation", self.handle_release),
                 web.post("/resume_memory_occupation", self.handle_resume),
                 web.get("/health", self.handle_health),
+                web.post("/init_weights_update_group", self.handle_init_group),
+                web.post("/destroy_weights_update_group", self.handle_destroy_group),
+                web.post("/update_weights_from_distributed", self.handle_stage_broadcast),
+                web.post("/receive_weights_broadcast", self.handle_receive_broadcast),
             ]
         )
         self.app.on_startup.append(self._on_startup)
@@ -90,6 +109,8 @@ class EngineServer:
 
     async def _on_cleanup(self, app: web.Application) -> None:
         await self.scheduler.stop()
+        if self.weight_group is not None:
+            self.weight_group.close()
 
     # ---- serving --------------------------------------------------------------------------------------------
     async def start(self) -> str:
@@ -141,6 +162,8 @@ class EngineServer:
         body = await request.read()
         try:
             message = decode_update_message(body, torch.cuda.device_count())
+            if isinstance(message.buffer, BroadcastRef):
+                raise ProtocolError("a broadcast bucket goes to POST /update_weights_from_distributed")
             # shielded: a sender that disconnects must not leave copied weights under the old version number
             result = await asyncio.shield(self._apply_update(message))
         except ProtocolError as err:
@@ -159,6 +182,101 @@ class EngineServer:
             self.counters["weight_updates"] += 1
         return result
 
+    # ---- weight broadcast group (miles.engine.weight_broadcast) --------------------------------------------
+    async def handle_init_group(self, request: web.Request) -> web.Response:
+        """Check the fields, answer at once and join on a background thread (the join waits for every member)."""
+        try:
+            spec = decode_group_spec(await request.read())
+            member = BroadcastMember(spec, self.runner.device)
+        except ProtocolError as err:
+            self.counters["bad_requests"] += 1
+            return _error(400, str(err))
+        previous, self.weight_group = self.weight_group, member
+        self._staged_bucket = None
+        if previous is not None:
+            # on the worker thread: a receive of the old group may be running there
+            await self.scheduler.run_exclusive(previous.close)
+        member.start()
+        logger.info("joining weight broadcast group %s as rank %d of %d (%s, master %s:%d)", spec.group_name,
+                    spec.rank_offset, spec.world_size, spec.backend, spec.master_address, spec.master_port)
+        return web.json_response({"ok": True, **member.describe()})
+
+    async def handle_destroy_group(self, request: web.Request) -> web.Response:
+        try:
+            name = decode_group_name(await request.read())
+        except ProtocolError as err:
+            self.counters["bad_requests"] += 1
+            return _error(400, str(err))
+        member = self.weight_group
+        if member is None or member.spec.group_name != name:
+            return web.json_response({"ok": True, "left": False})  # not (or no longer) a member: nothing to do
+        self.weight_group = None
+        self._staged_bucket = None
+        await asyncio.shield(self.scheduler.run_exclusive(member.close))
+        return web.json_response({"ok": True, "left": True})
+
+    async def handle_stage_broadcast(self, request: web.Request) -> web.Response:
+        """Phase 1 of a broadcast bucket: check every entry (nothing is written) and stage it; or the flush."""
+        body = await request.read()
+        try:
+            message = decode_update_message(body, torch.cuda.device_count())
+            if message.flush:
+                result = await asyncio.shield(self._apply_update(message))
+                if self.weight_group is not None:
+                    self.weight_group.release_scratch()
+                return web.json_response({"ok": True, "weight_version": self.runner.weight_version, **result})
+            if not isinstance(message.buffer, BroadcastRef):
+                raise ProtocolError("POST /update_weights_from_distributed takes broadcast buckets; shared-memory "
+                                    "and CUDA IPC buckets go to POST /update_weights_from_tensor")
+            member = self.weight_group
+            if member is None or member.spec.group_name != message.buffer.group_name:
+                raise ProtocolError(f"not a member of weight broadcast group {message.buffer.group_name!r}")
+            self._staged_bucket = None
+            # the same checks as any bucket, on the worker thread (they read the LoRA halves pending there)
+            steps = await self.scheduler.run_exclusive(self.receiver.plan, message)
+        except ProtocolError as err:
+            self.counters["bad_requests"] += 1
+            return _error(400, str(err))
+        self._staged_bucket = message
+        return web.json_response({"ok": True, "staged": message.buffer.bucket, "entries": len(steps)})
+
+    async def handle_receive_broadcast(self, request: web.Request) -> web.Response:
+        """Phase 2: take part in the staged bucket's broadcast and copy it into the parameters."""
+        try:
+            receive = decode_receive_request(await request.read())
+        except ProtocolError as err:
+            self.counters["bad_requests"] += 1
+            return _error(400, str(err))
+        member = self.weight_group
+        if member is None or member.spec.group_name != receive.group_name:
+            self.counters["bad_requests"] += 1
+            return _error(409, f"not a member of weight broadcast group {receive.group_name!r}")
+        staged, self._staged_bucket = self._staged_bucket, None
+        # shielded: the broadcast needs every member, whatever the HTTP client does meanwhile
+        try:
+            return await asyncio.shield(self._receive_and_apply(member, receive, staged))
+        except ProtocolError as err:
+            self.counters["bad_requests"] += 1
+            return _error(409, str(err))
+        except Exception as err:
+            logger.exception("weight broadcast receive failed")
+            return _error(500, f"{type(err).__name__}: {err}")
+
+    async def _receive_and_apply(self, member: BroadcastMember, receive, staged: UpdateMessage | None) -> web.Response:
+        def receive_and_apply() -> dict[str, Any]:
+            # a member always takes part once asked (the trainer and the other engines are in the broadcast);
+            # bytes that match no staged bucket are dropped
+            received = member.receive(receive.size)
+            ref = staged.buffer if staged is not None else None
+            if not isinstance(ref, BroadcastRef) or ref.bucket != receive.bucket or ref.size != receive.size:
+                raise ProtocolError(f"broadcast bucket {receive.bucket} ({receive.size} bytes) was not staged; its "
+                                    "bytes were dropped")
+            return self.receiver.apply(staged, received)
+
+        result = await self.scheduler.run_exclusive(receive_and_apply)
+        self.counters["weight_buckets"] += 1
+        return web.json_response({"ok": True, "weight_version": self.runner.weight_version, **result})
+
     async def handle_server_info(self, request: web.Request) -> web.Response:
         runner = self.runner
         return web.json_response(
@@ -172,6 +290,8 @@ class EngineServer:
                 "generator_device": str(runner.generator_device),
                 "max_batch_size": self.scheduler.max_batch_size,
                 "patch_groups": runner.patch_groups,
+                "device_identity": self.device_identity,
+                "weights_update_group": self.weight_group.describe() if self.weight_group is not None else None,
                 "compiled": bool(self.server_args.enable_torch_compile),
                 "memory_released": self.memory_released,
                 "running_requests": self.scheduler.num_running,

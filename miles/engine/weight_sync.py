@@ -45,7 +45,7 @@ import secrets
 import stat
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence
 
 import msgpack
 import torch
@@ -54,6 +54,9 @@ from torch import nn
 from miles.engine.protocol import ProtocolError
 from miles.utils.async_utils import run_sync
 from miles.utils.auth import auth_headers
+
+if TYPE_CHECKING:
+    from miles.engine.weight_broadcast import WeightBroadcastGroup
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +145,16 @@ class CudaIpcRef:
 
 
 @dataclass(frozen=True)
+class BroadcastRef:
+    """A bucket that arrives by broadcast over the weight group `group_name` (`size` bytes, the trainer's bucket
+    number `bucket`), staged by `POST /update_weights_from_distributed` (miles.engine.weight_broadcast)."""
+
+    group_name: str
+    size: int
+    bucket: int
+
+
+@dataclass(frozen=True)
 class UpdateMessage:
     """One bucket (entries in `buffer`) or the final flush that commits `weight_version`."""
 
@@ -150,7 +163,7 @@ class UpdateMessage:
     lora: bool = False
     lora_scaling: float = 1.0
     target_modules: tuple[str, ...] | None = None
-    buffer: SharedMemoryRef | CudaIpcRef | None = None
+    buffer: SharedMemoryRef | CudaIpcRef | BroadcastRef | None = None
     entries: tuple[TensorEntry, ...] = ()
 
 
@@ -171,6 +184,9 @@ def encode_update_message(message: UpdateMessage) -> bytes:
             "event_handle": ref.event_handle,
             "event_sync_required": ref.event_sync_required,
         }
+    elif isinstance(message.buffer, BroadcastRef):
+        ref = message.buffer
+        buffer = {"kind": "broadcast", "group_name": ref.group_name, "size": ref.size, "bucket": ref.bucket}
     body = {
         "protocol_version": WEIGHT_SYNC_PROTOCOL_VERSION,
         "weight_version": message.weight_version,
@@ -221,6 +237,7 @@ def _expect_map(value: Any, what: str, keys: set[str]) -> dict:
 _MESSAGE_KEYS = {"protocol_version", "weight_version", "flush", "lora", "lora_scaling", "target_modules", "buffer",
                  "entries"}
 _SHM_KEYS = {"kind", "name", "size"}
+_BROADCAST_KEYS = {"kind", "group_name", "size", "bucket"}
 _CUDA_KEYS = {"kind", "device", "handle", "storage_size", "storage_offset", "ref_counter_handle",
               "ref_counter_offset", "event_handle", "event_sync_required"}
 
@@ -269,7 +286,7 @@ def decode_update_message(body: bytes, cuda_device_count: int | None = None) -> 
     )
 
 
-def _decode_buffer(raw: Any, cuda_device_count: int | None) -> SharedMemoryRef | CudaIpcRef:
+def _decode_buffer(raw: Any, cuda_device_count: int | None) -> SharedMemoryRef | CudaIpcRef | BroadcastRef:
     kind = raw.get("kind") if isinstance(raw, dict) else None
     if kind == "shm":
         raw = _expect_map(raw, "shm buffer", _SHM_KEYS)
@@ -281,7 +298,16 @@ def _decode_buffer(raw: Any, cuda_device_count: int | None) -> SharedMemoryRef |
         if cuda_device_count is None:
             cuda_device_count = torch.cuda.device_count()
         return validate_cuda_ipc_fields(_expect_map(raw, "cuda_ipc buffer", _CUDA_KEYS), cuda_device_count)
-    raise ProtocolError(f"buffer must be a map with kind 'shm' or 'cuda_ipc', got {_short(raw)}")
+    if kind == "broadcast":
+        from miles.engine.weight_broadcast import GROUP_NAME
+
+        raw = _expect_map(raw, "broadcast buffer", _BROADCAST_KEYS)
+        name = raw["group_name"]
+        if not isinstance(name, str) or GROUP_NAME.fullmatch(name) is None:
+            raise ProtocolError(f"broadcast buffer group_name must match {GROUP_NAME.pattern}, got {_short(name)}")
+        return BroadcastRef(name, _expect_int(raw["size"], "broadcast buffer size", 1, MAX_BUFFER_BYTES),
+                            _expect_int(raw["bucket"], "broadcast buffer bucket", 0, MAX_WEIGHT_VERSION))
+    raise ProtocolError(f"buffer must be a map with kind 'shm', 'cuda_ipc' or 'broadcast', got {_short(raw)}")
 
 
 def validate_cuda_ipc_fields(raw: Mapping[str, Any], cuda_device_count: int) -> CudaIpcRef:
@@ -305,7 +331,7 @@ def validate_cuda_ipc_fields(raw: Mapping[str, Any], cuda_device_count: int) -> 
     )
 
 
-def _decode_entries(raw: Any, buffer: SharedMemoryRef | CudaIpcRef | None) -> tuple[TensorEntry, ...]:
+def _decode_entries(raw: Any, buffer: SharedMemoryRef | CudaIpcRef | BroadcastRef | None) -> tuple[TensorEntry, ...]:
     if not isinstance(raw, list) or len(raw) > MAX_ENTRIES:
         raise ProtocolError(f"entries must be a list of at most {MAX_ENTRIES} [name, dtype, shape, offset]")
     if raw and buffer is None:
@@ -347,6 +373,13 @@ def _digest_tensor(hasher: Any, name: str, tensor: torch.Tensor) -> None:
     hasher.update(f"{name}|{_DTYPE_NAMES.get(host.dtype, str(host.dtype))}|{list(host.shape)}|".encode())
     if host.numel():
         hasher.update(host.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def tensor_checksum(name: str, tensor: torch.Tensor) -> str:
+    """One tensor's digest as `GET /weights_checksum?per_tensor=1` reports it (`name` without the module)."""
+    hasher = hashlib.sha256()
+    _digest_tensor(hasher, name, tensor)
+    return hasher.hexdigest()
 
 
 def module_checksums(
@@ -396,14 +429,15 @@ def _checksum_dict(tensors: Mapping[str, torch.Tensor], per_tensor: bool) -> Any
 
 class _BucketBuffer:
     """A reusable flat byte buffer on one device that engine processes can map: a /dev/shm file on the CPU,
-    a CUDA allocation (shared through CUDA IPC) on a GPU."""
+    a CUDA allocation (shared through CUDA IPC) on a GPU. `shared=False`: plain host memory (a CPU buffer that
+    only travels by broadcast needs no file)."""
 
-    def __init__(self, nbytes: int, device: torch.device):
+    def __init__(self, nbytes: int, device: torch.device, shared: bool = True):
         self.device = device
         self.shm_name: str | None = None
         self._mapping: mmap.mmap | None = None
         nbytes = max(1, nbytes)
-        if device.type == "cuda":
+        if device.type == "cuda" or not shared:
             self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
             return
         self.shm_name = f"miles_{secrets.token_hex(16)}"
@@ -483,12 +517,13 @@ class WeightSyncError(RuntimeError):
     """An engine rejected or failed a weight update; the message names the engine and its reason."""
 
 
-async def _post_bucket(session, url: str, body: bytes, timeout: float, headers: dict[str, str]) -> dict:
+async def _post_bucket(session, url: str, body: bytes, timeout: float, headers: dict[str, str],
+                       path: str = "/update_weights_from_tensor") -> dict:
     import aiohttp
 
     try:
         async with session.post(
-            f"{url}/update_weights_from_tensor",
+            f"{url}{path}",
             data=body,
             headers={"Content-Type": "application/x-msgpack", **headers},
             timeout=aiohttp.ClientTimeout(total=timeout),
@@ -497,8 +532,28 @@ async def _post_bucket(session, url: str, body: bytes, timeout: float, headers: 
             if response.status != 200:
                 raise WeightSyncError(f"engine {url} rejected the weight update: {payload.get('error', payload)}")
             return payload
-    except aiohttp.ClientError as err:
-        raise WeightSyncError(f"engine {url} unreachable during weight update: {err}") from err
+    except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+        raise WeightSyncError(f"engine {url} unreachable during weight update: {type(err).__name__}: {err}") from err
+
+
+async def _post_receive(session, url: str, group_name: str, bucket: int, size: int, timeout: float,
+                        headers: dict[str, str]) -> dict:
+    import aiohttp
+
+    try:
+        async with session.post(
+            f"{url}/receive_weights_broadcast",
+            json={"group_name": group_name, "bucket": bucket, "size": size},
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=timeout),
+        ) as response:
+            payload = await response.json(content_type=None)
+            if response.status != 200:
+                raise WeightSyncError(f"engine {url} failed to receive broadcast bucket {bucket}: "
+                                      f"{payload.get('error', payload)}")
+            return payload
+    except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+        raise WeightSyncError(f"engine {url} unreachable during weight broadcast: {type(err).__name__}: {err}") from err
 
 
 async def push_weights_async(
@@ -512,16 +567,24 @@ async def push_weights_async(
     target_modules: Sequence[str] | None = None,
     timeout: float = 600.0,
     api_key: str | None = None,
+    broadcast_group: "WeightBroadcastGroup | None" = None,
 ) -> dict[str, Any]:
     """See `push_weights`."""
     import aiohttp
 
     began = time.perf_counter()
-    stats = {"num_tensors": 0, "num_buckets": 0, "bytes": 0}
+    group = broadcast_group
+    if group is not None and (group.broken or set(group.engine_urls) & set(engine_urls)):
+        raise ValueError("an engine is reached either by shared memory / CUDA IPC or by broadcast, not both, and a "
+                         "broken broadcast group must be built again")
+    group_urls = list(group.engine_urls) if group is not None else []
+    stats: dict[str, Any] = {"num_tensors": 0, "num_buckets": 0, "bytes": 0, "ipc_engines": len(engine_urls),
+                             "broadcast_engines": len(group_urls)}
     buffers: dict[tuple[torch.device, int], _BucketBuffer] = {}
     in_flight: asyncio.Future | None = None
     in_flight_slot: int | None = None
     headers = auth_headers(api_key)
+    loop = asyncio.get_running_loop()
 
     def buffer_for(device: torch.device, size: int, slot: int) -> _BucketBuffer:
         key = (device, slot)
@@ -529,14 +592,10 @@ async def push_weights_async(
         if current is None or current.capacity < size:
             if current is not None:
                 current.close()
-            current = _BucketBuffer(max(size, bucket_bytes), device)
+            # engines reached by IPC map the buffer; a broadcast-only buffer is plain memory
+            current = _BucketBuffer(max(size, bucket_bytes), device, shared=bool(engine_urls))
             buffers[key] = current
         return current
-
-    async def send(bodies: Sequence[bytes]) -> list[dict]:
-        return await asyncio.gather(
-            *(_post_bucket(session, url, body, timeout, headers) for url, body in zip(engine_urls, bodies))
-        )
 
     def message(**fields) -> bytes:
         return encode_update_message(
@@ -547,6 +606,47 @@ async def push_weights_async(
                 target_modules=tuple(target_modules) if target_modules else None,
                 **fields,
             )
+        )
+
+    async def send_ipc(buffer: _BucketBuffer, entries: tuple[TensorEntry, ...]) -> None:
+        bodies = [message(buffer=buffer.describe(), entries=entries) for _ in engine_urls]
+        await asyncio.gather(*(_post_bucket(session, url, body, timeout, headers)
+                               for url, body in zip(engine_urls, bodies)))
+
+    async def send_broadcast(buffer: _BucketBuffer, entries: tuple[TensorEntry, ...], size: int) -> None:
+        assert group is not None
+        bucket = group.next_bucket_id()
+        body = message(buffer=BroadcastRef(group.name, size, bucket), entries=entries)
+        # phase 1: every engine checks the entries and stages the bucket; a refusal stops here, nothing written
+        await asyncio.gather(*(_post_bucket(session, url, body, timeout, headers, "/update_weights_from_distributed")
+                               for url in group_urls))
+        # phase 2: every engine receives while we broadcast
+        receives = asyncio.gather(*(_post_receive(session, url, group.name, bucket, size, timeout, headers)
+                                    for url in group_urls))
+        sent = loop.run_in_executor(None, group.broadcast, buffer.buffer[:size])
+        results = await asyncio.gather(receives, sent, return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            group.broken = True  # a member may be stuck or gone: the group is rebuilt before the next push
+            if isinstance(failures[0], WeightSyncError):
+                raise failures[0]
+            raise WeightSyncError(f"weight broadcast of bucket {bucket} over {group.name} failed: "
+                                  f"{type(failures[0]).__name__}: {failures[0]}") from failures[0]
+
+    async def transfer(buffer: _BucketBuffer, entries: tuple[TensorEntry, ...], size: int) -> None:
+        parts = []
+        if engine_urls:
+            parts.append(send_ipc(buffer, entries))
+        if group_urls:
+            parts.append(send_broadcast(buffer, entries, size))
+        await asyncio.gather(*parts)
+
+    async def flush() -> list[dict]:
+        body = message(flush=True)
+        return await asyncio.gather(
+            *(_post_bucket(session, url, body, timeout, headers) for url in engine_urls),
+            *(_post_bucket(session, url, body, timeout, headers, "/update_weights_from_distributed")
+              for url in group_urls),
         )
 
     connector = aiohttp.TCPConnector(limit=0)
@@ -560,12 +660,13 @@ async def push_weights_async(
                 if in_flight is not None and in_flight_slot == slot:
                     await in_flight  # this slot's buffer is still being read by the engines
                     in_flight = None
-                buffer = buffer_for(devices.pop(), size, slot)
+                # a broadcast sends from the group's device (the GPU for NCCL, even for host tensors)
+                device = group.device if group is not None else devices.pop()
+                buffer = buffer_for(device, size, slot)
                 entries = buffer.pack(bucket)
-                bodies = [message(buffer=buffer.describe(), entries=entries) for _ in engine_urls]
                 if in_flight is not None:
                     await in_flight
-                in_flight = asyncio.ensure_future(send(bodies))
+                in_flight = asyncio.ensure_future(transfer(buffer, entries, size))
                 in_flight_slot = slot
                 slot = 1 - slot
                 stats["num_tensors"] += len(bucket)
@@ -575,7 +676,7 @@ async def push_weights_async(
                 await in_flight
                 in_flight = None
             # the flush message commits the version (and checks that every LoRA pair arrived)
-            answers = await send([message(flush=True)] * len(engine_urls))
+            answers = await flush()
     finally:
         if in_flight is not None:
             # a failed push: let the engines finish with the buffers before they are unmapped and unlinked
@@ -598,15 +699,19 @@ def push_weights(
     target_modules: Sequence[str] | None = None,
     timeout: float = 600.0,
     api_key: str | None = None,
+    broadcast_group: "WeightBroadcastGroup | None" = None,
 ) -> dict[str, Any]:
     """Push `named_tensors` (`<module>.<param>` names) to every engine, in buckets of at most `bucket_bytes`.
 
-    GPU tensors travel as CUDA IPC handles, CPU tensors through shared-memory files; every engine receives the
-    same buckets concurrently. `lora=True` pushes PEFT A/B pairs that the engines merge with `lora_scaling`
-    (PEFT's alpha / rank). `api_key`: the engines' key (default $MILES_API_KEY). Returns {"num_tensors",
-    "num_buckets", "bytes", "seconds", "engine_weight_versions"}. Raises WeightSyncError naming the engine on any
-    failure. Safe to call from sync code, also while an event loop runs in this thread (the push then runs on a
-    helper thread).
+    `engine_urls` receive by reference: GPU tensors as CUDA IPC handles, CPU tensors through shared-memory
+    files. `broadcast_group` (a `miles.engine.weight_broadcast.WeightBroadcastGroup`) reaches its engines by
+    broadcast, each bucket validated by every engine before it is sent. Both can be used in one push; every
+    engine receives the same buckets concurrently. `lora=True` pushes PEFT A/B pairs that the engines merge
+    with `lora_scaling` (PEFT's alpha / rank). `api_key`: the engines' key (default $MILES_API_KEY). Returns
+    {"num_tensors", "num_buckets", "bytes", "seconds", "engine_weight_versions" (IPC engines first),
+    "ipc_engines", "broadcast_engines"}. Raises WeightSyncError naming the engine on any failure (a failed
+    broadcast also marks the group `broken`). Safe to call from sync code, also while an event loop runs in this
+    thread (the push then runs on a helper thread).
     """
     coroutine = push_weights_async(
         engine_urls,
@@ -618,6 +723,7 @@ def push_weights(
         target_modules=target_modules,
         timeout=timeout,
         api_key=api_key,
+        broadcast_group=broadcast_group,
     )
     return run_sync(coroutine)
 
@@ -763,8 +869,10 @@ class WeightReceiver:
         return steps
 
     @torch.no_grad()
-    def apply(self, message: UpdateMessage) -> dict[str, Any]:
-        """Apply one bucket message (or the final flush); returns what the engine reports back."""
+    def apply(self, message: UpdateMessage, received: torch.Tensor | None = None) -> dict[str, Any]:
+        """Apply one bucket message (or the final flush); returns what the engine reports back.
+
+        `received`: the bucket's bytes for a broadcast bucket (the other kinds name memory the engine maps)."""
         steps = self.plan(message)
         if message.flush and self._pending_lora:
             missing = sorted(f"{m}.{layer}" for m, layer in self._pending_lora)
@@ -774,21 +882,29 @@ class WeightReceiver:
             self._lora_scaling = message.lora_scaling
         if steps:
             assert message.buffer is not None
-            with _map_buffer(message.buffer) as flat:
-                for step in steps:
-                    entry = step.entry
-                    view = flat[entry.offset : entry.offset + entry.nbytes].view(entry.dtype).view(entry.shape)
-                    if isinstance(step, _FullCopy):
-                        step.target.copy_(view)
-                        # the pushed weight is the new base for later LoRA merges
-                        self._lora_base.pop((step.module_name, step.param_name), None)
-                    else:
-                        self._receive_lora(step, view, message.target_modules)
-                del flat, view  # drop the mapping of the sender's memory before answering
+            if isinstance(message.buffer, BroadcastRef):
+                if received is None or received.numel() < message.buffer.size:
+                    raise ProtocolError("a broadcast bucket is applied from the bytes the engine received")
+                self._copy(steps, received, message.target_modules)
+            else:
+                with _map_buffer(message.buffer) as flat:
+                    self._copy(steps, flat, message.target_modules)
+                    del flat  # drop the mapping of the sender's memory before answering
         self.tensors_received += len(steps)
         if message.flush:
             self.updates_applied += 1
         return {"applied": len(steps)}
+
+    def _copy(self, steps: list[_FullCopy | _LoraPart], flat: torch.Tensor, target_modules) -> None:
+        for step in steps:
+            entry = step.entry
+            view = flat[entry.offset : entry.offset + entry.nbytes].view(entry.dtype).view(entry.shape)
+            if isinstance(step, _FullCopy):
+                step.target.copy_(view)
+                # the pushed weight is the new base for later LoRA merges
+                self._lora_base.pop((step.module_name, step.param_name), None)
+            else:
+                self._receive_lora(step, view, target_modules)
 
     def _receive_lora(self, step: _LoraPart, view: torch.Tensor, target_modules) -> None:
         pending = self._pending_lora.setdefault(step.key, _PendingLora())

@@ -44,7 +44,13 @@ class EngineSupervisor:
     """The actor body (plain class, so it also works without Ray in tests)."""
 
     def __init__(self, server_args: ServerArgs, log_path: str | None = None, env: dict[str, str] | None = None,
-                 startup_timeout: float = 600.0):
+                 startup_timeout: float = 600.0, bind_node_address: bool = False):
+        """`bind_node_address`: the engine binds this node's address instead of `server_args.host` (a run that
+        spans nodes: its engines must be reachable from the others)."""
+        if bind_node_address:
+            import ray
+
+            server_args = dataclasses.replace(server_args, host=ray.util.get_node_ip_address())
         self.server_args = server_args
         self.log_path = log_path
         self.extra_env = dict(env or {})

@@ -2,8 +2,10 @@
 
 Each engine is an OS process supervised by a Ray actor (`miles.ray.engine_actor`) on its placement slot; the
 router (`python -m miles.router`) is a child process of the driver. Engines and router bind 127.0.0.1 and
-require the run's key, which every process inherits as $MILES_API_KEY (`init_ray` creates it). Engines are added to the router as they
-come up, and removed and re-added when fault tolerance restarts one.
+require the run's key, which every process inherits as $MILES_API_KEY (`init_ray` creates it). A run that spans
+nodes binds each engine to its node's address instead (the driver's router and the trainer must reach it), and
+with `--use-distributed-post` the router to the driver's (the POST actors of other nodes call it). Engines are
+added to the router as they come up, and removed and re-added when fault tolerance restarts one.
 """
 
 from __future__ import annotations
@@ -101,7 +103,8 @@ class EngineFleet:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     slots.placement_group, placement_group_bundle_index=bundle_index
                 )
-            ).remote(server_args, log_path=os.path.join(self.log_dir, f"engine{engine_index}.log"), env=env)
+            ).remote(server_args, log_path=os.path.join(self.log_dir, f"engine{engine_index}.log"), env=env,
+                     bind_node_address=self.placement.spans_nodes)
             self.actors.append(actor)
         try:
             self.urls = ray.get([actor.start.remote() for actor in self.actors])
@@ -110,7 +113,13 @@ class EngineFleet:
                 f"a rollout engine failed to start ({err.__class__.__name__}: {str(err).splitlines()[-1]}); "
                 f"its log is in {self.log_dir}/"
             ) from err
-        self.router_process, self.router_url = launch_router_process(RouterConfig.from_args(self.args), self.urls)
+        # the router serves the driver's rollout client; the per-node POST actors of --use-distributed-post may
+        # call it from other nodes
+        router_host = "127.0.0.1"
+        if self.placement.spans_nodes and getattr(self.args, "use_distributed_post", False):
+            router_host = ray.util.get_node_ip_address()
+        self.router_process, self.router_url = launch_router_process(RouterConfig.from_args(self.args), self.urls,
+                                                                     host=router_host)
         logger.info("engines up: %s, router %s", self.urls, self.router_url)
 
     def engine_urls(self) -> list[str]:

@@ -4,10 +4,15 @@ One bundle per GPU (`{"GPU": 1, "CPU": 1}`), or one CPU slot per process on a CP
 how tests and the quick start run. The trainer takes the first `train_world_size` bundles; engines take
 the next `rollout_num_gpus` (or, under `--colocate`, share the trainer's: fractional GPUs, trainer 0.7 +
 engine 0.25 + reward 0.05 with `--colocate-reward`). Reward workers take fractional GPUs on their own.
+
+Ray may spread the bundles over several nodes (a cluster joined through RAY_ADDRESS, docs/cluster.md). The
+placement records each bundle's node: a run whose processes span nodes has its engines bind their node's
+address instead of loopback, since the driver's router and the trainer must reach them.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -51,6 +56,16 @@ class Placement:
     rollout: Slots
     num_engines: int
     gpus_per_engine: int
+    bundle_nodes: list[str] = field(default_factory=list)  # the Ray node id of each bundle
+    driver_node: str | None = None  # the node of the driver (and of the router it starts)
+
+    def nodes_of(self, slots: Slots) -> list[str]:
+        return [self.bundle_nodes[i] for i in slots.bundle_indices] if self.bundle_nodes else []
+
+    @property
+    def spans_nodes(self) -> bool:
+        """True when the driver, the trainer ranks and the engines are not all on one node."""
+        return len(set(self.bundle_nodes) | ({self.driver_node} if self.driver_node else set())) > 1
 
 
 def train_world_size(args) -> int:
@@ -62,16 +77,13 @@ def init_ray(args) -> None:
     run's API key (created here unless $MILES_API_KEY is set)."""
     import ray
 
-    from miles.utils.auth import API_KEY_ENV, ensure_run_api_key
+    from miles.utils.auth import ensure_run_api_key
 
     # the run's key for engines, router and trainer ranks: through the environment, never a command line or args
     api_key = ensure_run_api_key()
     if ray.is_initialized():
         return
-    env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
-    env.update(args.train_env_vars or {})
-    env[API_KEY_ENV] = api_key
-    runtime_env = {"env_vars": env}
+    runtime_env = {"env_vars": worker_env_vars(args, api_key)}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=True)
     else:
@@ -90,6 +102,32 @@ def _local_gpu_budget(args) -> int:
     return min(int(getattr(args, "num_gpus_per_node", 8) or 8), torch.cuda.device_count())
 
 
+# Set by `ray job submit` in the driver's environment: the job's config, its runtime_env included.
+_RAY_JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+
+
+def worker_env_vars(args, api_key: str, environ=os.environ) -> dict[str, str]:
+    """The environment every Ray worker of the run gets: the offline settings, --train-env-vars and the key.
+
+    Inside a submitted job (`ray job submit`) the job's own runtime_env already reaches every worker, and Ray
+    refuses a `ray.init` runtime_env that sets any variable the job sets (even to the same value): those are
+    left to the job (they are in this process's environment too, so the values agree)."""
+    from miles.utils.auth import API_KEY_ENV
+
+    env = {k: environ[k] for k in _FORWARDED_ENV if k in environ}
+    env.update(args.train_env_vars or {})
+    env[API_KEY_ENV] = api_key
+    job_config = environ.get(_RAY_JOB_CONFIG_ENV)
+    if job_config:
+        job_env = (json.loads(job_config).get("runtime_env") or {}).get("env_vars") or {}
+        for key in sorted(set(env) & set(job_env)):
+            if job_env[key] != env[key]:
+                logger.warning("%s differs between the job's runtime_env and this run; the job's value reaches the "
+                               "workers", key)
+            del env[key]
+    return env
+
+
 def _num_engines(args) -> int:
     if args.train_only or args.load_debug_rollout_data:
         return 0
@@ -106,10 +144,14 @@ def create_placement_groups(args) -> Placement:
     world = train_world_size(args)
     num_engines = _num_engines(args)
     gpus_per_engine = args.rollout_num_gpus_per_engine
+    on_gpu = device == "cuda"
     rollout_bundles = 0 if args.colocate else num_engines * gpus_per_engine
-    total = world + rollout_bundles
-    bundle = {"GPU": 1, "CPU": 1} if device == "cuda" else {"CPU": 1}
-    pg = placement_group([dict(bundle) for _ in range(total)], strategy="PACK")
+    first_engine_bundle = 0 if args.colocate else world
+    engine_bundles = [first_engine_bundle + i * gpus_per_engine for i in range(num_engines)]
+    bundle = {"GPU": 1, "CPU": 1} if on_gpu else {"CPU": 1}
+    bundles = [dict(bundle) for _ in range(world + rollout_bundles)]
+    total = len(bundles)
+    pg = placement_group(bundles, strategy="PACK")
     ready, _ = ray.wait([pg.ready()], timeout=120)
     if not ready:
         from miles.utils.errors import MilesUserError
@@ -120,23 +162,38 @@ def create_placement_groups(args) -> Placement:
             f"--rollout-num-gpus); cluster resources: {ray.cluster_resources()}"
         )
     gpu_ids = _bundle_gpu_ids(pg, total) if device == "cuda" else []
-    on_gpu = device == "cuda"
-    cpu_share = 0.45 if args.colocate else 1.0
+    cpu_share = 0.45 if args.colocate else 1.0  # trainer rank and engine supervisor; reward actors take the rest
     train_gpu_share = TRAIN_GPU_SHARE if args.colocate else 1.0
     train = Slots(pg, list(range(world)), train_gpu_share if on_gpu else 0.0, cpu_share, gpu_ids[:world])
-    first_engine_bundle = 0 if args.colocate else world
-    engine_bundles = [first_engine_bundle + i * gpus_per_engine for i in range(num_engines)]
     # An engine's actor only supervises its process, which owns the devices: a small share is enough.
     rollout = Slots(pg, engine_bundles, ROLLOUT_GPU_SHARE if on_gpu else 0.0, cpu_share, gpu_ids)
+    placement = Placement(device, train, rollout, num_engines, gpus_per_engine, _bundle_nodes(pg, total),
+                          ray.get_runtime_context().get_node_id())
     logger.info(
-        "placement: %s, trainer ranks %d, engines %d × %d device(s)%s",
+        "placement: %s, trainer ranks %d on nodes %s, engines %d × %d device(s) on nodes %s%s; driver on node %s%s",
         device,
         world,
+        _short_ids(placement.nodes_of(train)),
         num_engines,
         gpus_per_engine,
+        _short_ids(placement.nodes_of(rollout)),
         " (colocated)" if args.colocate else "",
+        _short_ids([placement.driver_node]),
+        "; the run spans nodes: engines bind their node's address" if placement.spans_nodes else "",
     )
-    return Placement(device, train, rollout, num_engines, gpus_per_engine)
+    return placement
+
+
+def _bundle_nodes(pg, total: int) -> list[str]:
+    """The node id of each bundle of a ready placement group (Ray decided where they went)."""
+    from ray.util.placement_group import placement_group_table
+
+    by_bundle = placement_group_table(pg)["bundles_to_node_id"]
+    return [by_bundle[i] for i in range(total)]
+
+
+def _short_ids(node_ids: list[str]) -> list[str]:
+    return [node_id[:8] for node_id in node_ids]
 
 
 def _bundle_gpu_ids(pg, total: int) -> list[int]:

@@ -59,6 +59,7 @@ class TrainRayActor:
         self.world_size = world_size
         self.family_name = family_name
         self.trainer = None
+        self.weight_pusher = None  # rank 0: transports and the broadcast group of weight sync (weight_push.py)
         os.environ.update(parse_train_env_vars(getattr(args, "train_env_vars", None)))
 
     def master_address(self) -> tuple[str, int]:
@@ -92,6 +93,8 @@ class TrainRayActor:
         return self.trainer.train(rollout_id, samples)
 
     def update_weights(self, engine_urls: list[str], weight_version: int) -> dict | None:
+        """Push the weights; rank 0 sends (shared memory / CUDA IPC or broadcast per engine, `WeightPusher`), the
+        other ranks join the gathers. Returns rank 0's push report."""
         from miles.backends.fsdp_utils.weight_export import iter_sync_tensors, lora_scaling
 
         named_tensors = iter_sync_tensors(self.trainer)
@@ -99,17 +102,25 @@ class TrainRayActor:
             for _ in named_tensors:  # join every gather; only rank 0 sends
                 pass
             return None
-        from miles.engine.weight_sync import push_weights
-
         args = self.args
-        return push_weights(
+        if self.weight_pusher is None:
+            from miles.backends.fsdp_utils.weight_push import WeightPusher
+
+            self.weight_pusher = WeightPusher(
+                getattr(args, "update_weight_transport", "auto") or "auto",
+                colocated=bool(getattr(args, "colocate", False)),
+                device=self.trainer.device,
+                timeout=60.0 * float(getattr(args, "distributed_timeout_minutes", 10) or 10),
+            )
+        return self.weight_pusher.push(
             engine_urls,
             named_tensors,
-            int(getattr(args, "update_weight_buffer_size", 512 * 1024 * 1024)),
-            weight_version,
+            bucket_bytes=int(getattr(args, "update_weight_buffer_size", 512 * 1024 * 1024)),
+            weight_version=weight_version,
             lora=bool(getattr(args, "lora_ipc_weight_sync", False)),
             lora_scaling=lora_scaling(self.trainer),
             target_modules=list(self.trainer.model.keys()),
+            check=bool(getattr(args, "check_weight_sync", False)),
         )
 
     def named_tensors(self, lora_only: bool = False, use_ema: bool = False) -> dict | None:
@@ -150,6 +161,8 @@ class TrainRayActor:
     def shutdown(self) -> None:
         import torch.distributed as dist
 
+        if self.weight_pusher is not None:
+            self.weight_pusher.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -210,6 +223,7 @@ class TrainActorGroup:
                 )
             self.actors.append(remote_cls.options(**options).remote(args, rank, self.world_size, family_name))
         self.weight_version = 0
+        self.weight_sync_metrics: dict[str, float] = {}  # the last push as `weight_sync/*` metrics
         on_run_exit("the trainer actors", self.kill)
 
     def _all(self, method: str, *args) -> list:
@@ -229,10 +243,14 @@ class TrainActorGroup:
 
     def update_weights(self, engine_urls: list[str], weight_version: int | None = None) -> dict | None:
         """Push the live or EMA weights (full or LoRA pairs) to the engines; returns rank 0's push report."""
+        from miles.backends.fsdp_utils.weight_push import sync_metrics
+
         self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
         if not engine_urls:
             return None
-        return self._all("update_weights", list(engine_urls), self.weight_version)[0]
+        report = self._all("update_weights", list(engine_urls), self.weight_version)[0]
+        self.weight_sync_metrics = sync_metrics(report)
+        return report
 
     def named_tensors(self, lora_only: bool = False, use_ema: bool = False) -> dict:
         return self._all("named_tensors", lora_only, use_ema)[0]

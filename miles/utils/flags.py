@@ -313,6 +313,15 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
           "Wan2.2: transformer,transformer_2."),
         F("--update-weight-buffer-size", byte_size, 512 * MIB, "Weight-sync chunk size in bytes (512MiB-style "
           "units accepted).", ge=1, type_name="int"),
+        F("--update-weight-transport", str, "auto", "How weights reach the engines: 'ipc' (shared memory on CPU, "
+          "CUDA IPC on GPU: the engine must share the trainer's device and host), 'broadcast' (a torch.distributed "
+          "group of the trainer's rank 0 and every engine: NCCL on GPU, gloo on CPU; works across devices and "
+          "nodes), or 'auto': broadcast without --colocate, and under --colocate ipc for the engines on the "
+          "trainer rank 0's device, broadcast for the others.", choices=("auto", "ipc", "broadcast"),
+          extension=True),
+        S("--check-weight-sync", "After every weight push, compare each engine's per-tensor checksums with the "
+          "pushed tensors (rank 0 hashes them in the engine's dtype as they go) and fail the run on a mismatch. "
+          "Costs a host copy and a sha256 of every synced tensor; full-weight pushes only.", extension=True),
         F("--rollout-seed", int, 42, "Base seed of rollout noise and step selection.", ge=0),
         F("--over-sampling-batch-size", int, None, "Prompt groups a rollout starts at once (>= --rollout-batch-size; "
           "unset = --rollout-batch-size). With --dynamic-sampling-filter-path dropping groups, the extra ones fill "

@@ -297,6 +297,9 @@ def _rule_reference(args: argparse.Namespace) -> None:
               f"{args.ref_mode}, --ema-rollout-policy {args.ema_rollout_policy})")
     if args.lora_ipc_weight_sync and not args.use_lora:
         _fail("--lora-ipc-weight-sync needs --use-lora (it pushes only lora_A/lora_B)")
+    if args.check_weight_sync and args.lora_ipc_weight_sync:
+        _fail("--check-weight-sync compares full weights; --lora-ipc-weight-sync pushes only LoRA pairs (the engine "
+              "merges them): drop one of the two")
 
 
 def _rule_optimizer(args: argparse.Namespace) -> None:

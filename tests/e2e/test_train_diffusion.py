@@ -44,10 +44,13 @@ def base_flags(sd3: str, prompts: str, out: Path) -> list[str]:
     ]
 
 
-def run(argv: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+def run(argv: list[str], timeout: float = 600, ray_address: str | None = None) -> subprocess.CompletedProcess:
+    """`ray_address`: join that Ray cluster (RAY_ADDRESS) instead of starting one."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled",
            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)
+    if ray_address:
+        env["RAY_ADDRESS"] = ray_address
     result = subprocess.run([sys.executable, str(REPO / "train_diffusion.py"), *argv], capture_output=True,
                             text=True, cwd=REPO, env=env, timeout=timeout)
     assert result.returncode == 0, f"train_diffusion.py failed ({result.returncode}):\n{result.stderr[-6000:]}"

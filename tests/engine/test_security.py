@@ -144,6 +144,8 @@ def test_a_crafted_pickle_creates_nothing_directly_or_through_the_router(engine,
 ENGINE_ENDPOINTS = [("GET", "/health"), ("GET", "/server_info"), ("GET", "/weights_checksum"),
                     ("POST", "/rollout/generate"), ("POST", "/update_weights_from_tensor"),
                     ("POST", "/release_memory_occupation"), ("POST", "/resume_memory_occupation"),
+                    ("POST", "/init_weights_update_group"), ("POST", "/destroy_weights_update_group"),
+                    ("POST", "/update_weights_from_distributed"), ("POST", "/receive_weights_broadcast"),
                     ("GET", "/no_such_endpoint")]
 ROUTER_ENDPOINTS = [("GET", "/health"), ("GET", "/workers"), ("POST", "/rollout/generate"),
                     ("POST", "/add_worker"), ("POST", "/remove_worker")]
@@ -167,8 +169,9 @@ def test_every_endpoint_wants_the_key(engine, router_url):
                 status, answer = _call(url, path, body, headers=headers, method=method)
                 assert status == 401, (url, path, headers)
                 assert answer["error"].startswith("missing or wrong API key")
-    # nothing changed behind the 401s: memory not released, no worker added
+    # nothing changed behind the 401s: memory not released, no weight group joined, no worker added
     assert _call(engine.url, "/server_info")[1]["memory_released"] is False
+    assert _call(engine.url, "/server_info")[1]["weights_update_group"] is None
     assert [w["url"] for w in _call(router_url, "/workers")[1]["workers"]] == [engine.url]
 
 

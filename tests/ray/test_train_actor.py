@@ -122,16 +122,26 @@ def test_weight_push_reaches_a_live_engine(setup, tmp_path):
         log_path=str(tmp_path / "engine.log"),
         startup_timeout=120,
     )
-    try:
-        report = group.update_weights([engine.url], weight_version=5)
-        assert report["num_tensors"] > 0
-        request = urllib.request.Request(f"{engine.url}/weights_checksum?per_tensor=1", headers=auth_headers())
+    def engine_json(path: str) -> dict:
+        request = urllib.request.Request(f"{engine.url}{path}", headers=auth_headers())
         with urllib.request.urlopen(request, timeout=60) as response:
-            body = json.loads(response.read())
+            return json.loads(response.read())
+
+    try:
+        # not colocated: rank 0 (a Ray actor) reaches the engine through a gloo broadcast group
+        report = group.update_weights([engine.url], weight_version=5)
+        assert report["num_tensors"] > 0 and report["broadcast_engines"] == 1 and report["ipc_engines"] == 0
+        assert group.weight_sync_metrics["weight_sync/broadcast_engines"] == 1.0
+        body = engine_json("/weights_checksum?per_tensor=1")
         assert body["weight_version"] == 5
         pushed = named_tensor_checksums(group.named_tensors().items(), per_tensor=True)["transformer"]
         engine_side = body["checksums"]["transformer"]
         assert pushed and all(engine_side[name] == digest for name, digest in pushed.items())
+        # the group is built once and reused by the next push
+        group_name = engine_json("/server_info")["weights_update_group"]["group_name"]
+        group.update_weights([engine.url], weight_version=6)
+        info = engine_json("/server_info")
+        assert info["weight_version"] == 6 and info["weights_update_group"]["group_name"] == group_name
     finally:
         engine.stop()
 

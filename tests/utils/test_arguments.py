@@ -250,6 +250,16 @@ def test_nft_geometry_counts_trained_sigmas():
 def test_colocate_reward_needs_colocate():
     assert "--colocate-reward needs --colocate" in error("--colocate-reward")
     assert parse("--colocate-reward", "--colocate").colocate_reward
+    pickscore = ["--rm-type", "pickscore", "--pickscore-model-path", "m", "--pickscore-processor-path", "p"]
+    assert parse("--colocate-reward", "--colocate", *pickscore).colocate_reward
+
+
+def test_weight_sync_transport_and_check_flags():
+    assert parse().update_weight_transport == "auto" and not parse().check_weight_sync
+    assert parse("--update-weight-transport", "broadcast", "--check-weight-sync").update_weight_transport == "broadcast"
+    assert "--update-weight-transport" in error("--update-weight-transport", "nccl")
+    message = error("--check-weight-sync", "--use-lora", "--lora-ipc-weight-sync")
+    assert "--check-weight-sync" in message and "--lora-ipc-weight-sync" in message and "\n" not in message.strip()
 
 
 def test_lora_ipc_weight_sync_needs_use_lora():

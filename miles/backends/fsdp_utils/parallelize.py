@@ -42,22 +42,62 @@ def trainer_dtypes(args) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
 
 
 def apply_sequence_parallel(module: nn.Module, family, dims: ParallelDims, mesh, name: str) -> None:
-    """USP through diffusers' context parallelism with the family's plan (`--sequence-parallel-size` > 1)."""
+    """USP through diffusers' context parallelism with the family's plan (`--sequence-parallel-size` > 1).
+
+    Runs on CUDA (NCCL) and on the CPU (gloo): Ulysses exchanges heads with all-to-all and the plan's output
+    gather is an all-gather, both of which gloo implements for CPU tensors."""
     plan = family.context_parallel_plan(module)
     if plan is None:
         raise MilesUserError(
             f"--sequence-parallel-size {dims.sp}: the {family.family!r} family has no context-parallel plan for "
             f"its {name!r} module; run with --sequence-parallel-size 1 or give the family a context_parallel_plan"
         )
-    if not torch.cuda.is_available():
-        raise MilesUserError(
-            f"--sequence-parallel-size {dims.sp}: diffusers context parallelism needs CUDA devices (it places one "
-            "rank per accelerator); it cannot run on a CPU/gloo trainer"
-        )
     from diffusers import ContextParallelConfig
 
     config = ContextParallelConfig(ring_degree=dims.ring, ulysses_degree=dims.ulysses, mesh=mesh[("ring", "ulysses")])
-    module.enable_parallelism(config=config, cp_plan=plan)
+    if mesh.device_type != "cpu":
+        module.enable_parallelism(config=config, cp_plan=plan)
+        return
+    # diffusers places each rank on `torch.device(accelerator, rank % torch.accelerator.device_count())`, which
+    # divides by zero on a machine without an accelerator; everything else it does works on CPU tensors. Record
+    # the config with the CPU as the device (exactly what its `_resolve_parallel_config` does otherwise) and let
+    # `enable_parallelism` do the rest: the backend check, the processors, the split/gather hooks.
+    module._resolve_parallel_config = _cpu_parallel_config_resolver(module)
+    try:
+        module.enable_parallelism(config=config, cp_plan=plan)
+    finally:
+        del module._resolve_parallel_config
+
+
+def _cpu_parallel_config_resolver(module: nn.Module):
+    import torch.distributed as dist
+    from diffusers.models._modeling_parallel import ParallelConfig
+
+    def resolve(config):
+        if not isinstance(config, ParallelConfig):
+            config = ParallelConfig(context_parallel_config=config)
+        config.setup(dist.get_rank(), dist.get_world_size(), torch.device("cpu"),
+                     mesh=config.context_parallel_config.mesh)
+        module._parallel_config = config
+        return config
+
+    return resolve
+
+
+def set_sequence_parallel_gradient_reduction(module: nn.Module, dims: ParallelDims, device_type: str) -> None:
+    """Each SP rank's parameter gradients cover only its sequence shard: sum over SP, average over DP.
+
+    The shard mesh holds dp_shard × sp ranks, so FSDP's default (the mean over that mesh) would divide by sp too
+    many. Every FSDP unit — each block and the root — reduce-scatters its own gradients, so each gets the
+    factor (`set_gradient_divide_factor` does not recurse). gloo has no PREMUL_SUM, the op a custom factor uses
+    on NCCL: there the reduction sums and divides afterwards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.set_gradient_divide_factor(float(dims.dp_size))
+            if device_type == "cpu":
+                unit.set_force_sum_reduction_for_comms(True)
 
 
 def cast_buffers_like_the_engine(module: nn.Module, master_dtype: torch.dtype, forward_dtype: torch.dtype) -> None:
@@ -131,8 +171,7 @@ def parallelize_module(module: nn.Module, family, args, dims: ParallelDims, mesh
             fully_shard(block, **fsdp_kwargs)
     fully_shard(module, **fsdp_kwargs)
     if dims.sp_enabled:
-        # Each SP rank's parameter gradients cover only its sequence shard: sum over SP, average over DP.
-        module.set_gradient_divide_factor(float(dims.dp_size))
+        set_sequence_parallel_gradient_reduction(module, dims, torch.device(device).type)
     logger.info(
         "sharded %s: %d block lists, param %s / master %s / reduce %s, cpu offload %s, mesh %s",
         name, len(blocks), forward_dtype, master_dtype, reduce_dtype, offload, dims,
