@@ -25,6 +25,7 @@ from typing import Any
 
 from miles.engine.server_args import ServerArgs
 from miles.utils.errors import exit_on_user_error
+from miles.utils.parent_death import die_with_parent
 
 URL_PREFIX = "MILES_ENGINE_URL="
 
@@ -90,6 +91,7 @@ def server_args_to_argv(server_args: ServerArgs) -> list[str]:
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
+    die_with_parent()  # before the heavy imports: a driver killed meanwhile must not leave this process behind
     server_args, api_key = parse_command_line(argv)
     logging.basicConfig(
         level=server_args.log_level.upper(), format="%(asctime)s engine %(levelname)s %(name)s: %(message)s"

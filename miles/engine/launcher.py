@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from miles.engine.server_args import ServerArgs
 from miles.utils.auth import API_KEY_ENV
+from miles.utils.parent_death import mark_parent
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +55,10 @@ def spawn_engine(server_args: ServerArgs, env: dict[str, str] | None = None, log
     """Start `python -m miles.engine` with these args without waiting (see `wait_engine`).
 
     The engine's key (`api_key`, default $MILES_API_KEY of this process) travels in the child's environment,
-    never on its command line."""
+    never on its command line. The engine dies with this process (`miles.utils.parent_death`)."""
     from miles.engine.__main__ import server_args_to_argv
 
-    child_env = dict(os.environ)
+    child_env = mark_parent(dict(os.environ))
     child_env.setdefault("HF_HUB_OFFLINE", "1")
     child_env.setdefault("TRANSFORMERS_OFFLINE", "1")
     child_env.update(env or {})

@@ -25,6 +25,11 @@ The entry point brackets the run:
   and Ray's blocking calls end on it; `miles.utils.errors.exit_on_user_error` prints it as one line and exits
   128 + the signal number.
 
+A driver killed outright (SIGKILL, the OOM killer) runs none of this. For that case `begin_run` also starts the
+run's reaper (`miles.ray.run_reaper`), a small process that outlives the driver, notices its death through a
+pipe, and then does the sweep itself; the router and the engines end with their parent anyway
+(`miles.utils.parent_death`). `stop_run` dismisses the reaper before its own sweep.
+
 Only processes on this machine are swept; on other nodes of a cluster the Ray actors' own stops and Ray's
 job cleanup apply.
 """
@@ -35,6 +40,8 @@ import glob
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -48,9 +55,12 @@ RUN_ID_ENV = "MILES_RUN_ID"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 SWEEP_GRACE_SECONDS = 5.0  # between SIGTERM and SIGKILL for a leftover process
 SHM_DIR = "/dev/shm"
+REAPER_STOP_TIMEOUT_SECONDS = 5.0
+REAPER_STOP_COMMAND = "stop"  # the line that dismisses the reaper (miles.ray.run_reaper)
 
 _stops: list[tuple[str, Callable[[], None]]] = []
 _run_id: str | None = None
+_reaper: subprocess.Popen | None = None
 _lock = threading.Lock()
 
 
@@ -62,8 +72,40 @@ def begin_run() -> str:
         _stops.clear()
         _run_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         os.environ[RUN_ID_ENV] = _run_id
+    _start_reaper()
     reinstall_signal_handlers()
     return _run_id
+
+
+def _start_reaper() -> None:
+    """The run's reaper (see the module docstring), in its own session so that a Ctrl-C does not reach it."""
+    global _reaper
+    _stop_reaper()  # a run begun twice keeps one reaper
+    try:
+        _reaper = subprocess.Popen([sys.executable, "-m", "miles.ray.run_reaper", str(os.getpid())],
+                                   stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True, text=True)
+    except OSError as err:  # the run still works; only a driver killed outright would leave processes behind
+        logger.warning("could not start the run reaper (%s); a driver killed with SIGKILL may leave processes "
+                       "of the run behind", err)
+
+
+def _stop_reaper() -> None:
+    """Dismiss the reaper: the driver is cleaning up by itself."""
+    global _reaper
+    reaper, _reaper = _reaper, None
+    if reaper is None:
+        return
+    try:
+        reaper.stdin.write(REAPER_STOP_COMMAND + "\n")
+        reaper.stdin.close()
+    except OSError as err:  # it died already (someone killed it): nothing left to dismiss
+        logger.debug("the run reaper is gone already (%s)", err)
+    try:
+        reaper.wait(timeout=REAPER_STOP_TIMEOUT_SECONDS)
+    except subprocess.TimeoutExpired:
+        logger.warning("the run reaper (pid %d) did not exit when dismissed; killing it", reaper.pid)
+        reaper.kill()
+        reaper.wait()
 
 
 def reinstall_signal_handlers() -> None:
@@ -115,6 +157,7 @@ def stop_run() -> None:
                 logger.warning("stopping %s failed (%s: %s); the final sweep ends what is left", what,
                                type(err).__name__, err)
         _shutdown_ray()
+        _stop_reaper()  # before the sweep, which would otherwise end it as a leftover of the run
         leftovers = marked_processes(marker)
         if leftovers:
             logger.warning("processes of the run still alive after the stops, ending them: %s",
@@ -122,6 +165,7 @@ def stop_run() -> None:
             end_processes(leftovers)
         remove_shared_memory(seen | set(leftovers))
     finally:
+        _stop_reaper()  # no-op after the one above; here for a cleanup that raised before it
         _run_id = None
         os.environ.pop(RUN_ID_ENV, None)
         if in_main_thread:

@@ -18,6 +18,7 @@ import signal
 
 from miles.router.router import Router, RouterConfig
 from miles.utils.errors import exit_on_user_error
+from miles.utils.parent_death import die_with_parent
 
 URL_PREFIX = "MILES_ROUTER_URL="
 
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
+    die_with_parent()  # first thing: a driver killed meanwhile must not leave this router behind
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s router %(levelname)s: %(message)s")
     config = RouterConfig(

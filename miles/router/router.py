@@ -369,12 +369,15 @@ def launch_router_process(config: RouterConfig, worker_urls: list[str], host: st
                           startup_timeout: float = 60.0, api_key: str | None = None):
     """Start `python -m miles.router` and wait for its URL; returns (subprocess.Popen, url).
 
-    The key (`api_key`, default this process's $MILES_API_KEY) reaches the child through its environment."""
+    The key (`api_key`, default this process's $MILES_API_KEY) reaches the child through its environment. The
+    router dies with this process, even one killed by SIGKILL (`miles.utils.parent_death`)."""
     import os
     import subprocess
     import sys
 
-    env = dict(os.environ)
+    from miles.utils.parent_death import mark_parent
+
+    env = mark_parent(dict(os.environ))
     env[API_KEY_ENV] = resolve_api_key(api_key, "the router")
     process = subprocess.Popen(
         [sys.executable, "-m", "miles.router", *router_argv(config, worker_urls, host)],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -88,6 +89,40 @@ def test_the_sweep_ends_the_run_processes_left_behind_and_their_shared_memory(ru
             if process.poll() is None:
                 process.kill()
             process.wait()
+
+
+def test_the_reaper_is_dismissed_by_stop_run_and_sweeps_for_a_driver_killed_outright(run, tmp_path):
+    reaper = shutdown._reaper
+    assert reaper is not None and reaper.poll() is None
+    shutdown.stop_run()
+    assert reaper.poll() == 0  # dismissed: it swept nothing
+
+    # A driver that begins a run, starts a process of it (which ignores SIGTERM), and is then SIGKILLed.
+    driver_code = (
+        "import subprocess, sys, time; from miles.ray import shutdown; shutdown.begin_run(); "
+        "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)']); "
+        "print(child.pid, flush=True); time.sleep(120)"
+    )
+    driver = subprocess.Popen([sys.executable, "-c", driver_code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    child_pid = int(driver.stdout.readline())
+    driver.kill()
+    driver.wait()
+    deadline = time.monotonic() + shutdown.SWEEP_GRACE_SECONDS + 10  # SIGTERM is ignored: SIGKILL after the grace
+    while shutdown._alive(child_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling another process's exit: there is no event to wait on
+    try:
+        assert not shutdown._alive(child_pid), "the run's process outlived its SIGKILLed driver"
+    finally:
+        if shutdown._alive(child_pid):
+            os.kill(child_pid, signal.SIGKILL)
+    stderr = driver.stderr.read().splitlines()
+    assert len(stderr) == 1 and re.fullmatch(
+        rf"miles: the driver \(pid {driver.pid}\) ended without its cleanup; the run reaper ended 1 process\(es\) "
+        rf"of run {driver.pid}-[0-9a-f]+", stderr[0]), stderr
+    driver.stdout.close()
+    driver.stderr.close()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
