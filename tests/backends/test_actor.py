@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 
 import pytest
 import torch
@@ -177,6 +178,19 @@ def advantage_times_log_prob(args, inputs):
     return loss, {"custom_metric": torch.full_like(loss, 3.0)}
 
 
+def nan_loss_for_sample_one(args, inputs):
+    """The policy loss, but NaN on every pair of sample 1, where its gradient stays finite (a masked-out NaN)."""
+    loss = -inputs.advantages * inputs.new_log_prob
+    return torch.where(inputs.sample_indices.to(loss.device) == 1, torch.full_like(loss, float("nan")), loss), {}
+
+
+def nan_gradient_for_sample_one(args, inputs):
+    """The policy loss times NaN on sample 1: the loss and its gradient are NaN (e.g. a division by a zero std)."""
+    loss = -inputs.advantages * inputs.new_log_prob
+    factor = torch.where(inputs.sample_indices == 1, float("nan"), 1.0).to(loss.device)
+    return loss * factor, {}
+
+
 def zero_advantages(args, batch: TrainBatch) -> TrainBatch:
     batch.advantages = torch.zeros_like(batch.advantages)
     return batch
@@ -192,6 +206,28 @@ def test_custom_loss_and_prepare_batch_hooks(tiny):
     prepared = make_trainer(tiny, custom_prepare_train_batch_path=f"{__name__}.zero_advantages", micro_batch_size=4)
     metrics = prepared.train(0, samples)
     assert metrics["train/loss"] == 0.0 and metrics["train/grad_norm"] == 0.0
+
+
+@pytest.mark.parametrize("nan_loss, gradient_norm", [("nan_loss_for_sample_one", r"[0-9.e+-]+"),
+                                                     ("nan_gradient_for_sample_one", "nan")])
+def test_a_nan_loss_skips_its_optimizer_step_with_a_warning_and_a_metric(tiny, caplog, nan_loss, gradient_norm):
+    """Two optimizer windows, sample-major: step 1 trains samples 0-1 (NaN on sample 1), step 2 samples 2-3."""
+    flags = dict(loss_type="custom_loss", micro_batch_size=4, num_steps_per_rollout=2)
+    clean = make_trainer(tiny, custom_loss_function_path=f"{__name__}.advantage_times_log_prob", **flags)
+    broken = make_trainer(tiny, custom_loss_function_path=f"{__name__}.{nan_loss}", **flags)
+    before = trained_state(broken)
+    with caplog.at_level("WARNING", logger="miles.backends.fsdp_utils.actor"):
+        metrics = broken.train(0, tiny[3])
+    assert clean.train(0, tiny[3])["train/skipped_steps"] == 0.0 and clean.global_step == 2
+    assert metrics["train/skipped_steps"] == 1.0 and broken.global_step == 1  # the LR schedule moved once
+    assert torch.isfinite(torch.tensor(metrics["train/grad_norm"]))  # the mean over the step that was taken
+    warnings = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(warnings) == 1 and re.fullmatch(
+        rf"rollout 0, step 1/2: non-finite loss or gradient \(loss finite: False, gradient norm {gradient_norm}\); "
+        r"optimizer step skipped, weights unchanged", warnings[0]), warnings
+    after = trained_state(broken)
+    assert all(torch.isfinite(value).all() for value in after.values())
+    assert any(not torch.equal(before[name], after[name]) for name in before)  # step 2 did update the weights
 
 
 def test_deterministic_mode_runs_are_bitwise_equal(tiny):

@@ -469,9 +469,11 @@ class DiffusionTrainer:
             self.recompute_old_log_probs(plan.windows)
         metrics = _MetricSums()
         grad_norms: list[torch.Tensor] = []
+        skipped_steps = 0
         lr = self.lr_scheduler.get_lr()
         for window_index, window in enumerate(plan.windows):
             self.optimizer.zero_grad(set_to_none=True)
+            loss_is_finite = torch.ones((), dtype=torch.bool, device=self.device)  # on the device: no sync per batch
             lr = self.optimizer.param_groups[0]["lr"]
             for micro_batch in window:
                 batch = self._batch(micro_batch)
@@ -484,16 +486,24 @@ class DiffusionTrainer:
                             from miles.diffusion.losses import window_reduce
 
                             loss = window_reduce(per_pair_loss * batch.loss_mask, plan.pairs_per_window)
+                            loss_is_finite &= torch.isfinite(loss.detach())
                             self.scaler.scale(loss).backward()
                 for name, values in pair_metrics.items():
                     metrics.add(name, values)
             if not skip_step:
-                grad_norms.append(self._optimizer_step())
+                where = f"rollout {rollout_id}, step {window_index + 1}/{len(plan.windows)}"
+                grad_norm = self._optimizer_step(where, loss_is_finite)
+                if grad_norm is None:
+                    skipped_steps += 1
+                else:
+                    grad_norms.append(grad_norm)
         if self.ema is not None and not skip_step:
             self.ema.update()  # once per rollout, after its optimizer steps (§8)
         result = {f"train/{k}": v for k, v in metrics.reduce(self.device).items()}
-        if grad_norms:
+        if grad_norms:  # over the steps taken: a skipped step's norm is not a number
             result["train/grad_norm"] = float(torch.stack(grad_norms).float().mean())
+        if not skip_step:
+            result["train/skipped_steps"] = float(skipped_steps)
         result["train/lr"] = lr
         result["train/num_pairs"] = float(plan.num_pairs_total - plan.num_pairs_dropped)
         if self.ema is not None:
@@ -508,19 +518,32 @@ class DiffusionTrainer:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         torch.save({"rollout_id": rollout_id, "dp_rank": self.dp_rank, "windows": plan.windows}, path)
 
-    def _optimizer_step(self) -> float:
+    def _optimizer_step(self, where: str, loss_is_finite: torch.Tensor) -> torch.Tensor | None:
+        """Clip and step; returns the gradient norm, or None when the step was skipped.
+
+        A non-finite loss or gradient (a NaN from a loss, an fp16 overflow) skips the step: the weights, the
+        optimizer state and the LR schedule stay as they were, a warning names the step (`where`), and the
+        rollout's `train/skipped_steps` counts it. Every rank skips the same steps: the gradient norm is global,
+        and so is the loss flag (a loss can be NaN where it does not reach the gradient, e.g. `torch.where`).
+        """
         self.scaler.unscale_(self.optimizer)
         params = [p for _, p in self.trainable]
         clip = float(getattr(self.args, "clip_grad", 1.0) or 0.0)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"), foreach=True)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        if scale_before is not None and self.scaler.get_scale() < scale_before:
-            logger.warning("fp16 gradient overflow: optimizer step skipped, loss scale now %g", self.scaler.get_scale())
-            return grad_norm.detach()
+        loss_ok = loss_is_finite.to(torch.float32)
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(loss_ok, op=dist.ReduceOp.MIN)
+        finite = bool(torch.isfinite(grad_norm) & (loss_ok > 0))  # one host sync per step: no NaN reaches a weight
+        if finite:
+            self.scaler.step(self.optimizer)  # optimizer.step() when the scaler is off (fp32, bf16)
+        self.scaler.update()  # fp16: lowers the loss scale after an overflow; nothing when the scaler is off
+        if not finite:
+            scale = f", fp16 loss scale now {self.scaler.get_scale():g}" if self.scaler.is_enabled() else ""
+            logger.warning("%s: non-finite loss or gradient (loss finite: %s, gradient norm %s%s); optimizer step "
+                           "skipped, weights unchanged", where, bool(loss_ok > 0), grad_norm.item(), scale)
+            return None
         self.lr_scheduler.step()
         self.global_step += 1
         return grad_norm.detach()
