@@ -16,11 +16,12 @@ from typing import Any
 import ray
 
 from miles.ray.shutdown import on_run_exit
-from miles.utils.errors import MilesUserError
+from miles.utils.errors import MilesUserError, PartDiedError
 
 logger = logging.getLogger(__name__)
 
 COLOCATED_TRAIN_GPU_SHARE = 0.7  # train 0.7 + rollout 0.25 + reward 0.05 on one GPU (docs/design.md §3)
+DEATH_REPORT_SECONDS = 10.0  # how long a rank's failure waits for Ray to report another rank's death behind it
 
 
 def process_group_backend(args, on_gpu: bool, log: bool = True) -> str:
@@ -227,13 +228,52 @@ class TrainActorGroup:
         on_run_exit("the trainer actors", self.kill)
 
     def _all(self, method: str, *args) -> list:
-        return ray.get([getattr(actor, method).remote(*args) for actor in self.actors])
+        return self._gather(method, [getattr(actor, method).remote(*args) for actor in self.actors])
+
+    def _gather(self, method: str, refs: list) -> list:
+        """Every rank's result, in rank order. A rank that died is a `PartDiedError` as soon as Ray notices, not
+        once the other ranks return: they wait for it in a collective until --distributed-timeout-minutes, or
+        fail in it (gloo: "connection closed by peer"), and then the dead rank is the error to report."""
+        results: dict = {}
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            rank = refs.index(done[0])
+            try:
+                results[rank] = ray.get(done[0])
+            except ray.exceptions.RayActorError as err:
+                raise PartDiedError(self._death_message(rank, method)) from err
+            except Exception as err:
+                dead = self._dead_rank(refs, pending)
+                if dead is None:
+                    raise
+                raise PartDiedError(self._death_message(dead, method)) from err
+        return [results[rank] for rank in range(len(refs))]
+
+    def _dead_rank(self, refs: list, pending: list) -> int | None:
+        """The first rank among `pending` whose process died (Ray reports it within seconds), else None."""
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=DEATH_REPORT_SECONDS) if pending else ([], [])
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                return refs.index(ref)
+            except Exception as err:  # another echo of the same failure: keep looking for the dead rank
+                logger.debug("rank %d failed too: %s", refs.index(ref), type(err).__name__)
+        return None
+
+    def _death_message(self, rank: int, method: str) -> str:
+        save = getattr(self.args, "save", None)
+        resume = (f"; rerun with --load {save} to resume from its last checkpoint" if save
+                  else "; without --save there is no checkpoint to resume from")
+        return (f"trainer rank {rank} of {len(self.actors)} died during {method}() (its process was killed, ran out "
+                f"of memory or crashed); the run is stopped{resume}")
 
     def init(self) -> int:
         """Start the process group, load and shard the model, resume from `--load`; returns the first rollout id."""
-        master_addr, master_port = ray.get(self.actors[0].master_address.remote())
+        master_addr, master_port = self._gather("master_address", [self.actors[0].master_address.remote()])[0]
         start_ids = self._all("init", master_addr, master_port)
-        self.loaded_extra_state = ray.get(self.actors[0].loaded_extra_state.remote())
+        self.loaded_extra_state = self._gather("loaded_extra_state", [self.actors[0].loaded_extra_state.remote()])[0]
         return start_ids[0]
 
     def train(self, rollout_id: int, samples) -> dict[str, float]:

@@ -1,10 +1,14 @@
-"""The one error type for user mistakes, and the interrupt of a run.
+"""The one error type for user mistakes, the death of a part of the run, and the interrupt of a run.
 
 A user mistake (a bad flag combination, a malformed JSONL line, a missing file or model component, a reward
 that returned NaN) raises `MilesUserError` with one message that names the flag, file or line. The entry point
 prints that single line and exits with status 2; internal bugs keep their traceback. A `MilesUserError` raised
 inside a Ray actor reaches the driver wrapped in Ray's error (whose text is the remote traceback); the entry
 point prints the original one line.
+
+`PartDiedError` is a process of the run that died under it (a trainer rank or a reward worker killed, out of
+memory, crashed) where the run cannot go on without it: one line naming the part and the way on (`--load` from
+the last checkpoint), exit status 3.
 
 `RunInterrupted` is SIGINT or SIGTERM (`miles.ray.shutdown`): after the run's cleanup the entry point prints
 one line and exits with 128 + the signal number, as a shell reports a process ended by a signal.
@@ -16,10 +20,16 @@ import signal
 import sys
 
 USER_ERROR_EXIT_CODE = 2
+PART_DIED_EXIT_CODE = 3
 
 
 class MilesUserError(Exception):
     """A mistake the user can fix: the message says what, where, and how."""
+
+
+class PartDiedError(RuntimeError):
+    """A process the run needs died (not the user's mistake): the message names it, says how it probably died
+    and how to go on."""
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -50,8 +60,9 @@ def user_error_message(err: MilesUserError) -> str:
 
 
 def exit_on_user_error(fn):
-    """Decorator for CLI entry points: a `MilesUserError` becomes one line on stderr and exit status 2; an
-    interrupt (SIGINT, SIGTERM) one line and exit status 128 + the signal number."""
+    """Decorator for CLI entry points: a `MilesUserError` becomes one line on stderr and exit status 2, a
+    `PartDiedError` one line and exit status 3, an interrupt (SIGINT, SIGTERM) one line and exit status 128 + the
+    signal number."""
 
     def wrapper(*args, **kwargs):
         try:
@@ -59,6 +70,9 @@ def exit_on_user_error(fn):
         except MilesUserError as err:
             print(f"error: {user_error_message(err)}", file=sys.stderr)
             sys.exit(USER_ERROR_EXIT_CODE)
+        except PartDiedError as err:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(PART_DIED_EXIT_CODE)
         except KeyboardInterrupt as interrupt:
             signum = interrupt_signal(interrupt)
             print(f"error: stopped by {signum.name}; the run's engines, router and workers were shut down",

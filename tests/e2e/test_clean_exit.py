@@ -17,26 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from miles.testing.processes import run_processes
+
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-
-
-def run_processes(driver_pid: int) -> dict[int, str]:
-    """pid -> command line of the live processes carrying the run id of this driver (`<driver pid>-...`)."""
-    prefix = f"MILES_RUN_ID={driver_pid}-".encode()
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            command = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, IndexError):
-            continue
-        if state != "Z" and any(item.startswith(prefix) for item in environ):
-            found[int(entry)] = command
-    return found
 
 
 def start_run(tiny_checkpoint, tmp_path) -> tuple[subprocess.Popen, Path]:

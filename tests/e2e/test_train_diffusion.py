@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -44,15 +47,19 @@ def base_flags(sd3: str, prompts: str, out: Path) -> list[str]:
     ]
 
 
-def run(argv: list[str], timeout: float = 600, ray_address: str | None = None) -> subprocess.CompletedProcess:
+def run_env(ray_address: str | None = None) -> dict[str, str]:
     """`ray_address`: join that Ray cluster (RAY_ADDRESS) instead of starting one."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled",
            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)
     if ray_address:
         env["RAY_ADDRESS"] = ray_address
+    return env
+
+
+def run(argv: list[str], timeout: float = 600, ray_address: str | None = None) -> subprocess.CompletedProcess:
     result = subprocess.run([sys.executable, str(REPO / "train_diffusion.py"), *argv], capture_output=True,
-                            text=True, cwd=REPO, env=env, timeout=timeout)
+                            text=True, cwd=REPO, env=run_env(ray_address), timeout=timeout)
     assert result.returncode == 0, f"train_diffusion.py failed ({result.returncode}):\n{result.stderr[-6000:]}"
     return result
 
@@ -132,17 +139,74 @@ def test_sft_loss_falls(sd3, tmp_path):
     assert type(exported).__name__ == "StableDiffusion3Pipeline"
 
 
-def test_resume_matches_uninterrupted(sd3, prompts, tmp_path):
-    flags = [*base_flags(sd3, prompts, tmp_path / "unused"), "--deterministic-mode", "--num-rollout", "4"]
-    full, part = tmp_path / "full", tmp_path / "part"
-    run([*_with_output(flags, full), "--save", str(tmp_path / "ckpt-full"), "--save-interval", "2"])
+RESUME_KEYS = ("rollout/reward_mean", "train/loss", "train/grad_norm")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(sd3, prompts, tmp_path_factory) -> tuple[list[str], list[dict]]:
+    """(flags, metrics) of a deterministic 4-rollout run: what every resumed run must reproduce."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    flags = [*base_flags(sd3, prompts, folder / "unused"), "--deterministic-mode", "--num-rollout", "4"]
+    run([*_with_output(flags, folder / "full"), "--save", str(folder / "ckpt"), "--save-interval", "2"])
+    return flags, metrics(folder / "full")
+
+
+def by_rollout(records: list[dict], key: str) -> dict[int, float]:
+    return {r["rollout_id"]: r[key] for r in records if key in r}
+
+
+def test_resume_matches_uninterrupted(uninterrupted, tmp_path):
+    flags, full = uninterrupted
+    part = tmp_path / "part"
     run([*_with_output(flags, part), "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
          "--num-rollout", "2"])
     run([*_with_output(flags, part), "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
          "--load", str(tmp_path / "ckpt")])
-    keys = ("rollout/reward_mean", "train/loss", "train/grad_norm")
-    for key in keys:
-        assert series(metrics(part), key) == series(metrics(full), key), key
+    for key in RESUME_KEYS:
+        assert series(metrics(part), key) == series(full, key), key
+
+
+def test_a_killed_trainer_rank_ends_the_run_in_one_line_and_load_resumes_it_exactly(uninterrupted, tmp_path):
+    """SIGKILL of the trainer's process once rollout 1 is checkpointed: exit status 3, one line, no process left;
+    `--load` then continues from the last checkpoint and gives the uninterrupted run's numbers."""
+    from miles.backends.fsdp_utils.checkpoint import read_latest_iteration
+    from miles.testing.processes import run_processes
+
+    flags, full = uninterrupted
+    ckpt = tmp_path / "ckpt"
+    save = ["--save", str(ckpt), "--save-interval", "1"]
+    stderr_path = tmp_path / "stderr.txt"
+    with open(stderr_path, "w") as stderr:
+        driver = subprocess.Popen([sys.executable, str(REPO / "train_diffusion.py"),
+                                   *_with_output(flags, tmp_path / "killed"), *save],
+                                  cwd=REPO, env=run_env(), stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        deadline = time.monotonic() + 300
+        while (read_latest_iteration(str(ckpt)) if ckpt.is_dir() else None) != 1:
+            assert driver.poll() is None, f"the run ended early:\n{stderr_path.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, "no checkpoint of rollout 1 within 300s"
+            time.sleep(0.05)  # the pointer file is the only sign of a finished save
+        ranks = [pid for pid, command in run_processes(driver.pid).items() if command.startswith("ray::TrainRayActor")]
+        assert len(ranks) == 1, run_processes(driver.pid)
+        os.kill(ranks[0], signal.SIGKILL)
+        assert driver.wait(timeout=120) == 3, stderr_path.read_text()[-4000:]
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    lines = stderr_path.read_text().splitlines()
+    assert re.fullmatch(rf"error: trainer rank 0 of 1 died during \w+\(\) \(its process was killed, ran out of memory "
+                        rf"or crashed\); the run is stopped; rerun with --load {ckpt} to resume from its last "
+                        rf"checkpoint", lines[-1]), lines[-20:]
+    assert not any("Traceback" in line for line in lines), "\n".join(lines[-60:])
+    assert run_processes(driver.pid) == {}
+
+    resumed = tmp_path / "resumed"
+    last_saved = read_latest_iteration(str(ckpt))
+    run([*_with_output(flags, resumed), *save, "--load", str(ckpt)])
+    for key in RESUME_KEYS:
+        expected = {rollout: value for rollout, value in by_rollout(full, key).items() if rollout > last_saved}
+        assert by_rollout(metrics(resumed), key) == expected, key
 
 
 def _with_output(flags: list[str], out: Path) -> list[str]:

@@ -8,6 +8,9 @@ reaches a live engine bit for bit.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 import urllib.request
 
 import pytest
@@ -27,7 +30,7 @@ from miles.backends.fsdp_utils.tiny_rollout import (
 from miles.backends.fsdp_utils.weight_export import is_lora_param, strip_peft_name
 from miles.ray.train_actor import TrainActorGroup, parse_train_env_vars
 from miles.utils.auth import auth_headers
-from miles.utils.errors import MilesUserError
+from miles.utils.errors import MilesUserError, PartDiedError
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -51,7 +54,7 @@ def setup(tiny_checkpoint, tmp_path_factory):
     assert group.init() == 0
     init_distributed(0, 1, "gloo", free_port())
     yield args, family, samples, group
-    group.shutdown()
+    group.kill()  # not shutdown(): the last test kills a rank
     ray.shutdown()
     dist.destroy_process_group()
 
@@ -153,3 +156,18 @@ def test_train_env_vars_reach_the_ranks_and_bad_json_is_refused(setup):
         parse_train_env_vars("{not json")
     with pytest.raises(MilesUserError, match="JSON object"):
         parse_train_env_vars("[1, 2]")
+
+
+def test_a_dead_rank_ends_the_group_call_at_once_in_one_line(setup):
+    """Last in the file: the group is broken afterwards. Rank 0 would wait for the dead rank 1 in a collective
+    until --distributed-timeout-minutes; the call fails as soon as Ray reports rank 1's death instead."""
+    args, _, samples, group = setup
+    rank1 = ray.get(group.actors[1].__ray_call__.remote(lambda actor: os.getpid()))
+    os.kill(rank1, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(PartDiedError) as info:
+        group.train(2, samples)
+    assert time.monotonic() - started < 60
+    assert str(info.value) == (f"trainer rank 1 of 2 died during train() (its process was killed, ran out of memory "
+                               f"or crashed); the run is stopped; rerun with --load {args.save} to resume from its "
+                               f"last checkpoint")
