@@ -115,3 +115,56 @@ def test_ray_worker_pools_give_the_in_process_scores(tiny_clip):
         ray.shutdown()
     assert remote[:3] == pytest.approx(local, abs=1e-5)
     assert remote[3] == 1.0
+
+
+@pytest.mark.slow
+def test_a_reward_worker_killed_mid_rollout_is_restarted_and_every_sample_scored(tiny_clip, monkeypatch):
+    """SIGKILL of the PickScore worker while a rollout's batches wait on it: Ray restarts it and runs them again,
+    so every sample gets its in-process score. With the restarts used up the rollout ends in one line."""
+    import os
+    import signal
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    ray = pytest.importorskip("ray")
+    from miles.rollout.rm_hub import shutdown_reward_pools, workers
+    from miles.rollout.rm_hub.pickscore import get_pickscore_pool
+    from miles.utils.errors import PartDiedError
+
+    samples = [Sample(prompt=f"prompt {i}", index=i, group_index=i // 4, image=_video(i, 1)) for i in range(12)]
+    local = asyncio.run(batched_async_rm(_args(tiny_clip), samples))
+    args = _args(tiny_clip, pickscore_num_workers=1, pickscore_num_gpus_per_worker=0.0, pickscore_batch_size=2)
+
+    def kill_worker_while_the_rollout_waits_on_it() -> tuple[list, int]:
+        """Score on a worker kept busy by a slow call (so that every batch is queued on it), kill it, return
+        (the rewards or the error, the worker's pid at the start)."""
+        worker = get_pickscore_pool(args).actors[0]
+        pid = ray.get(worker.__ray_call__.remote(lambda scorer: os.getpid()))
+        worker.__ray_call__.remote(lambda scorer: time.sleep(1.0))  # the worker is busy: the batches queue
+        with ThreadPoolExecutor(1) as executor:
+            rollout = executor.submit(asyncio.run, batched_async_rm(args, samples))
+            time.sleep(0.3)
+            assert not rollout.done()
+            os.kill(pid, signal.SIGKILL)
+            try:
+                return rollout.result(timeout=120), pid
+            except PartDiedError as err:
+                return err, pid
+
+    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    try:
+        rewards, first_pid = kill_worker_while_the_rollout_waits_on_it()
+        assert rewards == pytest.approx(local, abs=1e-5)
+        restarted = get_pickscore_pool(args).actors[0]
+        assert ray.get(restarted.__ray_call__.remote(lambda scorer: os.getpid())) != first_pid
+        shutdown_reward_pools()
+
+        monkeypatch.setattr(workers, "MAX_RESTARTS", 0)
+        error, _ = kill_worker_while_the_rollout_waits_on_it()
+        assert isinstance(error, PartDiedError) and str(error) == (
+            "a pickscore reward worker died more often than its 0 restarts allow (killed, out of memory, or crashed "
+            "while scoring); the run is stopped")
+    finally:
+        shutdown_reward_pools()
+        ray.shutdown()
+

@@ -32,7 +32,7 @@ import torch
 
 from miles.rollout.rm_hub.builtin import brightness_rm, jpeg_compressibility_rm
 from miles.types import Sample
-from miles.utils.errors import MilesUserError
+from miles.utils.errors import MilesUserError, PartDiedError
 from miles.utils.imports import load_function
 
 RewardFn = Callable[[Any, list[Sample]], Awaitable[list[Any]]]
@@ -204,7 +204,7 @@ async def _score_one(args, rm_type: str, samples: list[Sample]) -> list[Any]:
     fn = _reward_fn(args, rm_type)
     try:
         rewards = await fn(args, samples)
-    except MilesUserError:
+    except (MilesUserError, PartDiedError):
         raise
     except Exception as err:
         where = _describe(samples[0]) if len(samples) == 1 else f"{len(samples)} samples starting at {_describe(samples[0])}"

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from miles.rollout.rm_hub.builtin import frames_uint8
+from miles.rollout.rm_hub.workers import gather_scores, restartable
 from miles.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,8 @@ class OcrPool:
         if ray.is_initialized():
             num_workers = int(getattr(args, "ocr_num_workers", 4) or 1)
             actor_class = ray.remote(OcrReader)
-            self.actors = [actor_class.options(num_cpus=1, num_gpus=0).remote() for _ in range(num_workers)]
+            options = restartable(num_cpus=1, num_gpus=0)  # a killed worker comes back (workers.py)
+            self.actors = [actor_class.options(**options).remote() for _ in range(num_workers)]
             logger.info("OCR: %d CPU Ray workers", num_workers)
         else:
             self.local = OcrReader()
@@ -111,7 +113,7 @@ class OcrPool:
                 for i, actor in enumerate(self.actors)
                 if images[i * chunk : (i + 1) * chunk]
             ]
-            results = await asyncio.gather(*refs)
+            results = await gather_scores("OCR", refs)
             return [text for part in results for text in part]
         return await asyncio.to_thread(self.local.read_many, list(images))
 

@@ -9,6 +9,13 @@ for those settings, created on first use:
 rows, deals them round-robin over the workers and returns the scorer's outputs in order. Creating a pool waits
 until every worker has loaded its model, behind a progress bar, so a bad model path fails at start-up.
 
+A worker that dies (the OOM killer, a crash in a native library) is restarted and its batches scored again: a
+reward is a function of the sample alone (prompt and image), so the rewards come out the same and none is lost,
+whether or not `--use-fault-tolerance` is on. Ray does both halves: it restarts the actor (`max_restarts`; the
+scorer is loaded again on its first call) and resubmits the calls that were pending on the dead process
+(`max_task_retries`). A worker that keeps dying (more than `MAX_RESTARTS` times in a run) is a `PartDiedError`,
+one line that ends the run. `restartable` and `gather_scores` give other worker pools (OCR) the same policy.
+
 `--colocate-reward`: the RolloutManager calls `colocate_reward_workers` with the rollout GPUs' placement-group
 bundles before any pool exists. Pools created afterwards put their actors on those bundles, round-robin, and the
 actors on one bundle split the reward share of that GPU (`miles.ray.placement.REWARD_GPU_SHARE`, beside the
@@ -23,10 +30,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from miles.utils.errors import MilesUserError
+from miles.utils.errors import MilesUserError, PartDiedError
 from miles.utils.progress import progress_bar
 
 logger = logging.getLogger(__name__)
+
+MAX_RESTARTS = 3  # per worker and run: a crash is survived, a worker that dies on every batch is not
 
 # A colocated bundle's one CPU: trainer 0.45 + engine 0.45 (miles.ray.placement), the rest for reward actors.
 COLOCATED_REWARD_CPU_SHARE = 0.1
@@ -51,6 +60,10 @@ class ScorerActor:
         return None
 
     def score(self, *columns: list) -> list:
+        if self.scorer is None:  # a worker Ray restarted after a crash: its constructor ran again, `load` did not
+            problem = self.load()
+            if problem:
+                raise MilesUserError(problem)
         return self.scorer.score(*columns)
 
 
@@ -133,7 +146,7 @@ class ScorerPool:
         for _ in range(max(1, num_workers)):
             options = _COLOCATED.claim(name) if _COLOCATED is not None else {"num_gpus": num_gpus_per_worker,
                                                                             "num_cpus": 1}
-            self.actors.append(actor_class.options(**options).remote(scorer_class, scorer_args))
+            self.actors.append(actor_class.options(**restartable(**options)).remote(scorer_class, scorer_args))
         logger.info("%s reward: %d Ray worker(s), %.3g GPU each", name, len(self.actors), options["num_gpus"])
         self._wait_until_loaded()
 
@@ -163,7 +176,7 @@ class ScorerPool:
         ]
         if self.actors:
             refs = [self.actors[i % len(self.actors)].score.remote(*batch) for i, batch in enumerate(batches)]
-            results = await asyncio.gather(*refs)
+            results = await gather_scores(self.name, refs)
         else:
             results = [await asyncio.to_thread(self.local.score, *batch) for batch in batches]
         return [value for batch in results for value in batch]
@@ -174,6 +187,24 @@ class ScorerPool:
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
+
+
+def restartable(**options: Any) -> dict[str, Any]:
+    """Ray actor options plus the restart policy of the module docstring."""
+    return {**options, "max_restarts": MAX_RESTARTS, "max_task_retries": MAX_RESTARTS}
+
+
+async def gather_scores(what: str, refs: list) -> list:
+    """The results of calls to restartable workers, in order; a worker dead for good is a `PartDiedError`."""
+    import ray
+
+    try:
+        return await asyncio.gather(*refs)
+    except ray.exceptions.RayActorError as err:
+        raise PartDiedError(
+            f"a {what} reward worker died more often than its {MAX_RESTARTS} restarts allow (killed, out of memory, "
+            f"or crashed while scoring); the run is stopped"
+        ) from err
 
 
 _POOLS: dict[tuple, ScorerPool] = {}
