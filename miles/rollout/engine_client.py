@@ -32,7 +32,7 @@ import aiohttp
 
 from miles.engine.protocol import CONTENT_TYPE, GenerateRequest, GenerateResponse, decode_response, encode_request
 from miles.utils.auth import API_KEY_ENV, auth_headers
-from miles.utils.errors import MilesUserError
+from miles.utils.errors import MilesUserError, PartDiedError
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +41,9 @@ RETRYABLE_STATUS = (500, 502, 503, 504)
 POST_ACTORS_ENV = "MILES_HTTP_POST_ACTORS_PER_NODE"
 
 
-class EngineRequestError(RuntimeError):
-    """A generate request failed for good (engine crash without fault tolerance, or retries exhausted)."""
+class EngineRequestError(PartDiedError):
+    """A generate request failed for good (engine crash without fault tolerance, or retries exhausted): the run
+    ends in this one line (a `PartDiedError`, exit status 3)."""
 
 
 class HttpPostActor:

@@ -6,9 +6,9 @@ prints that single line and exits with status 2; internal bugs keep their traceb
 inside a Ray actor reaches the driver wrapped in Ray's error (whose text is the remote traceback); the entry
 point prints the original one line.
 
-`PartDiedError` is a process of the run that died under it (a trainer rank or a reward worker killed, out of
-memory, crashed) where the run cannot go on without it: one line naming the part and the way on (`--load` from
-the last checkpoint), exit status 3.
+`PartDiedError` is a process of the run that died under it (a trainer rank, an engine without
+`--use-fault-tolerance`, a reward worker past its restarts: killed, out of memory, crashed) where the run cannot
+go on without it: one line naming the part and the way on, exit status 3.
 
 `RunInterrupted` is SIGINT or SIGTERM (`miles.ray.shutdown`): after the run's cleanup the entry point prints
 one line and exits with 128 + the signal number, as a shell reports a process ended by a signal.

@@ -182,3 +182,11 @@ def test_the_exit_is_one_line(capsys):
 
     assert run_entry(remote_user_error, capsys) == (2, [
         "error: --save '/ckpt': saving failed: No space left on device"])
+
+    def engine_died():  # an EngineRequestError is a PartDiedError: a dead part, not the user's mistake
+        from miles.rollout.engine_client import EngineRequestError
+
+        raise EngineRequestError("generate request 1 failed after 1 attempt(s): [502] engine http://e failed")
+
+    assert run_entry(engine_died, capsys) == (3, [
+        "error: generate request 1 failed after 1 attempt(s): [502] engine http://e failed"])
