@@ -52,6 +52,21 @@ def build_server_args(args, device: str) -> ServerArgs:
     )
 
 
+def _wait_with_progress(refs: list, description: str) -> list:
+    """`ray.get(refs)` with a progress bar over the ones done (engines take tens of seconds to load)."""
+    import ray
+
+    from miles.utils.progress import progress_bar
+
+    pending = list(refs)
+    with progress_bar(len(refs), description, unit="engine") as bar:
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            ray.get(done)  # re-raises an engine's start-up error at once
+            bar.update(len(done))
+    return ray.get(refs)
+
+
 def _get_json(url: str, timeout: float = 60.0) -> dict:
     request = urllib.request.Request(url, headers=auth_headers())
     with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -107,7 +122,7 @@ class EngineFleet:
                      bind_node_address=self.placement.spans_nodes)
             self.actors.append(actor)
         try:
-            self.urls = ray.get([actor.start.remote() for actor in self.actors])
+            self.urls = _wait_with_progress([actor.start.remote() for actor in self.actors], "starting rollout engines")
         except Exception as err:
             raise MilesUserError(
                 f"a rollout engine failed to start ({err.__class__.__name__}: {str(err).splitlines()[-1]}); "

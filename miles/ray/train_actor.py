@@ -296,7 +296,12 @@ class TrainActorGroup:
         return self._all("named_tensors", lora_only, use_ema)[0]
 
     def save(self, rollout_id: int, extra_state: dict | None = None) -> str:
-        return self._all("save", rollout_id, extra_state)[0]
+        from miles.utils.progress import progress_bar
+
+        with progress_bar(1, f"saving the checkpoint of rollout {rollout_id}", unit="checkpoint") as bar:
+            path = self._all("save", rollout_id, extra_state)[0]
+            bar.update(1)
+        return path
 
     def export_lora(self, path: str) -> None:
         self._all("export_lora", path)

@@ -32,6 +32,7 @@ import torch
 from miles.models.base import GenerationShape
 from miles.types import GuidanceConfig, Sample
 from miles.utils.errors import MilesUserError
+from miles.utils.progress import progress_bar
 from miles.utils.safe_load import load_plain
 
 logger = logging.getLogger(__name__)
@@ -235,6 +236,7 @@ def build_sft_samples(
             fps=getattr(args, "diffusion_fps", None),  # as the trainer's shape: Cosmos 3 writes it into the prompt
         )
         stride = int(getattr(args, "sft_frame_stride", 1) or 1)
+        bar = progress_bar(len(missing), "SFT: encoding rows", unit="row")
         for start in range(0, len(missing), batch_size):
             chunk = missing[start : start + batch_size]
             pixels = torch.from_numpy(
@@ -254,6 +256,8 @@ def build_sft_samples(
                 temporary = row_files[i] + ".tmp"
                 torch.save(record, temporary)
                 os.replace(temporary, row_files[i])  # atomic: a crash never leaves a half-written cache entry
+            bar.update(len(chunk))
+        bar.close()
     samples = []
     for index, (row, file) in enumerate(zip(rows, row_files)):
         # A damaged entry is one line naming the file; deleting it makes the next run encode that row again.

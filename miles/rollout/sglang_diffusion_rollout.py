@@ -280,6 +280,7 @@ async def _generate_train_groups(args, rollout_id: int, data_source, rollout: _R
     kept: list[list[Sample]] = []
     in_flight: set[asyncio.Task] = set()
     generated = dropped = 0
+    bar = progress_bar(target, f"rollout {rollout_id}", unit="group")
     try:
         while len(kept) < target:
             need = (first_wave if generated == 0 else target) - len(kept) - len(in_flight)
@@ -300,7 +301,9 @@ async def _generate_train_groups(args, rollout_id: int, data_source, rollout: _R
             keep, drop = apply_dynamic_sampling_filter(rollout.hooks, args, finished)
             kept.extend(keep)
             dropped += len(drop)
+            bar.update(min(len(keep), target - bar.n))
     finally:
+        bar.close()
         unused = len(in_flight)
         for task in in_flight:
             task.cancel()

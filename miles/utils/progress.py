@@ -1,4 +1,5 @@
-"""Progress bars for the waits a user sits through (reward models loading, eval rollouts).
+"""Progress bars for the waits a user sits through: engines starting, rollouts, eval rollouts, reward models
+loading, SFT encoding, checkpoint saves.
 
 A bar appears only once a wait has lasted `PROGRESS_DELAY_S` seconds, so quick steps (tests, warm caches) print
 nothing; it goes to stderr like the logs. `MILES_PROGRESS=0` turns every bar off (e.g. for log files).
