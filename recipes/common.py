@@ -108,3 +108,8 @@ PICKSCORE = ["--rm-type", "pickscore", "--pickscore-model-path", "yuvalkirstain/
 OCR = ["--rm-type", "ocr"]
 FLOW_GRPO = ["--loss-type", "policy_loss", "--diffusion-sde-type", "sde", "--diffusion-noise-level", "0.7",
              "--diffusion-kl-beta", "0.01", "--globalize-reward-std"]
+# SD3.5-Medium at 512², 16 prompts × 8 samples, one optimizer step per rollout: the three sd35m recipes' base
+SD35M_MODEL = ["--diffusion-model-family", "sd3", "--diffusion-forward-dtype", "bf16"]
+SD35M_ROLLOUT = ["--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--global-batch-size", "128",
+                 "--diffusion-num-steps", "10", "--diffusion-guidance-scale", "4.5",
+                 "--diffusion-height", "512", "--diffusion-width", "512"]

@@ -4,18 +4,16 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import COLOCATED, FAST, FLOW_GRPO, OCR, PROMPTS, Recipe, lora, main  # noqa: E402
+from common import COLOCATED, FAST, FLOW_GRPO, OCR, PROMPTS, SD35M_MODEL, SD35M_ROLLOUT, Recipe, lora, main  # noqa: E402
 
 RECIPE = Recipe(
     name="sd35m_ocr",
     model_path="stabilityai/stable-diffusion-3.5-medium",
     prompt_data=os.path.join(PROMPTS, "ocr.jsonl"),
     blocks={
-        "model": ["--diffusion-model-family", "sd3", "--diffusion-forward-dtype", "bf16"],
+        "model": SD35M_MODEL,
         "placement": COLOCATED,
-        "rollout": ["--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--global-batch-size", "128",
-                    "--diffusion-num-steps", "10", "--diffusion-guidance-scale", "4.5",
-                    "--diffusion-height", "512", "--diffusion-width", "512"],
+        "rollout": SD35M_ROLLOUT,
         "algorithm": [*FLOW_GRPO, *lora(), "--micro-batch-size", "8"],
         "reward": OCR,
         "performance": FAST,
