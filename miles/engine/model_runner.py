@@ -23,13 +23,15 @@ import torch
 from torch import nn
 
 from miles.diffusion.sde import SdeStepBackend, build_sde_backend, ode_step
+from miles.engine.cfg_parallel import CfgParallelLeader, check_cfg_parallel_family, split_conditioning
 from miles.engine.patches import apply_patch_groups
 from miles.engine.protocol import GenerateRequest, GenerateResponse, ProtocolError, SampleResult
 from miles.engine.server_args import ServerArgs
 from miles.models.base import GenerationShape, TrainPipelineConfig
 from miles.models.batch_invariant import predict_velocity_in_tiles
-from miles.models.common import build_train_pipeline_config, generators_from_seeds, parse_dtype
+from miles.models.common import build_train_pipeline_config, combine_cfg, generators_from_seeds, parse_dtype
 from miles.utils.compile import compile_blocks
+from miles.types import GuidanceConfig
 from miles.utils.errors import MilesUserError
 from miles.utils.imports import load_function
 
@@ -89,16 +91,23 @@ class ModelRunner:
         """`loaded`: an already built (family, pipeline) to serve instead of loading `model_path`."""
         self.server_args = server_args
         self.device = resolve_device(server_args.device)
-        if server_args.tp_size > 1:
+        if server_args.tp_size > 2:
             if self.device.type == "cuda":
                 raise MilesUserError(
-                    f"--rollout-num-gpus-per-engine {server_args.tp_size}: engines spanning several GPUs (tensor or "
-                    "sequence parallel) are not implemented yet; use 1 GPU per engine and more engines"
+                    f"--rollout-num-gpus-per-engine {server_args.tp_size}: engines spanning more than 2 GPUs (tensor "
+                    "or sequence parallel) are not implemented yet; use 1 or 2 (CFG-parallel) GPUs per engine"
                 )
             logger.info("tp_size %d on a CPU engine: one process serves the whole slot", server_args.tp_size)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", server_args.base_gpu_id)
             torch.cuda.set_device(self.device)
+        # tp_size 2: a follower process computes the unconditional CFG branch (cfg_parallel.py); started first so
+        # it loads while this process does
+        self.cfg_parallel: CfgParallelLeader | None = None
+        if server_args.tp_size == 2:
+            if loaded is not None:
+                check_cfg_parallel_family(loaded[0].family)
+            self.cfg_parallel = CfgParallelLeader(server_args, self.device)
         self.dtype = parse_dtype(server_args.dtype)
         self.generator_device = self._resolve_generator_device(server_args.generator_device)
         self.family, self.pipe = loaded if loaded is not None else self._load(server_args)
@@ -126,6 +135,12 @@ class ModelRunner:
             )
         self.weight_version = 0
         self._backends: dict[tuple, SdeStepBackend] = {}
+        if self.cfg_parallel is not None:
+            try:
+                self.cfg_parallel.connect(self.family.family, self.modules)
+            except BaseException:
+                self.cfg_parallel.close()
+                raise
 
     def _compile(self, mode: str | None) -> None:
         """Compile each transformer block in place (miles/utils/compile.py); a module whose family lists no
@@ -264,14 +279,28 @@ class ModelRunner:
             t.denoise_seconds += elapsed
 
     def _forward(self, latents, sigmas, conditioning, first: Trajectory) -> torch.Tensor:
-        """One velocity forward. With the batch_invariant group, in tiles of exactly `forward_tile` samples (the
-        trainer's; miles/models/batch_invariant.py). Otherwise, with torch.compile, the batch is padded (repeating its last sample) to the next
-        power of two, so a compiled engine sees a handful of shapes instead of recompiling for every batch size
-        that concurrent requests happen to form; samples never interact in a DiT, the padding is dropped."""
+        """One guided velocity forward. On a CFG-parallel engine the follower computes the unconditional branch
+        while this process computes the conditional one; `combine_cfg` joins them as the family's doubled batch
+        would."""
+        guidance, shape = first.request.guidance, first.shape
+        if self.cfg_parallel is None or not self.family.uses_cfg(guidance):
+            return self.predict(latents, sigmas, conditioning, guidance, shape)
+        positive, negative = split_conditioning(conditioning, self.cfg_parallel.keys)
+        self.cfg_parallel.send_unconditional(latents, sigmas, negative, shape)
+        v_pos = self.predict(latents, sigmas, positive, GuidanceConfig(guidance_scale=1.0), shape)
+        v_neg = self.cfg_parallel.receive_unconditional(like=v_pos)
+        return combine_cfg(torch.cat([v_neg, v_pos]), guidance.scale)
+
+    def predict(self, latents, sigmas, conditioning, guidance: GuidanceConfig, shape: GenerationShape) -> torch.Tensor:
+        """The family's velocity forward (fp32 out). With the batch_invariant group, in tiles of exactly
+        `forward_tile` samples (the trainer's; miles/models/batch_invariant.py). Otherwise, with torch.compile, the
+        batch is padded (repeating its last sample) to the next power of two, so a compiled engine sees a handful
+        of shapes instead of recompiling for every batch size that concurrent requests happen to form; samples
+        never interact in a DiT, the padding is dropped."""
         if self.server_args.forward_tile:
             return predict_velocity_in_tiles(
-                self.family, self.forward_modules, latents, sigmas, conditioning, first.request.guidance,
-                first.shape, self.dtype, self.server_args.forward_tile,
+                self.family, self.forward_modules, latents, sigmas, conditioning, guidance,
+                shape, self.dtype, self.server_args.forward_tile,
             ).float()
         batch = latents.shape[0]
         padded = batch
@@ -286,7 +315,7 @@ class ModelRunner:
             latents, sigmas = pad(latents), pad(sigmas)
             conditioning = {key: pad(value) for key, value in conditioning.items()}
         velocity = self.family.predict_velocity(
-            self.forward_modules, latents, sigmas, conditioning, first.request.guidance, first.shape, self.dtype
+            self.forward_modules, latents, sigmas, conditioning, guidance, shape, self.dtype
         ).float()
         return velocity[:batch] if padded > batch else velocity
 
@@ -359,6 +388,17 @@ class ModelRunner:
             timings={"denoise": t.denoise_seconds, "decode": decode_seconds, "total": time.perf_counter() - t.started_at},
         )
 
+    def weights_updated(self) -> None:
+        """After a weight update's flush: a CFG-parallel follower receives the denoisers' new values."""
+        if self.cfg_parallel is not None:
+            self.cfg_parallel.sync_weights(self.modules)
+
+    def close(self) -> None:
+        """Stop the CFG-parallel follower, if any."""
+        if self.cfg_parallel is not None:
+            self.cfg_parallel.close()
+            self.cfg_parallel = None
+
     # ---- memory -----------------------------------------------------------------------------------------
     def pipeline_modules(self) -> dict[str, nn.Module]:
         """Every nn.Module component of the pipeline (denoisers, encoders, VAE)."""
@@ -369,6 +409,8 @@ class ModelRunner:
         """Move every component to the host and return the cached device memory (colocated runs)."""
         if self.device.type != "cuda":
             return
+        if self.cfg_parallel is not None:
+            self.cfg_parallel.release_memory()
         for module in self.pipeline_modules().values():
             module.to("cpu")
         torch.cuda.synchronize()
@@ -377,6 +419,8 @@ class ModelRunner:
     def resume_memory(self) -> None:
         if self.device.type != "cuda":
             return
+        if self.cfg_parallel is not None:
+            self.cfg_parallel.resume_memory()
         for module in self.pipeline_modules().values():
             module.to(self.device)
         torch.cuda.synchronize()

@@ -111,6 +111,7 @@ class EngineServer:
         await self.scheduler.stop()
         if self.weight_group is not None:
             self.weight_group.close()
+        self.runner.close()
 
     # ---- serving --------------------------------------------------------------------------------------------
     async def start(self) -> str:
@@ -175,7 +176,13 @@ class EngineServer:
         return web.json_response({"ok": True, "weight_version": self.runner.weight_version, **result})
 
     async def _apply_update(self, message) -> dict[str, Any]:
-        result = await self.scheduler.run_exclusive(self.receiver.apply, message)
+        def apply() -> dict[str, Any]:
+            applied = self.receiver.apply(message)
+            if message.flush:
+                self.runner.weights_updated()  # a CFG-parallel follower takes the finished update
+            return applied
+
+        result = await self.scheduler.run_exclusive(apply)
         self.counters["weight_buckets"] += 1
         if message.flush:
             self.runner.weight_version = message.weight_version

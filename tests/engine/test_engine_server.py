@@ -288,5 +288,5 @@ def test_padded_batches_give_the_same_samples(local_runner):
 def test_multi_gpu_engines_are_refused_clearly():
     from miles.utils.errors import MilesUserError
 
-    with pytest.raises(MilesUserError, match="rollout-num-gpus-per-engine 2"):
-        ModelRunner(ServerArgs(model_path="/x", device="cuda", tp_size=2))
+    with pytest.raises(MilesUserError, match="rollout-num-gpus-per-engine 3"):
+        ModelRunner(ServerArgs(model_path="/x", device="cuda", tp_size=3))

@@ -1,0 +1,256 @@
+"""CFG-parallel engines: one engine = 2 processes, the guided branches of every DiT forward split between them.
+
+With `--rollout-num-gpus-per-engine 2` (ServerArgs.tp_size == 2) the engine's ModelRunner (rank 0, the HTTP
+server process) starts one follower process (rank 1) that loads the same pipeline on the next device, and
+both join a private 2-rank group (gloo on CPU, NCCL on GPU; `ProcessGroupGloo`/`ProcessGroupNCCL` over a
+`TCPStore`, so it lives beside any default group of the process). For every CFG forward rank 0 broadcasts
+the step's unconditional inputs (latents, sigmas, negative conditioning: a fixed-field int64 header first,
+then the tensors; nothing is pickled), computes the conditional branch itself while rank 1 computes the
+unconditional one, receives rank 1's velocity by a broadcast rooted at rank 1, and combines them with
+`combine_cfg` exactly as the family's doubled batch would. Each branch is the family's own `predict_velocity`
+with guidance off, so no family code changes; only families whose CFG is the plain `combine_cfg` of two
+forwards with the conditioning split by its `negative_` prefix qualify (sd3 today, `CFG_PARALLEL_KEYS`).
+
+Weights: the follower receives every denoiser parameter and buffer of rank 0 once at start-up (so both
+ranks hold identical weights whatever each loaded) and again after every applied weight-update flush.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from miles.engine.weight_broadcast import _connect, _Group
+from miles.models.base import GenerationShape
+from miles.types import GuidanceConfig
+from miles.utils.errors import MilesUserError
+
+logger = logging.getLogger(__name__)
+
+# family -> the conditioning keys of one branch (each has a `negative_<key>` twin when CFG is on)
+CFG_PARALLEL_KEYS: dict[str, tuple[str, ...]] = {"sd3": ("prompt_embeds", "pooled_prompt_embeds")}
+
+# The follower blocks in a broadcast while it waits for the next command, so the group's per-operation timeout
+# is also how long an engine may sit idle; a dead rank 0 is noticed by the follower's parent watch instead.
+GROUP_TIMEOUT = timedelta(days=7)
+STARTUP_TIMEOUT_S = 600.0
+
+# ---- the header: one int64 vector of fixed fields --------------------------------------------------------
+CMD_STOP, CMD_FORWARD, CMD_SYNC_WEIGHTS, CMD_RELEASE_MEMORY, CMD_RESUME_MEMORY = range(5)
+MAX_DIMS = 6
+MAX_TENSORS = 8
+TENSOR_FIELDS = 2 + MAX_DIMS  # dtype code, ndim, dims (zero-padded)
+# command, count (tensors of a forward / parameters of a weight sync), height, width, num_frames, fps in 1/1000
+# (-1: none), then MAX_TENSORS tensor descriptors
+HEAD_FIELDS = 6
+HEADER_LEN = HEAD_FIELDS + MAX_TENSORS * TENSOR_FIELDS
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)
+
+
+def check_cfg_parallel_family(family_name: str) -> tuple[str, ...]:
+    if family_name not in CFG_PARALLEL_KEYS:
+        raise MilesUserError(f"--rollout-num-gpus-per-engine 2 (CFG-parallel engine) supports the families "
+                             f"{sorted(CFG_PARALLEL_KEYS)}, not {family_name!r}")
+    return CFG_PARALLEL_KEYS[family_name]
+
+
+def split_conditioning(conditioning: Mapping[str, torch.Tensor], keys: tuple[str, ...]):
+    """(positive, negative) branch conditionings, both under the plain key names."""
+    return {key: conditioning[key] for key in keys}, {key: conditioning[f"negative_{key}"] for key in keys}
+
+
+def _broadcast(group: _Group, tensor: torch.Tensor, root: int) -> None:
+    options = dist.BroadcastOptions()
+    options.rootRank = root
+    options.rootTensor = 0
+    options.timeout = group.timeout
+    group.backend.broadcast([tensor], options).wait()
+    if tensor.is_cuda:
+        # NCCL's wait() only orders the current stream; the caller reads or reuses the tensor right after
+        torch.cuda.current_stream(tensor.device).synchronize()
+
+
+def _encode_header(command: int, count: int = 0, shape: GenerationShape | None = None,
+                   tensors: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+    if len(tensors) > MAX_TENSORS:
+        raise ValueError(f"a CFG-parallel forward carries at most {MAX_TENSORS} tensors, got {len(tensors)}")
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    header[0], header[1] = command, count
+    if shape is not None:
+        header[2], header[3], header[4] = shape.height, shape.width, shape.num_frames
+        header[5] = -1 if shape.fps is None else round(shape.fps * 1000)
+    for i, tensor in enumerate(tensors):
+        if tensor.dim() > MAX_DIMS:
+            raise ValueError(f"a CFG-parallel tensor has at most {MAX_DIMS} dims, got shape {tuple(tensor.shape)}")
+        row = HEAD_FIELDS + i * TENSOR_FIELDS
+        header[row] = DTYPES.index(tensor.dtype)
+        header[row + 1] = tensor.dim()
+        header[row + 2 : row + 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    return header
+
+
+def _decode_shape(header: torch.Tensor) -> GenerationShape:
+    fps_milli = int(header[5])
+    return GenerationShape(int(header[2]), int(header[3]), int(header[4]), None if fps_milli < 0 else fps_milli / 1000)
+
+
+def _decode_tensor_specs(header: torch.Tensor, count: int) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    specs = []
+    for i in range(count):
+        row = HEAD_FIELDS + i * TENSOR_FIELDS
+        ndim = int(header[row + 1])
+        specs.append((DTYPES[int(header[row])], tuple(int(d) for d in header[row + 2 : row + 2 + ndim])))
+    return specs
+
+
+def _denoiser_tensors(modules: Mapping[str, nn.Module]) -> list[torch.Tensor]:
+    """Every parameter and buffer of the denoisers, in an order both ranks derive the same way."""
+    tensors = []
+    for name in sorted(modules):
+        module = modules[name]
+        tensors += [p.data for _, p in module.named_parameters()] + [b for _, b in module.named_buffers()]
+    return tensors
+
+
+def _sync_weights(group: _Group, modules: Mapping[str, nn.Module]) -> None:
+    for tensor in _denoiser_tensors(modules):
+        if not tensor.is_contiguous():
+            raise RuntimeError("a CFG-parallel weight sync needs contiguous parameters")
+        _broadcast(group, tensor, root=0)
+
+
+class CfgParallelLeader:
+    """Rank 0's side: starts the follower, ships it the unconditional half of each CFG forward."""
+
+    def __init__(self, server_args, device: torch.device):
+        self.keys: tuple[str, ...] = ()  # known once rank 0 has loaded its family (connect)
+        self.device = device
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        follower_device = f"cuda:{device.index + 1}" if device.type == "cuda" else "cpu"
+        follower_args = dataclasses.replace(server_args, tp_size=1, device=follower_device, url_file=None, port=0)
+        # bound now, served by the store in connect(): the follower can start and load meanwhile
+        self._listen_socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listen_socket.bind(("127.0.0.1", 0))
+        self._listen_socket.listen()
+        port = self._listen_socket.getsockname()[1]
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=follower_main, args=(follower_args, port, self.backend, os.getpid()),
+            name="miles-cfg-follower", daemon=True,
+        )
+        self.process.start()
+        self.group: _Group | None = None
+
+    def connect(self, family_name: str, modules: Mapping[str, nn.Module]) -> None:
+        """Join the group (waits for the follower to load) and give it rank 0's weights."""
+        self.keys = check_cfg_parallel_family(family_name)
+        began = time.perf_counter()
+        self.group = _connect("127.0.0.1", self._listen_socket.getsockname()[1], 0, 2, "cfg-parallel", self.backend,
+                              GROUP_TIMEOUT, self.device, listen_socket=self._listen_socket)
+        self.sync_weights(modules)
+        logger.info("CFG-parallel follower (pid %d) joined in %.1fs", self.process.pid, time.perf_counter() - began)
+
+    def _send_header(self, header: torch.Tensor) -> None:
+        _broadcast(self.group, header.to(self.device), root=0)
+
+    def send_unconditional(self, latents: torch.Tensor, sigmas: torch.Tensor,
+                           negative: Mapping[str, torch.Tensor], shape: GenerationShape) -> None:
+        """Start the follower's unconditional forward; `receive_unconditional` collects it."""
+        tensors = (latents, sigmas, *(negative[key] for key in self.keys))
+        tensors = tuple(t.contiguous() for t in tensors)
+        self._send_header(_encode_header(CMD_FORWARD, len(tensors), shape, tensors))
+        for tensor in tensors:
+            _broadcast(self.group, tensor, root=0)
+
+    def receive_unconditional(self, like: torch.Tensor) -> torch.Tensor:
+        velocity = torch.empty_like(like, dtype=torch.float32, memory_format=torch.contiguous_format)
+        _broadcast(self.group, velocity, root=1)
+        return velocity
+
+    def sync_weights(self, modules: Mapping[str, nn.Module]) -> None:
+        tensors = _denoiser_tensors(modules)
+        self._send_header(_encode_header(CMD_SYNC_WEIGHTS, len(tensors)))
+        _sync_weights(self.group, modules)
+
+    def release_memory(self) -> None:
+        self._send_header(_encode_header(CMD_RELEASE_MEMORY))
+
+    def resume_memory(self) -> None:
+        self._send_header(_encode_header(CMD_RESUME_MEMORY))
+
+    def close(self) -> None:
+        if self.group is not None:
+            try:
+                self._send_header(_encode_header(CMD_STOP))
+            except RuntimeError as err:  # the follower is already gone; nothing left to stop
+                logger.warning("CFG-parallel follower stop: %s", err)
+            self.process.join(timeout=30)
+            self.group.close()
+            self.group = None
+        if self._listen_socket.fileno() != -1:  # never handed to a store: connect() did not run
+            self._listen_socket.close()
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout=10)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """The follower must not outlive its engine (a killed rank 0 cannot send CMD_STOP)."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(0)
+        time.sleep(1.0)
+
+
+def follower_main(server_args, port: int, backend: str, parent_pid: int) -> None:
+    """Rank 1: load the pipeline, join the group, then serve commands until CMD_STOP."""
+    from miles.engine.model_runner import ModelRunner  # the follower is a plain 1-device runner
+
+    logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s cfg-follower %(levelname)s %(message)s")
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    runner = ModelRunner(server_args)
+    keys = check_cfg_parallel_family(runner.family.family)
+    group = _connect("127.0.0.1", port, 1, 2, "cfg-parallel", backend, GROUP_TIMEOUT, runner.device)
+    unguided = GuidanceConfig(guidance_scale=1.0)  # scale 1: the family runs one plain branch
+    try:
+        while True:
+            header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=runner.device)
+            _broadcast(group, header, root=0)
+            header = header.cpu()
+            command, count = int(header[0]), int(header[1])
+            if command == CMD_STOP:
+                break
+            if command == CMD_FORWARD:
+                tensors = []
+                for dtype, shape in _decode_tensor_specs(header, count):
+                    tensor = torch.empty(shape, dtype=dtype, device=runner.device)
+                    _broadcast(group, tensor, root=0)
+                    tensors.append(tensor)
+                latents, sigmas, *conditioning = tensors
+                velocity = runner.predict(latents, sigmas, dict(zip(keys, conditioning)), unguided,
+                                          _decode_shape(header))
+                _broadcast(group, velocity.float().contiguous(), root=1)
+            elif command == CMD_SYNC_WEIGHTS:
+                expected = len(_denoiser_tensors(runner.modules))
+                if count != expected:
+                    # both ranks would then disagree on every later broadcast: stop rather than mis-assign
+                    raise RuntimeError(f"weight sync of {count} tensors, the follower holds {expected}")
+                _sync_weights(group, runner.modules)
+            elif command == CMD_RELEASE_MEMORY:
+                runner.release_memory()
+            elif command == CMD_RESUME_MEMORY:
+                runner.resume_memory()
+            else:
+                raise RuntimeError(f"unknown CFG-parallel command {command}")
+    finally:
+        group.close()
