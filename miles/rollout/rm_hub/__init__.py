@@ -23,6 +23,7 @@ sample (index and prompt), never a silent zero.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import inspect
 import math
 import numbers
@@ -39,58 +40,27 @@ RewardFn = Callable[[Any, list[Sample]], Awaitable[list[Any]]]
 CUSTOM_RM_TYPE = "custom"
 
 
-def _pickscore_rm(args, samples):
-    from miles.rollout.rm_hub.pickscore import pickscore_rm
+def _lazy_reward(module: str, name: str) -> RewardFn:
+    """A built-in reward imported on its first call: model rewards pull in transformers, OCR pulls in rapidocr,
+    and a run that uses neither should not pay for them."""
 
-    return pickscore_rm(args, samples)
+    def reward(args, samples):
+        return getattr(importlib.import_module(f"miles.rollout.rm_hub.{module}"), name)(args, samples)
 
-
-def _ocr_rm(args, samples):
-    from miles.rollout.rm_hub.ocr import ocr_rm
-
-    return ocr_rm(args, samples)
-
-
-def _remote_rm(args, samples):
-    from miles.rollout.rm_hub.remote import remote_rm
-
-    return remote_rm(args, samples)
-
-
-def _clipscore_rm(args, samples):
-    from miles.rollout.rm_hub.clipscore import clipscore_rm
-
-    return clipscore_rm(args, samples)
-
-
-def _aesthetic_rm(args, samples):
-    from miles.rollout.rm_hub.aesthetic import aesthetic_rm
-
-    return aesthetic_rm(args, samples)
-
-
-def _vlm_judge_rm(args, samples):
-    from miles.rollout.rm_hub.vlm_judge import vlm_judge_rm
-
-    return vlm_judge_rm(args, samples)
-
-
-def _geneval_rm(args, samples):
-    from miles.rollout.rm_hub.geneval import geneval_rm
-
-    return geneval_rm(args, samples)
+    reward.__name__ = name
+    return reward
 
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {
-    "pickscore": _pickscore_rm,
-    "ocr": _ocr_rm,
-    "remote_rm": _remote_rm,
+    "pickscore": _lazy_reward("pickscore", "pickscore_rm"),
+    "ocr": _lazy_reward("ocr", "ocr_rm"),
+    "remote_rm": _lazy_reward("remote", "remote_rm"),
     "jpeg_compressibility": jpeg_compressibility_rm,
     "brightness": brightness_rm,
-    "clipscore": _clipscore_rm,
-    "aesthetic": _aesthetic_rm,
-    "vlm_judge": _vlm_judge_rm,
-    "geneval": _geneval_rm,
+    "clipscore": _lazy_reward("clipscore", "clipscore_rm"),
+    "aesthetic": _lazy_reward("aesthetic", "aesthetic_rm"),
+    "vlm_judge": _lazy_reward("vlm_judge", "vlm_judge_rm"),
+    "geneval": _lazy_reward("geneval", "geneval_rm"),
 }
 
 
