@@ -26,7 +26,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from miles.models.batch_invariant import pin_attention
+from miles.models.batch_invariant import cast_parameters_like_fsdp, pin_attention
 from miles.utils.errors import MilesUserError
 
 logger = logging.getLogger(__name__)
@@ -79,8 +79,19 @@ def _patch_math_attention(modules: Mapping[str, nn.Module]) -> None:
 
 
 def _forward_dtype(modules: Mapping[str, nn.Module]) -> torch.dtype:
-    """The engine's forward dtype: the one its denoisers' weights were loaded in."""
-    return next(next(iter(modules.values())).parameters()).dtype
+    """The engine's forward dtype: the one most of its denoisers' weights were loaded in (diffusers keeps a few
+    modules in fp32)."""
+    counts: dict[torch.dtype, int] = {}
+    for module in modules.values():
+        for param in module.parameters():
+            counts[param.dtype] = counts.get(param.dtype, 0) + param.numel()
+    return max(counts, key=counts.get)
+
+
+def _patch_batch_invariant(modules: Mapping[str, nn.Module]) -> None:
+    dtype = _forward_dtype(modules)
+    cast_parameters_like_fsdp(modules, dtype)
+    pin_attention(modules, dtype)
 
 
 @dataclass(frozen=True)
@@ -105,8 +116,8 @@ register_patch_group(PatchGroup("ltx", "LTX parity: fp32 norms", _patch_fp32_nor
 register_patch_group(
     PatchGroup(
         "batch_invariant",
-        "bitwise engine/trainer parity: fixed tiles, one attention kernel",
-        lambda modules: pin_attention(modules, _forward_dtype(modules)),
+        "bitwise engine/trainer parity: fixed tiles, one attention kernel, parameters in the trainer's dtype",
+        _patch_batch_invariant,
     )
 )
 # The groups the trainer applies to its own modules as well; the others are engine-side numerics choices that

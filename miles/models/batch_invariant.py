@@ -11,9 +11,13 @@ sources of difference (docs/sde-backends.md):
    the same shapes on both sides, and no kernel mixes rows, so a sample's output ignores its neighbours.
 2. **One attention kernel**: on CUDA both sides use one PyTorch SDPA kernel (flash; memory-efficient in fp32),
    since without a pin the dispatcher may choose differently with and without autograd.
-4. **Buffers in the forward dtype** on the trainer too (`cast_buffers_like_the_engine` in
-   miles/backends/fsdp_utils/parallelize.py): FSDP casts parameters, not buffers such as SD3's positional table.
-3. **LoRA seen as the engine sees it**: the engine runs the merged weight W' = W + s·B·A (rounded to the
+3. **Every tensor in the same dtype on both sides**: FSDP's mixed precision casts every parameter of the trainer
+   to the forward dtype, including those diffusers keeps in fp32 at load time (`_keep_in_fp32_modules`: Wan's
+   norms and modulation tables, Cosmos 3's time embedder), so the engine casts those too
+   (`cast_parameters_like_fsdp`); FSDP casts no buffer, so the trainer casts the ones the engine's load put in the
+   forward dtype (`engine_holds_in_forward_dtype`; `cast_buffers_like_the_engine` in
+   miles/backends/fsdp_utils/parallelize.py), e.g. SD3's positional table, and leaves fp32 rotary tables fp32.
+4. **LoRA seen as the engine sees it**: the engine runs the merged weight W' = W + s·B·A (rounded to the
    forward dtype, `merged_lora_weight`). The trainer's LoRA layers compute the forward value with that same
    W' and take the LoRA gradients from the unmerged path, whose value is added as `lora − lora.detach()`
    (exactly 0), so values match the engine bit for bit and gradients are LoRA's own.
@@ -78,6 +82,33 @@ def pin_attention(modules: Mapping[str, nn.Module], dtype: torch.dtype, device_t
         on_cuda = device_type == "cuda" if device_type else any(p.is_cuda for p in module.parameters())
         if on_cuda and hasattr(module, "set_attention_backend"):
             module.set_attention_backend(backend)
+
+
+def cast_parameters_like_fsdp(modules: Mapping[str, nn.Module], dtype: torch.dtype) -> int:
+    """Engine side: every floating parameter in `dtype`, as the trainer's FSDP mixed precision computes with them
+    (diffusers' `_keep_in_fp32_modules` would otherwise stay fp32 here and be bf16 there). Returns how many were
+    cast."""
+    count = 0
+    for module in modules.values():
+        for param in module.parameters():
+            if param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+                count += 1
+    if count:
+        logger.info("batch_invariant: %d parameters kept in fp32 by diffusers now run in %s, as in the trainer",
+                    count, dtype)
+    return count
+
+
+def engine_holds_in_forward_dtype(module: nn.Module, owner_name: str, buffer_name: str) -> bool:
+    """Whether a diffusers load in the forward dtype puts this buffer in that dtype: persistent buffers are loaded
+    in `torch_dtype` unless their module is in `_keep_in_fp32_modules`; non-persistent ones (rotary tables built
+    at construction) keep the dtype they were built in."""
+    owner = module.get_submodule(owner_name) if owner_name else module
+    if buffer_name in owner._non_persistent_buffers_set:
+        return False
+    keep = set(getattr(module, "_keep_in_fp32_modules", None) or ())
+    return not keep.intersection(f"{owner_name}.{buffer_name}".split("."))
 
 
 def merged_lora_weight(
