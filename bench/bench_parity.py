@@ -8,10 +8,10 @@ Both parts run the real engine (`ModelRunner`: requests of different prompts sha
 family's decode) and the real trainer (`DiffusionTrainer`, one-rank FSDP2), in one process.
 
 - `--checkpoint`: the cost of the group at one checkpoint. The rollout (prompts × samples, every step SDE,
-  decode included) and the trainer's pass over its pairs (LoRA, forward + backward of every pair, no optimizer
-  step, so a second pass sees the same policy) timed with the group off (the engine batches freely, the trainer
+  decode included) and the trainer's pass over its pairs (LoRA) timed with the group off (the engine batches freely, the trainer
   forwards micro-batches) and on (both sides forward tiles of `--micro-batch-size`, attention pinned, LoRA valued
-  by the merged weight). Then the on-policy probe with a non-zero LoRA B: the trainer's merged weights are put
+  by the merged weight). The trainer's pass is a real optimizer step at lr 0 (forward, backward, clipping,
+  AdamW), so the weights stay those the engine ran. Then the on-policy probe with a non-zero LoRA B: the trainer's merged weights are put
   into the engine, which rolls out again, and the trainer replays it: `log_prob` / `model_output` differences
   and clipfrac, which must be exactly 0 with the group.
 - `--families`: the probe at tiny size for each family (built offline with `make_tiny`), in `--dtype`.
@@ -101,8 +101,10 @@ def rollout(runner: ModelRunner, opts, prompts: list[str], samples_per_prompt: i
 
 def trainer_for(family, checkpoint: str, opts, tile: int, micro_batch_size: int, **overrides) -> DiffusionTrainer:
     height, width, frames = opts.shape
+    # Real optimizer steps (forward, backward, clip, AdamW) at lr 0: timed like training, and the policy stays the
+    # one the engine ran, so every pass is a valid probe.
     args = tiny_trainer_args(
-        checkpoint, diffusion_debug_mode=True, debug_skip_optimizer_step=True, micro_batch_size=micro_batch_size,
+        checkpoint, diffusion_debug_mode=True, lr=0.0, micro_batch_size=micro_batch_size,
         parity_forward_tile=tile, rollout_patch_group=["batch_invariant"] if tile else [],
         diffusion_guidance_scale=opts.guidance, diffusion_num_steps=opts.steps, diffusion_forward_dtype=opts.dtype,
         diffusion_height=height, diffusion_width=width, diffusion_output_num_frames=frames, **overrides,

@@ -119,7 +119,7 @@ class ModelRunner:
                 raise MilesUserError(f"the pipeline at {server_args.model_path!r} has no denoiser module {name!r}")
             module.eval().requires_grad_(False)
             self.modules[name] = module
-        self.patch_groups = apply_patch_groups(self.modules, server_args.rollout_patch_group)
+        self.patch_groups = apply_patch_groups(self.modules, server_args.rollout_patch_group, self.family)
         if server_args.attention_backend:
             for module in self.modules.values():
                 module.set_attention_backend(server_args.attention_backend)

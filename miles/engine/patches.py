@@ -13,7 +13,7 @@ Groups:
 - `sgld`: what the sglang-diffusion engine does for flow-matching DiTs: `fp32_norms`.
 - `ltx`: LTX-Video's parity set: `fp32_norms` (its RMSNorm without affine weights is especially sensitive).
 - `batch_invariant`: bitwise engine/trainer parity (miles/models/batch_invariant.py): fixed forward tiles on
-  both sides, the flash SDPA kernel on CUDA, LoRA forwards valued with the merged weight. The default on
+  both sides, one SDPA kernel on CUDA, parameters in the trainer's dtype, LoRA forwards valued with the merged weight. The default on
   eager runs (miles/utils/validation.py `_rule_parity`); the trainer applies it too (`TRAINER_PATCH_GROUPS`).
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -88,17 +88,18 @@ def _forward_dtype(modules: Mapping[str, nn.Module]) -> torch.dtype:
     return max(counts, key=counts.get)
 
 
-def _patch_batch_invariant(modules: Mapping[str, nn.Module]) -> None:
+def _patch_batch_invariant(modules: Mapping[str, nn.Module], family: Any = None) -> None:
     dtype = _forward_dtype(modules)
     cast_parameters_like_fsdp(modules, dtype)
-    pin_attention(modules, dtype)
+    pin_attention(modules, dtype, family=family)
 
 
 @dataclass(frozen=True)
 class PatchGroup:
     name: str
     description: str
-    apply: Callable[[Mapping[str, nn.Module]], None]
+    apply: Callable[..., None]  # (modules) or, with `takes_family`, (modules, family)
+    takes_family: bool = False
 
 
 PATCH_GROUPS: dict[str, PatchGroup] = {}
@@ -118,6 +119,7 @@ register_patch_group(
         "batch_invariant",
         "bitwise engine/trainer parity: fixed tiles, one attention kernel, parameters in the trainer's dtype",
         _patch_batch_invariant,
+        takes_family=True,
     )
 )
 # The groups the trainer applies to its own modules as well; the others are engine-side numerics choices that
@@ -136,10 +138,13 @@ def parse_patch_groups(value: str | Iterable[str] | None) -> list[str]:
     return names
 
 
-def apply_patch_groups(modules: Mapping[str, nn.Module], groups: str | Iterable[str] | None) -> list[str]:
-    """Apply each named group to `modules` (engine and trainer call this with the same value)."""
+def apply_patch_groups(modules: Mapping[str, nn.Module], groups: str | Iterable[str] | None,
+                       family: Any = None) -> list[str]:
+    """Apply each named group to `modules` (engine and trainer call this with the same value); `family` is the
+    modules' `TrainPipelineConfig`, for groups whose choices depend on it."""
     names = parse_patch_groups(groups)
     for name in names:
-        PATCH_GROUPS[name].apply(modules)
+        group = PATCH_GROUPS[name]
+        group.apply(modules, family) if group.takes_family else group.apply(modules)
     return names
 

@@ -42,6 +42,10 @@ class TrainPipelineConfig(ABC):
     trainable_modules: ClassVar[tuple[str, ...]] = ("transformer",)  # --update-weight-target-module default
     default_lora_target_modules: ClassVar[tuple[str, ...]] = ()
     is_video: ClassVar[bool] = False
+    # What the DiT's attention calls need, for the one SDPA kernel the parity group pins (batch_invariant.py):
+    # flash takes no mask, memory-efficient takes no grouped-query attention.
+    attention_uses_mask: ClassVar[bool] = False
+    attention_uses_gqa: ClassVar[bool] = False
     num_train_timesteps: ClassVar[int] = 1000
 
     # ---- loading ------------------------------------------------------------------------------------

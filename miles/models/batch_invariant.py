@@ -9,8 +9,9 @@ sources of difference (docs/sde-backends.md):
 1. **Fixed forward tiles**: both sides run every DiT forward on exactly `tile` samples (the trainer's pairs per
    forward, `--micro-batch-size`), padding the last tile by repeating its last sample. Every kernel then sees
    the same shapes on both sides, and no kernel mixes rows, so a sample's output ignores its neighbours.
-2. **One attention kernel**: on CUDA both sides use one PyTorch SDPA kernel (flash; memory-efficient in fp32),
-   since without a pin the dispatcher may choose differently with and without autograd.
+2. **One attention kernel**: on CUDA both sides use one PyTorch SDPA kernel (flash; memory-efficient in fp32 or
+   for families that mask attention; math for fp32 grouped-query attention), since without a pin the dispatcher
+   may choose differently with and without autograd.
 3. **Every tensor in the same dtype on both sides**: FSDP's mixed precision casts every parameter of the trainer
    to the forward dtype, including those diffusers keeps in fp32 at load time (`_keep_in_fp32_modules`: Wan's
    norms and modulation tables, Cosmos 3's time embedder), so the engine casts those too
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 GROUP = "batch_invariant"
 FLASH_ATTENTION_BACKEND = "_native_flash"  # diffusers' name for PyTorch's flash SDPA kernel (fp16/bf16 only)
 EFFICIENT_ATTENTION_BACKEND = "_native_efficient"  # the memory-efficient kernel, which also takes fp32
+MATH_ATTENTION_BACKEND = "_native_math"  # the composite kernel: everything, slowly
 
 
 def predict_velocity_in_tiles(
@@ -72,16 +74,34 @@ def predict_velocity_in_tiles(
     return torch.cat(velocities) if len(velocities) > 1 else velocities[0]
 
 
-def pin_attention(modules: Mapping[str, nn.Module], dtype: torch.dtype, device_type: str | None = None) -> None:
-    """On CUDA, route attention through one SDPA kernel on every module that can choose: flash for 16-bit
-    forwards, memory-efficient for fp32 (flash has no fp32 kernel). Both treat each (sample, head) on its own.
+def pin_attention(modules: Mapping[str, nn.Module], dtype: torch.dtype, device_type: str | None = None,
+                  family: Any = None) -> None:
+    """On CUDA, route attention through one SDPA kernel on every module that can choose (`parity_attention_backend`).
+    Each of them treats every (sample, head) on its own.
 
-    `device_type`: where the modules will run (default: where their parameters are now)."""
-    backend = EFFICIENT_ATTENTION_BACKEND if dtype == torch.float32 else FLASH_ATTENTION_BACKEND
+    `device_type`: where the modules will run (default: where their parameters are now). Diffusers also makes the
+    backend the process-wide default; that default is put back, so other models in the process are unaffected."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    backend = parity_attention_backend(dtype, family)
+    previous = _AttentionBackendRegistry.get_active_backend()[0]
     for module in modules.values():
         on_cuda = device_type == "cuda" if device_type else any(p.is_cuda for p in module.parameters())
         if on_cuda and hasattr(module, "set_attention_backend"):
             module.set_attention_backend(backend)
+    _AttentionBackendRegistry.set_active_backend(previous)
+
+
+def parity_attention_backend(dtype: torch.dtype, family: Any = None) -> str:
+    """Flash for 16-bit forwards; memory-efficient for fp32 (flash has no fp32 kernel) or when the family masks
+    attention (flash takes no mask); math for fp32 grouped-query attention (memory-efficient has none)."""
+    uses_mask = bool(getattr(family, "attention_uses_mask", False))
+    uses_gqa = bool(getattr(family, "attention_uses_gqa", False))
+    if dtype != torch.float32 and not uses_mask:
+        return FLASH_ATTENTION_BACKEND
+    if dtype == torch.float32 and uses_gqa:
+        return MATH_ATTENTION_BACKEND
+    return EFFICIENT_ATTENTION_BACKEND
 
 
 def cast_parameters_like_fsdp(modules: Mapping[str, nn.Module], dtype: torch.dtype) -> int:

@@ -68,6 +68,7 @@ def unpack_latents(
 @register_family
 class LTXTrainPipelineConfig(DiffusersTrainPipelineConfig):
     family: ClassVar[str] = "ltx"
+    attention_uses_mask: ClassVar[bool] = True  # padded caption tokens
     name_hints: ClassVar[tuple[str, ...]] = ("ltx",)
     pipeline_class_name: ClassVar[str] = "LTXPipeline"
     trainable_modules: ClassVar[tuple[str, ...]] = ("transformer",)

@@ -37,7 +37,7 @@ def rollout(family, pipe, checkpoint: str, tile: int, weights: dict[str, torch.T
                              forward_tile=tile, max_batch_size=64)
     runner = ModelRunner(server_args, loaded=(family, pipe))
     if tile:
-        apply_patch_groups(runner.modules, "batch_invariant")
+        apply_patch_groups(runner.modules, "batch_invariant", family)
     if weights:
         with torch.no_grad():
             for name, param in runner.modules["transformer"].named_parameters():
@@ -129,3 +129,17 @@ def test_bf16_parity_with_parameters_diffusers_keeps_in_fp32(tiny, tiny_checkpoi
                         diffusion_height=64, diffusion_width=64)
     assert metrics["train/model_output_max_abs_diff"] == 0.0
     assert metrics["train/log_prob_mean_abs_diff"] == 0.0
+
+
+def test_the_pinned_attention_kernel_supports_what_the_family_calls():
+    from types import SimpleNamespace
+
+    from miles.models.batch_invariant import parity_attention_backend
+
+    plain, masked, gqa = (SimpleNamespace(attention_uses_mask=m, attention_uses_gqa=g)
+                          for m, g in ((False, False), (True, False), (False, True)))
+    assert parity_attention_backend(torch.bfloat16, plain) == "_native_flash"
+    assert parity_attention_backend(torch.bfloat16, masked) == "_native_efficient"  # flash takes no mask
+    assert parity_attention_backend(torch.bfloat16, gqa) == "_native_flash"
+    assert parity_attention_backend(torch.float32, plain) == "_native_efficient"  # flash has no fp32 kernel
+    assert parity_attention_backend(torch.float32, gqa) == "_native_math"  # efficient has no grouped-query

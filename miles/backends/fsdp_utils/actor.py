@@ -196,7 +196,7 @@ class DiffusionTrainer:
         self.mesh = self.dims.build_mesh(self.device.type)
         modules = self.family.load_modules(args.hf_checkpoint, self.module_names, self.master_dtype)
         if self.forward_tile:
-            pin_attention(modules, self.forward_dtype, self.device.type)
+            pin_attention(modules, self.forward_dtype, self.device.type, family=self.family)
         deterministic.seed_everything(int(args.seed))  # identical LoRA init on every rank
         for name, module in modules.items():
             if getattr(args, "use_lora", False):
