@@ -84,6 +84,16 @@ def _conditioning_signature(conditioning: Mapping[str, torch.Tensor]) -> tuple:
     return tuple(sorted((key, tuple(value.shape[1:]), value.dtype) for key, value in conditioning.items()))
 
 
+def padded_batch_size(batch: int, compiled: set[int], max_batch_size: int) -> int:
+    """The batch size a compiled engine forwards `batch` samples at: a size it already compiled when one fits
+    within twice the next power of two (padding costs at most one doubled forward; a new graph costs seconds, and
+    a rollout whose requests arrive in two waves ends with half-size steps), else that power of two (at most
+    `max_batch_size`, or `batch` when larger)."""
+    bucket = min(max(max_batch_size, batch), 1 << (batch - 1).bit_length())
+    fitting = [size for size in compiled if batch <= size <= 2 * bucket]
+    return min(fitting) if fitting else bucket
+
+
 class ModelRunner:
     """Owns the pipeline, the denoiser modules and the weight version of one engine."""
 
@@ -126,7 +136,8 @@ class ModelRunner:
         self.forward_modules: dict[str, nn.Module] = dict(self.modules)
         if server_args.enable_torch_compile:
             self._compile(server_args.torch_compile_mode)
-        self.pad_batches = bool(server_args.enable_torch_compile)  # see _forward
+        self.pad_batches = bool(server_args.enable_torch_compile)  # see predict
+        self.forward_sizes: set[int] = set()  # the padded batch sizes forwarded so far (compiled graphs)
         if self.device.type == "cuda" and 0 < server_args.forward_tile < 4:
             logger.warning(
                 "DiT forwards run %d sample(s) at a time: the batch_invariant patch group uses the trainer's "
@@ -294,9 +305,9 @@ class ModelRunner:
     def predict(self, latents, sigmas, conditioning, guidance: GuidanceConfig, shape: GenerationShape) -> torch.Tensor:
         """The family's velocity forward (fp32 out). With the batch_invariant group, in tiles of exactly
         `forward_tile` samples (the trainer's; miles/models/batch_invariant.py). Otherwise, with torch.compile, the
-        batch is padded (repeating its last sample) to the next power of two, so a compiled engine sees a handful
-        of shapes instead of recompiling for every batch size that concurrent requests happen to form; samples
-        never interact in a DiT, the padding is dropped."""
+        batch is padded (repeating its last sample; `padded_batch_size`), so a compiled engine sees a handful of
+        shapes instead of recompiling for every batch size that concurrent requests happen to form; samples never
+        interact in a DiT, the padding is dropped."""
         if self.server_args.forward_tile:
             return predict_velocity_in_tiles(
                 self.family, self.forward_modules, latents, sigmas, conditioning, guidance,
@@ -305,7 +316,8 @@ class ModelRunner:
         batch = latents.shape[0]
         padded = batch
         if self.pad_batches:
-            padded = min(max(self.server_args.max_batch_size, batch), 1 << (batch - 1).bit_length())
+            padded = padded_batch_size(batch, self.forward_sizes, self.server_args.max_batch_size)
+            self.forward_sizes.add(padded)
         if padded > batch:
             extra = padded - batch
 
