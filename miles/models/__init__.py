@@ -33,6 +33,7 @@ FAMILY_PIPELINE_CLASSES: dict[str, str] = {
     "QwenImagePipeline": "qwen_image",
     "WanPipeline": "wan2_2",  # Wan 2.1 T2V and Wan 2.2: one pipeline class, one family
     "LTXPipeline": "ltx",
+    "LTX2Pipeline": "ltx",  # LTX-2: the ltx family reads the generation from the same class name
     "Cosmos3OmniPipeline": "cosmos3",
 }
 
