@@ -211,3 +211,34 @@ def test_cps_rollout_and_full_finetune_step_leave_the_audio_branch_alone(path):
 def test_make_tiny_ltx_variants(tmp_path):
     with pytest.raises(ValueError, match="no tiny ltx variant 'ltx3'; one of ltx-video, ltx2"):
         build_tiny_pipeline("ltx", str(tmp_path / "x"), variant="ltx3")
+
+
+def test_the_engine_serves_a_cps_request_with_the_reference_loops_frames(path):
+    """What the rewards receive: the engine's uint8 frames [F, H, W, 3] for an LTX-2 request with CPS steps, equal
+    to the reference loop's with the same kernel; the log-probs of the CPS steps come back finite."""
+    from miles.diffusion.sde import build_sde_backend
+    from miles.engine.model_runner import ModelRunner
+    from miles.engine.protocol import GenerateRequest
+    from miles.engine.server_args import ServerArgs
+
+    runner = ModelRunner(ServerArgs(model_path=path, model_family="ltx", device="cpu", dtype="fp32",
+                                    generator_device="cpu"))
+    request = GenerateRequest(prompt=PROMPTS[1], num_samples=1, seed=SEEDS[1], num_steps=3, height=SHAPE.height,
+                              width=SHAPE.width, num_frames=SHAPE.num_frames, fps=SHAPE.fps, guidance=NO_CFG,
+                              sde_type="cps", noise_level=0.7, sde_step_indices=[0, 1], return_latent_indices=[0, 1, 2],
+                              request_id="ltx2")
+    trajectory = runner.start(request)
+    while not trajectory.done:
+        runner.step([trajectory])
+    sample = runner.finish(trajectory).samples[0]
+    assert sample.image.dtype == torch.uint8 and sample.image.shape == (5, 32, 32, 3)
+    assert sample.rollout_log_probs.shape == (2,) and torch.isfinite(sample.rollout_log_probs).all()
+    assert set(sample.conditioning) == {"prompt_embeds", "audio_prompt_embeds", "prompt_attention_mask"}
+
+    family = get_family_class("ltx")()  # the engine's text length: the pipeline default (1024 Gemma tokens)
+    pipe = family.load_pipeline(path, torch.float32)
+    reference = sample_reference(family, pipe, [PROMPTS[1]], seeds=[SEEDS[1]], num_steps=3, shape=SHAPE,
+                                 guidance=NO_CFG, sde_backend=build_sde_backend("cps", 0.7, False),
+                                 sde_step_indices=[0, 1])
+    assert torch.equal(sample.image, reference.images[0])
+    torch.testing.assert_close(sample.rollout_log_probs, torch.stack(reference.log_probs)[:, 0], atol=1e-6, rtol=0)
