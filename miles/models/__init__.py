@@ -18,6 +18,7 @@ from miles.utils.errors import MilesUserError
 FAMILY_MODULES: dict[str, str] = {
     "sd3": "miles.models.sd3",
     "flux": "miles.models.flux",
+    "flux2": "miles.models.flux2",
     "qwen_image": "miles.models.qwen_image",
     "wan2_2": "miles.models.wan2_2",
     "ltx": "miles.models.ltx",
@@ -30,6 +31,7 @@ FAMILY_MODULES: dict[str, str] = {
 FAMILY_PIPELINE_CLASSES: dict[str, str] = {
     "StableDiffusion3Pipeline": "sd3",
     "FluxPipeline": "flux",
+    "Flux2Pipeline": "flux2",
     "QwenImagePipeline": "qwen_image",
     "WanPipeline": "wan2_2",  # Wan 2.1 T2V and Wan 2.2: one pipeline class, one family
     "LTXPipeline": "ltx",
@@ -54,6 +56,10 @@ FAMILY_NAME_HINTS: tuple[tuple[str, str], ...] = (
     ("cosmos-3", "cosmos3"),
     ("cosmos_3", "cosmos3"),
     ("ltx", "ltx"),
+    ("flux.2", "flux2"),  # before "flux": FLUX.2 names contain it
+    ("flux2", "flux2"),
+    ("flux-2", "flux2"),
+    ("flux_2", "flux2"),
     ("flux", "flux"),
     ("stable-diffusion-3", "sd3"),
     ("sd3", "sd3"),
