@@ -23,6 +23,7 @@ FAMILY_MODULES: dict[str, str] = {
     "wan2_2": "miles.models.wan2_2",
     "ltx": "miles.models.ltx",
     "cosmos3": "miles.models.cosmos3",
+    "hunyuan_video": "miles.models.hunyuan_video",
 }
 
 # The diffusers pipeline class a local checkpoint's model_index.json names (`_class_name`) -> family key; each
@@ -37,6 +38,7 @@ FAMILY_PIPELINE_CLASSES: dict[str, str] = {
     "LTXPipeline": "ltx",
     "LTX2Pipeline": "ltx",  # LTX-2: the ltx family reads the generation from the same class name
     "Cosmos3OmniPipeline": "cosmos3",
+    "HunyuanVideo15Pipeline": "hunyuan_video",
 }
 
 # Lowercased substrings of a checkpoint name, checked in order (more specific first).
@@ -56,6 +58,9 @@ FAMILY_NAME_HINTS: tuple[tuple[str, str], ...] = (
     ("cosmos-3", "cosmos3"),
     ("cosmos_3", "cosmos3"),
     ("ltx", "ltx"),
+    ("hunyuanvideo", "hunyuan_video"),  # HunyuanVideo-1.5 (the family refuses other Hunyuan pipelines)
+    ("hunyuan_video", "hunyuan_video"),
+    ("hunyuan-video", "hunyuan_video"),
     ("flux.2", "flux2"),  # before "flux": FLUX.2 names contain it
     ("flux2", "flux2"),
     ("flux-2", "flux2"),

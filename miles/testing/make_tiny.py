@@ -27,7 +27,7 @@ import os
 
 import torch
 
-TINY_FAMILIES = ("sd3", "flux", "flux2", "qwen_image", "wan2_2", "ltx", "cosmos3")
+TINY_FAMILIES = ("sd3", "flux", "flux2", "qwen_image", "wan2_2", "ltx", "cosmos3", "hunyuan_video")
 # The families with a `build_real_size`, and the checkpoint each one reproduces.
 REAL_SIZE_MODELS = {"sd3": "SD3.5-Medium", "wan2_2": "Wan2.2-TI2V-5B"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
