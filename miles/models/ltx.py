@@ -187,8 +187,14 @@ class LTXTrainPipelineConfig(DiffusersTrainPipelineConfig):
         return super().load_pipeline(path, dtype, device)
 
     def configure_pipeline(self, pipe: Any) -> None:
-        if self.generation is None:
-            self.set_generation(type(pipe).__name__, "(loaded by --model-backend-path)")
+        if self.generation is None:  # --model-backend-path or a hub id: the loaded pipeline's class decides
+            import diffusers
+
+            class_name = type(pipe).__name__
+            for supported in GENERATIONS:  # a subclass of a supported pipeline counts as that pipeline
+                if isinstance(pipe, getattr(diffusers, supported)):
+                    class_name = supported
+            self.set_generation(class_name, "(the loaded pipeline)")
         if self.is_ltx2:
             self.audio = AudioLayout(
                 sample_rate=pipe.audio_sampling_rate,
@@ -290,13 +296,13 @@ class LTXTrainPipelineConfig(DiffusersTrainPipelineConfig):
         if shape.num_frames < 1 or (shape.num_frames - 1) % (temporal * self.patch_t):
             raise MilesUserError(
                 f"--diffusion-output-num-frames {shape.num_frames} must be {temporal * self.patch_t}·k + 1 "
-                "for LTX-Video "
+                "for LTX "
                 f"(e.g. 1, {temporal * self.patch_t + 1}, 121)"
             )
         multiple = max(spatial * self.patch, 32)  # LTXPipeline.check_inputs asks for multiples of 32
         if shape.height % multiple or shape.width % multiple:
             raise MilesUserError(
-                f"--diffusion-height/width {shape.height}x{shape.width} must be multiples of {multiple} for LTX-Video"
+                f"--diffusion-height/width {shape.height}x{shape.width} must be multiples of {multiple} for LTX"
             )
         return ((shape.num_frames - 1) // temporal + 1, shape.height // spatial, shape.width // spatial)
 

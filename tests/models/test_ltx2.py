@@ -97,6 +97,18 @@ def test_the_checkpoint_resolves_to_ltx_and_reads_as_ltx2(path, family, pipe):
     assert all(torch.equal(loaded[name], param) for name, param in pipe.transformer.named_parameters())
 
 
+def test_a_model_backend_pipeline_tells_the_generation(path, family):
+    from diffusers import LTX2Pipeline
+
+    def backend(checkpoint, dtype):
+        return LTX2Pipeline.from_pretrained(checkpoint, dtype=dtype)
+
+    trainer_side = LTXTrainPipelineConfig(model_backend=backend)
+    modules = trainer_side.load_modules(path, ["transformer"], torch.float32)
+    assert trainer_side.generation == "ltx2" and trainer_side.audio == family.audio and "transformer" in modules
+    assert trainer_side.latent_grid(SHAPE) == family.latent_grid(SHAPE)
+
+
 def test_encode_prompt_runs_the_connectors_and_refuses_cfg(family, pipe):
     cond = family.encode_prompt(pipe, PROMPTS, None, NO_CFG)
     assert set(cond) == {"prompt_embeds", "audio_prompt_embeds", "prompt_attention_mask"}
