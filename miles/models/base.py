@@ -128,6 +128,12 @@ class TrainPipelineConfig(ABC):
             "its TrainPipelineConfig has no encode_images(pipe, pixels, shape)"
         )
 
+    # ---- training ---------------------------------------------------------------------------------
+    def freeze_untrained(self, name: str, module: nn.Module) -> None:
+        """Called by the trainer after it unfreezes module `name` for full fine-tuning: switch off
+        `requires_grad` of the parameters the family never trains (LTX-2's audio branch), so they get no
+        gradients and no optimizer state. The default trains every parameter."""
+
     # ---- parallelism --------------------------------------------------------------------------------
     def transformer_block_lists(self, module: nn.Module) -> list[nn.ModuleList]:
         """The ModuleLists whose blocks FSDP wraps one by one."""

@@ -209,6 +209,7 @@ class DiffusionTrainer:
                     patch_lora_layers(module)
             else:
                 module.requires_grad_(True)
+                self.family.freeze_untrained(name, module)
             parallelize_module(module, self.family, args, self.dims, self.mesh, name, self.device)
         self.model = nn.ModuleDict(modules)
         self.trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
