@@ -44,7 +44,7 @@ PROMPTS = ["a red cube on a table", "two cats under a tree", "a lighthouse at du
            "an astronaut riding a horse", "a city street in the rain", "a violin on a chair", "a snowy mountain"]
 # Tiny geometry per family: (height, width, frames); video families need a few frames.
 TINY_SHAPES = {"sd3": (32, 32, 1), "flux": (32, 32, 1), "qwen_image": (32, 32, 1), "wan2_2": (32, 32, 5),
-               "ltx": (32, 32, 5), "cosmos3": (64, 64, 1)}
+               "ltx": (32, 32, 5), "cosmos3": (64, 64, 1), "flux2": (32, 32, 1), "hunyuan_video": (32, 32, 5)}
 # The tiny wan2_2 default has two experts and the trainer trains one; TI2V-5B (one transformer) is the layout
 # the real-size builder reproduces.
 TINY_VARIANTS = {"wan2_2": "ti2v_5b"}
