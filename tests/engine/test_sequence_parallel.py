@@ -1,0 +1,134 @@
+"""A sequence-parallel engine (tp_size 2, Ulysses: rank 0 + one follower process, gloo on CPU) gives the velocities,
+latents and log-probs of a one-process engine (tiny SD3 and tiny Wan 2.2 A14B, fp32), before and after a weight
+update; impossible combinations are one-line user errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles.engine.cfg_parallel import MODE_CFG_PARALLEL, MODE_SEQUENCE_PARALLEL, engine_parallel_mode
+from miles.engine.model_runner import ModelRunner
+from miles.engine.protocol import GenerateRequest, ProtocolError
+from miles.engine.sequence_parallel import sequence_parallel_layouts
+from miles.types import GuidanceConfig
+from miles.utils.errors import MilesUserError
+
+pytestmark = pytest.mark.timeout(240)
+
+# A rank's projections, norms and MLPs see S/N token rows instead of S: the GEMM library may block them
+# differently, ~1 fp32 ulp per op; attention itself is per head and sees every token on both engines.
+ATOL = 1e-6
+# (height, width, frames) giving 1 x 3 patch tokens (tiny SD3: VAE 4x, patch 2; tiny Wan: VAE 8x, patch 1x2x2)
+ODD_TOKEN_SIZES = {"sd3": (8, 24, 1), "wan2_2": (16, 48, 1)}
+
+
+def _requests(family: str, guidance_scale: float):
+    """Two requests (different prompts, 2 + 1 samples) sharing each step's forward."""
+    if family == "sd3":
+        size = dict(height=32, width=32, num_steps=3, sde_step_indices=[0, 1], return_latent_indices=[0, 1, 2])
+        guidance = GuidanceConfig(guidance_scale=guidance_scale)
+    else:  # Wan A14B: both experts run; step 0 stays ODE (the tiny schedule starts just below sigma 1)
+        size = dict(height=32, width=32, num_frames=5, num_steps=4, sde_step_indices=[1, 3],
+                    return_latent_indices=[1, 2, 3, 4])
+        guidance = GuidanceConfig(guidance_scale=guidance_scale, guidance_scale_2=max(1.0, guidance_scale - 1))
+    return [
+        GenerateRequest(prompt=prompt, num_samples=m, seed=seed, guidance=guidance, noise_level=0.7, debug=True,
+                        request_id=prompt, **size)
+        for prompt, m, seed in (("a red cube", 2, 0), ("two cats under a tree", 1, 7))
+    ]
+
+
+def _run(runner: ModelRunner, family: str, guidance_scale: float = 4.5):
+    trajectories = [runner.start(request) for request in _requests(family, guidance_scale)]
+    while not trajectories[0].done:
+        runner.step(trajectories)
+    return [sample for t in trajectories for sample in runner.finish(t).samples]
+
+
+def _max_difference(a, b) -> float:
+    worst = 0.0
+    for x, y in zip(a, b, strict=True):
+        pairs = [(x.clean_latents, y.clean_latents), (x.rollout_log_probs, y.rollout_log_probs)]
+        pairs += [(x.latents[k], y.latents[k]) for k in x.latents]
+        pairs += [(x.debug_model_outputs[k], y.debug_model_outputs[k]) for k in x.debug_model_outputs]
+        for p, q in pairs:
+            assert p.shape == q.shape
+            worst = max(worst, (p - q).abs().max().item())
+        assert x.image.shape == y.image.shape
+        assert (x.image.int() - y.image.int()).abs().max() <= 1  # uint8 pixels: at most one rounding step
+    return worst
+
+
+def _perturb(runner: ModelRunner) -> None:
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name in sorted(runner.modules):
+            for param in runner.modules[name].parameters():
+                param.add_(torch.randn(param.shape, generator=generator) * 0.02)
+
+
+@pytest.mark.parametrize("patch_group", [None, "batch_invariant"])
+@pytest.mark.parametrize("family", ["sd3", "wan2_2"])
+def test_sequence_parallel_engine_matches_one_process(family, patch_group, tiny_checkpoint, make_server_args):
+    path = tiny_checkpoint(family)
+    numerics = dict(model_family=family, rollout_patch_group=patch_group, forward_tile=2 if patch_group else 0)
+    single = ModelRunner(make_server_args(path, **numerics))
+    parallel = ModelRunner(make_server_args(path, tp_size=2, ulysses_degree=2, **numerics))
+    try:
+        assert parallel.sequence_parallel is not None and parallel.cfg_parallel is None
+        assert parallel.sequence_parallel.process.is_alive()
+        differences = {
+            "cfg": _max_difference(_run(single, family), _run(parallel, family)),
+            "no cfg": _max_difference(_run(single, family, 1.0), _run(parallel, family, 1.0)),
+        }
+        # a weight update reaches the follower: without the sync its half of the tokens would see old weights
+        _perturb(single)
+        _perturb(parallel)
+        stale = _run(parallel, family)
+        assert (stale[0].clean_latents - _run(single, family)[0].clean_latents).abs().max() > 1e-4
+        parallel.weights_updated()
+        differences["after update"] = _max_difference(_run(single, family), _run(parallel, family))
+        print(f"{family} ({patch_group}) sequence-parallel vs one process, max |difference|: {differences}")
+        # measured on CPU (gloo, tiny models): 0.0 with and without the group; exact is required with it
+        assert max(differences.values()) <= (0.0 if patch_group else ATOL), differences
+
+        # a size whose token count does not split over the ranks is refused before any forward (a 400)
+        odd = _requests(family, 4.5)[0]
+        odd.height, odd.width, odd.num_frames = ODD_TOKEN_SIZES[family]
+        with pytest.raises(ProtocolError, match="do not split over the 2 ranks"):
+            parallel.start(odd)
+        assert len(_run(parallel, family)) == 3  # and the engine serves on
+    finally:
+        followers = parallel.sequence_parallel.processes
+        parallel.close()
+        assert not any(process.is_alive() for process in followers)
+
+
+def test_impossible_combinations_are_user_errors(sd3_path, make_server_args):
+    assert engine_parallel_mode(2, 0, "sd3") == MODE_CFG_PARALLEL  # auto: sd3's CFG splits into two forwards
+    assert engine_parallel_mode(2, 0, "wan2_2") == MODE_SEQUENCE_PARALLEL
+    assert engine_parallel_mode(4, 0, "sd3") == MODE_SEQUENCE_PARALLEL
+    assert engine_parallel_mode(2, 2, "sd3") == MODE_SEQUENCE_PARALLEL
+    assert engine_parallel_mode(1, 0, "sd3") is None
+    with pytest.raises(MilesUserError, match="CFG-parallel and sequence parallel in one engine"):
+        engine_parallel_mode(4, 2, "sd3")
+    with pytest.raises(MilesUserError, match="exactly 2 GPUs"):
+        engine_parallel_mode(4, 1, "sd3")
+    with pytest.raises(MilesUserError, match="needs that many GPUs"):
+        engine_parallel_mode(1, 2, "sd3")
+    with pytest.raises(MilesUserError, match="CFG-parallel engine\\) supports the families"):
+        engine_parallel_mode(2, 1, "wan2_2")
+
+    single = ModelRunner(make_server_args(sd3_path))
+    with pytest.raises(MilesUserError, match="2 heads, not divisible by 4"):
+        sequence_parallel_layouts(single.family, single.modules, 4)
+
+    class NoLayout:
+        family = "flux"
+
+        def sequence_parallel_layout(self, module):
+            return None
+
+    with pytest.raises(MilesUserError, match="the 'flux' family has no sequence-parallel layout"):
+        sequence_parallel_layouts(NoLayout(), single.modules, 2)
