@@ -216,12 +216,38 @@ class CfgParallelLeader:
         if self.mode == MODE_CFG_PARALLEL:
             self.keys = check_cfg_parallel_family(family_name)
         began = time.perf_counter()
-        self.group = _connect("127.0.0.1", self._listen_socket.getsockname()[1], 0, self.world_size,
-                              f"{self.mode}-parallel", self.backend, GROUP_TIMEOUT, self.device,
-                              listen_socket=self._listen_socket)
+        self.group = self._join_followers()
         self.sync_weights(modules)
         logger.info("%s-parallel followers (pids %s) joined in %.1fs", self.mode, [p.pid for p in self.processes],
                     time.perf_counter() - began)
+
+    def _join_followers(self) -> _Group:
+        """Host the group's rendezvous on a thread while watching the followers: one that dies while loading
+        (its error is in the engine log) fails the start-up instead of leaving rank 0 waiting for it."""
+        joined: dict[str, object] = {}
+
+        def host() -> None:
+            try:
+                joined["group"] = _connect("127.0.0.1", self._listen_socket.getsockname()[1], 0, self.world_size,
+                                           f"{self.mode}-parallel", self.backend, GROUP_TIMEOUT, self.device,
+                                           listen_socket=self._listen_socket)
+            except BaseException as err:  # re-raised on the caller's thread
+                joined["error"] = err
+
+        thread = threading.Thread(target=host, name=f"miles-{self.mode}-parallel-join", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while thread.is_alive():
+            thread.join(timeout=0.5)
+            dead = [p for p in self.processes if not p.is_alive()]
+            if thread.is_alive() and dead:
+                raise RuntimeError(f"{self.mode}-parallel follower {dead[0].name} exited with code {dead[0].exitcode} "
+                                   "during start-up; its error is in the engine log above")
+            if thread.is_alive() and time.monotonic() > deadline:
+                raise RuntimeError(f"{self.mode}-parallel followers did not join within {STARTUP_TIMEOUT_S:.0f}s")
+        if "error" in joined:
+            raise joined["error"]
+        return joined["group"]
 
     def _send_header(self, header: torch.Tensor) -> None:
         _broadcast(self.group, header.to(self.device), root=0)

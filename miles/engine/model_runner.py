@@ -176,6 +176,12 @@ class ModelRunner:
             self.sequence_parallel = leader
         logger.info("%d-process %s-parallel engine", tp_size, mode)
 
+    def parallel_info(self) -> dict:
+        """`GET /server_info`'s `parallel`: how many processes serve this engine and how they split a forward."""
+        followers = self._followers
+        return {"processes": 1 if followers is None else followers.world_size,
+                "mode": None if followers is None else followers.mode}
+
     @property
     def _followers(self) -> CfgParallelLeader | None:
         return self.cfg_parallel if self.cfg_parallel is not None else self.sequence_parallel

@@ -4,6 +4,9 @@ update; impossible combinations are one-line user errors."""
 
 from __future__ import annotations
 
+import dataclasses
+import multiprocessing
+
 import pytest
 import torch
 
@@ -78,6 +81,8 @@ def test_sequence_parallel_engine_matches_one_process(family, patch_group, tiny_
     try:
         assert parallel.sequence_parallel is not None and parallel.cfg_parallel is None
         assert parallel.sequence_parallel.process.is_alive()
+        assert parallel.parallel_info() == {"processes": 2, "mode": "sequence"}
+        assert single.parallel_info() == {"processes": 1, "mode": None}
         differences = {
             "cfg": _max_difference(_run(single, family), _run(parallel, family)),
             "no cfg": _max_difference(_run(single, family, 1.0), _run(parallel, family, 1.0)),
@@ -132,3 +137,17 @@ def test_impossible_combinations_are_user_errors(sd3_path, make_server_args):
 
     with pytest.raises(MilesUserError, match="the 'flux' family has no sequence-parallel layout"):
         sequence_parallel_layouts(NoLayout(), single.modules, 2)
+
+
+def builder_failing_on_followers(server_args):
+    """A `--pipeline-builder-path` that loads on rank 0 and fails in every follower process."""
+    if multiprocessing.current_process().name != "MainProcess":
+        raise RuntimeError("this follower cannot load its pipeline")
+    runner = ModelRunner(dataclasses.replace(server_args, pipeline_builder_path=None, tp_size=1, ulysses_degree=0))
+    return runner.family, runner.pipe
+
+
+def test_a_follower_that_dies_while_loading_fails_the_start_up(sd3_path, make_server_args):
+    builder = f"{__name__}.builder_failing_on_followers"
+    with pytest.raises(RuntimeError, match="follower-1 exited with code 1 during start-up"):
+        ModelRunner(make_server_args(sd3_path, tp_size=2, ulysses_degree=2, pipeline_builder_path=builder))
