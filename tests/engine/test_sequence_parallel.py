@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+from datetime import timedelta
 
 import pytest
 import torch
@@ -151,3 +152,83 @@ def test_a_follower_that_dies_while_loading_fails_the_start_up(sd3_path, make_se
     builder = f"{__name__}.builder_failing_on_followers"
     with pytest.raises(RuntimeError, match="follower-1 exited with code 1 during start-up"):
         ModelRunner(make_server_args(sd3_path, tp_size=2, ulysses_degree=2, pipeline_builder_path=builder))
+
+
+# ---- four ranks, straight on the DiTs (the tiny pipelines have 2 heads; these have 4) ------------------------
+def _small_dit(family_name: str):
+    """(family, module, inputs): a seeded 4-head DiT and a batch of inputs, identical in every process."""
+    from diffusers import SD3Transformer2DModel, WanTransformer3DModel
+
+    from miles.models.sd3 import SD3TrainPipelineConfig
+    from miles.models.wan2_2 import Wan22TrainPipelineConfig
+
+    torch.manual_seed(0)
+    if family_name == "sd3":  # dual attention (image-only attn2) in block 0, qk norms
+        module = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
+                                       num_attention_heads=4, joint_attention_dim=16, caption_projection_dim=32,
+                                       pooled_projection_dim=8, out_channels=4, dual_attention_layers=(0,),
+                                       qk_norm="rms_norm")
+        inputs = dict(hidden_states=torch.randn(2, 4, 8, 8), encoder_hidden_states=torch.randn(2, 7, 16),
+                      pooled_projections=torch.randn(2, 8), timestep=torch.tensor([500.0, 20.0]))
+        family = SD3TrainPipelineConfig()
+    else:  # per-token timesteps, as the TI2V 5B takes them: the plan splits them with the tokens
+        module = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=8, in_channels=4,
+                                       out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2,
+                                       qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+        inputs = dict(hidden_states=torch.randn(2, 4, 2, 8, 8), encoder_hidden_states=torch.randn(2, 5, 16),
+                      timestep=torch.tensor([500.0, 20.0])[:, None].expand(2, 32).contiguous())
+        family = Wan22TrainPipelineConfig()
+    return family, module.eval(), inputs
+
+
+def _sequence_parallel_forward(family_name: str, port: int, rank: int, world_size: int, listen_socket=None):
+    """This rank's (output, tokens its first block saw) of the sequence-parallel forward of `_small_dit`."""
+    from miles.engine.sequence_parallel import UlyssesComm, install_sequence_parallel
+    from miles.engine.weight_broadcast import _connect
+
+    family, module, inputs = _small_dit(family_name)
+    layouts = sequence_parallel_layouts(family, {"transformer": module}, world_size)
+    group = _connect("127.0.0.1", port, rank, world_size, "sp-test", "gloo", timedelta(seconds=120),
+                     torch.device("cpu"), listen_socket=listen_socket)
+    seen = []
+    try:
+        install_sequence_parallel(layouts, {"transformer": module}, UlyssesComm(group))
+        # registered after the plan's split hook, so it sees what the block sees
+        family.transformer_block_lists(module)[0][0].register_forward_pre_hook(lambda _m, args, kwargs: seen.append(
+            (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).shape[1]), with_kwargs=True)
+        with torch.no_grad():
+            return module(**inputs, return_dict=False)[0], seen[0]
+    finally:
+        group.close()
+
+
+def _helper_rank(family_name: str, port: int, rank: int, world_size: int) -> None:
+    torch.set_num_threads(1)
+    _sequence_parallel_forward(family_name, port, rank, world_size)
+
+
+@pytest.mark.parametrize("family", ["sd3", "wan2_2"])
+def test_four_ranks_match_one_process(family):
+    import socket
+
+    _, module, inputs = _small_dit(family)
+    with torch.no_grad():
+        expected = module(**inputs, return_dict=False)[0]
+    listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listen.bind(("127.0.0.1", 0))
+    listen.listen()
+    port = listen.getsockname()[1]
+    context = multiprocessing.get_context("spawn")
+    helpers = [context.Process(target=_helper_rank, args=(family, port, rank, 4), daemon=True) for rank in (1, 2, 3)]
+    for helper in helpers:
+        helper.start()
+    try:
+        actual, local_tokens = _sequence_parallel_forward(family, port, 0, 4, listen_socket=listen)
+    finally:
+        for helper in helpers:
+            helper.join(timeout=60)
+    assert all(helper.exitcode == 0 for helper in helpers)
+    assert local_tokens == {"sd3": 16, "wan2_2": 32}[family] // 4  # each rank's blocks saw a quarter of the tokens
+    difference = (actual - expected).abs().max().item()
+    print(f"{family}: 4 ranks vs one process, max |difference| {difference}")
+    assert difference <= ATOL
