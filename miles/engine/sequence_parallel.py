@@ -145,13 +145,19 @@ class UlyssesJointAttnProcessor:
         out = F.scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False)
         out = out.transpose(1, 2).to(query.dtype)  # [B, S + T, H/N, D]
         image_tokens = local_tokens * comm.world_size
-        hidden_states = comm.heads_to_tokens(out[:, :image_tokens]).reshape(batch, local_tokens, -1)
+        hidden_states = comm.heads_to_tokens(out[:, :image_tokens])  # [B, S/N, H, D]
+        if encoder_hidden_states is not None:
+            # one [B, S/N + T, H·D] buffer sliced in two, as the model's processor slices its [B, S + T, H·D]: a
+            # 16-bit CPU linear takes another kernel for a strided input than for a contiguous one
+            hidden_states = torch.cat([hidden_states, comm.gather_heads(out[:, image_tokens:])], dim=1)
+        hidden_states = hidden_states.reshape(batch, -1, attn.heads * head_dim)
+        if encoder_hidden_states is not None:
+            hidden_states, encoder_hidden_states = hidden_states[:, :local_tokens], hidden_states[:, local_tokens:]
+            if not attn.context_pre_only:
+                encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
         hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
         if encoder_hidden_states is None:
             return hidden_states
-        encoder_hidden_states = comm.gather_heads(out[:, image_tokens:]).reshape(batch, -1, attn.heads * head_dim)
-        if not attn.context_pre_only:
-            encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
         return hidden_states, encoder_hidden_states
 
 
