@@ -174,7 +174,7 @@ def _guidance_from(tensor: torch.Tensor) -> GuidanceConfig:
                           true_cfg_scale=None if math.isnan(true_cfg) else true_cfg)
 
 
-class CfgParallelLeader:
+class FollowerGroup:
     """Rank 0's side of a multi-process engine: starts the followers (ranks 1..N-1) and drives them.
 
     `mode` MODE_CFG_PARALLEL: one follower computes the unconditional half of each CFG forward.

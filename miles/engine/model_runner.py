@@ -25,7 +25,8 @@ from torch import nn
 from miles.diffusion.sde import SdeStepBackend, build_sde_backend, ode_step
 from miles.engine.cfg_parallel import (
     MODE_CFG_PARALLEL,
-    CfgParallelLeader,
+    MODE_SEQUENCE_PARALLEL,
+    FollowerGroup,
     engine_parallel_mode,
     split_conditioning,
 )
@@ -109,8 +110,8 @@ class ModelRunner:
         self.generator_device = self._resolve_generator_device(server_args.generator_device)
         # tp_size > 1: followers (cfg_parallel.py) run beside this process, rank 0; started before loading when the
         # family is known without loading, so they load while this process does
-        self.cfg_parallel: CfgParallelLeader | None = None  # CFG-parallel: the unconditional branch on rank 1
-        self.sequence_parallel: CfgParallelLeader | None = None  # sequence parallel: every forward on N ranks
+        self.cfg_parallel: FollowerGroup | None = None  # CFG-parallel: the unconditional branch on rank 1
+        self.sequence_parallel: FollowerGroup | None = None  # sequence parallel: every forward on N ranks
         family = loaded[0] if loaded is not None else None
         if family is None and server_args.tp_size > 1 and not server_args.pipeline_builder_path:
             family = self._build_family(server_args)
@@ -166,10 +167,13 @@ class ModelRunner:
         mode = engine_parallel_mode(tp_size, self.server_args.ulysses_degree, family_name)
         if mode is None:
             return
+        if mode == MODE_SEQUENCE_PARALLEL and self.server_args.enable_torch_compile:
+            raise MilesUserError(f"--sglang-enable-torch-compile with a sequence-parallel engine (--rollout-num-gpus-"
+                                 f"per-engine {tp_size}) is not supported yet: its blocks hold collectives; drop one")
         if self.device.type == "cuda" and self.device.index + tp_size > torch.cuda.device_count():
             raise MilesUserError(f"--rollout-num-gpus-per-engine {tp_size}: the engine on GPU {self.device.index} "
                                  f"sees only {torch.cuda.device_count()} GPUs")
-        leader = CfgParallelLeader(self.server_args, self.device, mode, tp_size)
+        leader = FollowerGroup(self.server_args, self.device, mode, tp_size)
         if mode == MODE_CFG_PARALLEL:
             self.cfg_parallel = leader
         else:
@@ -183,7 +187,7 @@ class ModelRunner:
                 "mode": None if followers is None else followers.mode}
 
     @property
-    def _followers(self) -> CfgParallelLeader | None:
+    def _followers(self) -> FollowerGroup | None:
         return self.cfg_parallel if self.cfg_parallel is not None else self.sequence_parallel
 
     def _compile(self, mode: str | None) -> None:

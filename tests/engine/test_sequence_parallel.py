@@ -130,9 +130,13 @@ def test_impossible_combinations_are_user_errors(sd3_path, make_server_args):
     with pytest.raises(MilesUserError, match="CFG-parallel engine\\) supports the families"):
         engine_parallel_mode(2, 1, "wan2_2")
 
+    with pytest.raises(MilesUserError, match="enable-torch-compile with a sequence-parallel engine"):
+        ModelRunner(make_server_args(sd3_path, tp_size=2, ulysses_degree=2, enable_torch_compile=True))
+
+    with pytest.raises(MilesUserError, match="2 heads, not divisible by 4"):  # the followers are stopped
+        ModelRunner(make_server_args(sd3_path, tp_size=4))
+
     single = ModelRunner(make_server_args(sd3_path))
-    with pytest.raises(MilesUserError, match="2 heads, not divisible by 4"):
-        sequence_parallel_layouts(single.family, single.modules, 4)
 
     class NoLayout:
         family = "flux"
