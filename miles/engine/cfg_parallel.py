@@ -1,22 +1,24 @@
-"""CFG-parallel engines: one engine = 2 processes, the guided branches of every DiT forward split between them.
+"""Engines of several processes: rank 0 (the HTTP server's ModelRunner) and its followers (`FollowerGroup`).
 
-With `--rollout-num-gpus-per-engine 2` (ServerArgs.tp_size == 2) the engine's ModelRunner (rank 0, the HTTP
-server process) starts one follower process (rank 1) that loads the same pipeline on the next device, and
-both join a private 2-rank group (gloo on CPU, NCCL on GPU; `ProcessGroupGloo`/`ProcessGroupNCCL` over a
-`TCPStore`, so it lives beside any default group of the process). For every CFG forward rank 0 broadcasts
-the step's unconditional inputs (latents, sigmas, negative conditioning: a fixed-field int64 header first,
-then the tensors; nothing is pickled), computes the conditional branch itself while rank 1 computes the
-unconditional one, receives rank 1's velocity by a broadcast rooted at rank 1, and combines them with
-`combine_cfg` exactly as the family's doubled batch would. Each branch is the family's own `predict_velocity`
-with guidance off, so no family code changes; only families whose CFG is the plain `combine_cfg` of two
-forwards with the conditioning split by its `negative_` prefix qualify (sd3 today, `CFG_PARALLEL_KEYS`).
+With `--rollout-num-gpus-per-engine N > 1` (ServerArgs.tp_size) rank 0 starts N − 1 follower processes that
+load the same pipeline on the next devices, and all join a private N-rank group (gloo on CPU, NCCL on GPU;
+`ProcessGroupGloo`/`ProcessGroupNCCL` over a `TCPStore`, so it lives beside any default group of the process).
+Rank 0 drives them with a fixed-field int64 header broadcast, then the tensors (nothing is pickled).
+`engine_parallel_mode` (ServerArgs.ulysses_degree) picks how they split a forward:
 
-Weights: the follower receives every denoiser parameter and buffer of rank 0 once at start-up (so both
-ranks hold identical weights whatever each loaded) and again after every applied weight-update flush.
+- CFG-parallel (`MODE_CFG_PARALLEL`, N = 2): for every CFG forward rank 0 broadcasts the step's
+  unconditional inputs (latents, sigmas, negative conditioning), computes the conditional branch itself while
+  rank 1 computes the unconditional one, receives rank 1's velocity by a broadcast rooted at rank 1, and
+  combines them with `combine_cfg` exactly as the family's doubled batch would. Each branch is the family's
+  own `predict_velocity` with guidance off, so no family code changes; only families whose CFG is the plain
+  `combine_cfg` of two forwards with the conditioning split by its `negative_` prefix qualify (sd3 today,
+  `CFG_PARALLEL_KEYS`).
+- sequence parallel (`MODE_SEQUENCE_PARALLEL`, any N): rank 0 broadcasts every forward's whole input
+  (guidance, conditioning key names, latents, sigmas, conditioning) and all ranks run the same forward on
+  their share of the tokens (sequence_parallel.py); the velocity is gathered inside it.
 
-The same leader/follower machinery runs sequence-parallel engines (`MODE_SEQUENCE_PARALLEL`, N = tp_size
-processes, sequence_parallel.py): there rank 0 broadcasts every forward's whole input (guidance, conditioning
-key names, latents, sigmas, conditioning) and all ranks run the same forward, the velocity gathered inside it.
+Weights: the followers receive every denoiser parameter and buffer of rank 0 once at start-up (so all ranks
+hold identical weights whatever each loaded) and again after every applied weight-update flush.
 """
 
 from __future__ import annotations
@@ -313,6 +315,15 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(1.0)
 
 
+def _drop_all_but_denoisers(runner) -> None:
+    """A follower only runs the denoisers: free its text encoders and VAE (a Wan UMT5-XXL is ~11 GB in bf16)."""
+    for name in runner.pipeline_modules():
+        if name not in runner.modules:
+            setattr(runner.pipe, name, None)
+    if runner.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def follower_main(server_args, port: int, backend: str, parent_pid: int, rank: int = 1, world_size: int = 2,
                   mode: str = MODE_CFG_PARALLEL) -> None:
     """Rank 1..N-1: load the pipeline, join the group, then serve commands until CMD_STOP."""
@@ -323,6 +334,7 @@ def follower_main(server_args, port: int, backend: str, parent_pid: int, rank: i
                         format=f"%(asctime)s {mode}-follower-{rank} %(levelname)s %(message)s")
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     runner = ModelRunner(server_args)
+    _drop_all_but_denoisers(runner)
     keys: tuple[str, ...] = ()
     if mode == MODE_CFG_PARALLEL:
         keys = check_cfg_parallel_family(runner.family.family)
