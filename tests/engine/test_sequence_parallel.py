@@ -1,6 +1,7 @@
 """A sequence-parallel engine (tp_size 2, Ulysses: rank 0 + one follower process, gloo on CPU) gives the velocities,
-latents and log-probs of a one-process engine (tiny SD3 and tiny Wan 2.2 A14B, fp32), before and after a weight
-update; impossible combinations are one-line user errors."""
+latents, log-probs and images of a one-process engine (tiny SD3 and tiny Wan 2.2 A14B; fp32 with and without
+the batch_invariant group, bf16), before and after a weight update; four ranks on 4-head DiTs equal one
+process; impossible combinations are one-line user errors."""
 
 from __future__ import annotations
 
@@ -133,8 +134,9 @@ def test_impossible_combinations_are_user_errors(sd3_path, make_server_args):
     with pytest.raises(MilesUserError, match="enable-torch-compile with a sequence-parallel engine"):
         ModelRunner(make_server_args(sd3_path, tp_size=2, ulysses_degree=2, enable_torch_compile=True))
 
-    with pytest.raises(MilesUserError, match="2 heads, not divisible by 4"):  # the followers are stopped
+    with pytest.raises(MilesUserError, match="2 heads, not divisible by 4"):
         ModelRunner(make_server_args(sd3_path, tp_size=4))
+    assert not [p for p in multiprocessing.active_children() if "follower" in p.name]  # the followers were stopped
 
     single = ModelRunner(make_server_args(sd3_path))
 
