@@ -46,10 +46,11 @@ class UlyssesComm:
         self.rank = group.rank
         self.world_size = group.world_size
 
-    def _wait(self, work, tensor: torch.Tensor) -> None:
+    @staticmethod
+    def _wait(work) -> None:
+        # NCCL: wait() orders the current stream after the collective, and only kernels on that stream read the
+        # result (no host synchronisation inside the forward); gloo: it blocks until the data arrived
         work.wait()
-        if tensor.is_cuda:  # NCCL's wait() only orders the current stream; the result is read right after
-            torch.cuda.current_stream(tensor.device).synchronize()
 
     def all_to_all(self, chunks: torch.Tensor) -> torch.Tensor:
         """chunks [N, ...]: chunk j goes to rank j; returns [N, ...] whose chunk i came from rank i."""
@@ -57,7 +58,7 @@ class UlyssesComm:
         out = torch.empty_like(chunks)
         options = dist.AllToAllOptions()
         options.timeout = self.group.timeout
-        self._wait(self.group.backend.alltoall_base(out, chunks, [], [], options), out)
+        self._wait(self.group.backend.alltoall_base(out, chunks, [], [], options))
         return out
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -65,7 +66,7 @@ class UlyssesComm:
         tensor = tensor.contiguous()
         out = torch.empty((self.world_size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype,
                           device=tensor.device)
-        self._wait(self.group.backend._allgather_base(out, tensor), out)
+        self._wait(self.group.backend._allgather_base(out, tensor))
         return out.view(self.world_size, *tensor.shape)
 
     # ---- the Ulysses exchanges, on [B, S, H, D] ----------------------------------------------------------
