@@ -33,6 +33,22 @@ class GenerationShape:
     fps: float | None = None
 
 
+@dataclass(frozen=True)
+class SequenceParallelLayout:
+    """How a sequence-parallel engine splits one denoiser's tokens (miles/engine/sequence_parallel.py).
+
+    `plan`: a diffusers context-parallel plan (`{submodule path: {input: ContextParallelInput}}` splits,
+    `{submodule path: ContextParallelOutput}` gathers). `joint_attention`: the attention modules with SD3's
+    joint [image, text] semantics (`JointAttnProcessor2_0`); `self_attention`: those with Wan's self-attention
+    semantics (`WanAttnProcessor`); every other attention must be token-local (e.g. cross-attention to text).
+    `patch_size`: the DiT's patch over the latent's trailing dims (the token count of a latent size)."""
+
+    plan: Mapping[str, Any]
+    patch_size: tuple[int, ...]
+    joint_attention: tuple[nn.Module, ...] = ()
+    self_attention: tuple[nn.Module, ...] = ()
+
+
 class TrainPipelineConfig(ABC):
     """One model family. Subclasses set the class attributes and implement the methods below."""
 
@@ -142,6 +158,10 @@ class TrainPipelineConfig(ABC):
     def context_parallel_plan(self, module: nn.Module) -> dict | None:
         """The diffusers context-parallel plan for sequence parallelism, or None if the family has none."""
         return getattr(module, "_cp_plan", None)
+
+    def sequence_parallel_layout(self, module: nn.Module) -> SequenceParallelLayout | None:
+        """The engine's sequence-parallel split of one denoiser (`--rollout-num-gpus-per-engine N`), or None."""
+        return None
 
 
 FAMILIES: dict[str, type[TrainPipelineConfig]] = {}

@@ -295,8 +295,8 @@ def test_a_compiled_engine_reuses_a_compiled_batch_size_before_compiling_a_new_o
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the multi-GPU check applies to CUDA engines")
-def test_multi_gpu_engines_are_refused_clearly():
+def test_engines_wider_than_the_visible_gpus_are_refused_clearly(sd3_path):
     from miles.utils.errors import MilesUserError
 
-    with pytest.raises(MilesUserError, match="rollout-num-gpus-per-engine 3"):
-        ModelRunner(ServerArgs(model_path="/x", device="cuda", tp_size=3))
+    with pytest.raises(MilesUserError, match="rollout-num-gpus-per-engine 64: the engine on GPU 0 sees only"):
+        ModelRunner(ServerArgs(model_path=sd3_path, model_family="sd3", device="cuda", tp_size=64, ulysses_degree=64))
