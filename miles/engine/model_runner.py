@@ -428,7 +428,8 @@ class ModelRunner:
             if request.sde_step_indices
             else torch.zeros(t.num_samples, 0)
         )
-        conditioning = {key: value.cpu() for key, value in t.conditioning.items()} if training else {}
+        # One prompt per request: every sample's conditioning is the same row, sent (and kept) once.
+        conditioning = {key: value[0].to("cpu", copy=True) for key, value in t.conditioning.items()} if training else {}
         final = t.latents.cpu()
         debug = {k: v.cpu() for k, v in t.debug_velocities.items()} if request.debug else None
         samples = []
@@ -441,7 +442,7 @@ class ModelRunner:
                     timesteps=timesteps_cpu,
                     sigmas=sigmas_cpu,
                     rollout_log_probs=log_probs[b].clone(),
-                    conditioning={key: value[b].clone() for key, value in conditioning.items()},
+                    conditioning=conditioning,
                     clean_latents=final[b].clone() if training else None,
                     debug_model_outputs=None if debug is None else {k: v[b].clone() for k, v in debug.items()},
                 )

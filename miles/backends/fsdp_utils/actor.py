@@ -626,13 +626,16 @@ def _stage_on_device(samples: list[Sample], device: torch.device) -> None:
         fields += [sample.latents, sample.conditioning]
         if sample.debug_model_outputs:
             fields.append(sample.debug_model_outputs)
-    total = sum(t.numel() * t.element_size() for d in fields for t in d.values())
+    # the samples of one prompt share their conditioning tensors: count and move each tensor once
+    unique = {id(t): t for d in fields for t in d.values()}
+    total = sum(t.numel() * t.element_size() for t in unique.values())
     total += sum(s.clean_latents.numel() * s.clean_latents.element_size() for s in samples if s.clean_latents is not None)
     if total > STAGE_ON_DEVICE_MAX_BYTES:
         return
+    on_device = {key: value.to(device) for key, value in unique.items()}
     for tensors in fields:
         for key, value in tensors.items():
-            tensors[key] = value.to(device)
+            tensors[key] = on_device[id(value)]
     for sample in samples:
         if sample.clean_latents is not None:
             sample.clean_latents = sample.clean_latents.to(device)
