@@ -13,7 +13,7 @@ import time
 
 PROCESS_START = time.perf_counter()  # perf/startup_time counts from here
 
-from miles.utils.arguments import check_user_paths, format_dry_run, parse_args
+from miles.config.arguments import check_user_paths, format_dry_run, parse_args
 from miles.utils.errors import exit_on_user_error
 
 logger = logging.getLogger("miles")

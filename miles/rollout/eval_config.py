@@ -137,7 +137,7 @@ def _from_config(args, config_path: str) -> list[EvalDataset]:
         dataset.n_samples_per_eval_prompt = int(dataset.n_samples_per_eval_prompt)
         dataset.num_steps = int(dataset.num_steps)
         if dataset.reward_weights is not None:
-            from miles.utils.flags import parse_reward_weights
+            from miles.config.flags import parse_reward_weights
 
             try:
                 dataset.reward_weights = parse_reward_weights(dataset.reward_weights)

@@ -16,7 +16,7 @@ from miles.rollout.eval_config import EvalDataset, build_eval_datasets
 from miles.rollout.rm_hub import batched_async_rm, reward_component_metrics, reward_value
 from miles.types import Sample
 from miles.utils.errors import MilesUserError
-from miles.utils.arguments import parse_args
+from miles.config.arguments import parse_args
 
 
 def _args(**overrides) -> Namespace:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from miles.utils import arguments, validation
-from miles.utils.arguments import (
+from miles.config import arguments, validation
+from miles.config.arguments import (
     build_parser,
     check_user_paths,
     format_dry_run,
@@ -139,7 +139,7 @@ def test_argparse_errors_become_one_line_user_errors(argv, needle):
 def test_every_fsdp_args_field_is_a_flag():
     import dataclasses
 
-    from miles.backends.fsdp_utils.arguments import FSDPArgs, fsdp_args_from_namespace
+    from miles.config.backend_flags import FSDPArgs, fsdp_args_from_namespace
 
     options = build_parser()._option_string_actions
     for fld in dataclasses.fields(FSDPArgs):

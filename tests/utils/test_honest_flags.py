@@ -11,7 +11,7 @@ import pytest
 
 from miles.logging.ci_check import check_ci_metric
 from miles.ray.train_actor import process_group_backend
-from miles.utils.arguments import parse_args
+from miles.config.arguments import parse_args
 from miles.utils.errors import MilesUserError
 
 BASE = ["--hf-checkpoint", "org/sd3-tiny", "--prompt-data", "prompts.jsonl", "--rollout-batch-size", "4",
@@ -54,11 +54,11 @@ def test_over_sampling_batch_size_must_cover_the_batch():
 
 
 def test_use_miles_router_is_implied_and_said_so(caplog):
-    with caplog.at_level(logging.INFO, logger="miles.utils.validation"):
+    with caplog.at_level(logging.INFO, logger="miles.config.validation"):
         assert parse().use_miles_router is True
     assert "--use-miles-router is implied" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="miles.utils.validation"):
+    with caplog.at_level(logging.INFO, logger="miles.config.validation"):
         assert parse("--use-miles-router").use_miles_router is True
     assert "implied" not in caplog.text
 

@@ -38,7 +38,7 @@ from miles.rollout.rm_hub.builtin import frames_uint8
 from miles.rollout.rm_hub.remote import request_limits
 from miles.types import Sample
 from miles.utils.errors import MilesUserError
-from miles.utils.flags import DEFAULT_VLM_JUDGE_PROMPT
+from miles.config.flags import DEFAULT_VLM_JUDGE_PROMPT
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """Training-backend flags: every `FSDPArgs` field becomes `--field-name` on `train_diffusion.py`.
 
-`miles.utils.arguments` turns each field into one argparse option (a bool becomes a flag, a `True` default
+`miles.config.arguments` turns each field into one argparse option (a bool becomes a flag, a `True` default
 gets a `--no-` form); the field's metadata carries the help text, the `--help` group (a table of
 docs/cli-reference.md), choices, a value parser (`type`) and simple bounds (`ge`, `gt`, `le`, `lt`) that the
-parser checks. Cross-flag rules live in `miles.utils.validation`.
+parser checks. Cross-flag rules live in `miles.config.validation`.
 """
 
 from __future__ import annotations
