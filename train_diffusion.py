@@ -22,6 +22,7 @@ logger = logging.getLogger("miles")
 def train(args) -> None:
     # Heavy imports only after the command line is known to be good (a bad flag fails in a second).
     from miles.backends.fsdp_utils.checkpoint import should_save
+    from miles.config.sections import RunConfig
     from miles.logging.ci_check import check_ci_metric
     from miles.logging.run_logger import RunLogger
     from miles.ray.colocation import ColocationPolicy
@@ -33,6 +34,7 @@ def train(args) -> None:
         from miles.rollout.data_source import num_rollout_from_args
 
         args.num_rollout = num_rollout_from_args(args)
+    config = RunConfig.from_args(args)  # the typed sections, built once
     init_ray(args)
     run_logger = RunLogger(args, started_at=PROCESS_START)
     placement = create_placement_groups(args)
@@ -40,8 +42,8 @@ def train(args) -> None:
     actor = None
     if not args.debug_rollout_only:
         slots = placement.train
-        actor = TrainActorGroup(args, slots.placement_group, args.diffusion_model_family_resolved,
-                                gpu_share=slots.gpu_share or None, cpu_share=slots.cpu_share)
+        actor = TrainActorGroup(config, slots.placement_group, gpu_share=slots.gpu_share or None,
+                                cpu_share=slots.cpu_share)
 
     start_rollout_id = 0
     if actor is not None:
@@ -91,7 +93,7 @@ def train(args) -> None:
             train_metrics = actor.train(rollout_id, samples)
         run_logger.log(rollout_id, train_metrics)
 
-        if should_save(args, rollout_id):
+        if should_save(config, rollout_id):
             with run_logger.phase("save"):
                 actor.save(rollout_id, extra_state={"data_source": rollout_manager.state_dict()})
         actor.export_if_due(rollout_id, run_logger.phase)  # --export-interval: <output-dir>/export/, for inference
@@ -120,7 +122,7 @@ def train(args) -> None:
         run_logger.flush(args.num_rollout)
     rollout_manager.shutdown()
     run_logger.finish()
-    check_ci_metric(args, run_logger.history)  # --ci-test: the run fails here when its metric missed the bar
+    check_ci_metric(config.logging, run_logger.history)  # --ci-test: the run fails here when its metric missed the bar
 
 
 @exit_on_user_error

@@ -125,8 +125,8 @@ ALIAS_DESTS = {"debug_train_only": "train_only"}
 YAML_TYPO_CUTOFF = 0.8
 
 
-def _coerce_yaml_value(flag: Flag, value: Any) -> Any:
-    """A YAML value in the flag's parsed form (YAML reads `1e-4` as a string; "0,5" and [0, 5] both work)."""
+def coerce_flag_value(flag: Flag, value: Any) -> Any:
+    """A YAML (or Python) value in the flag's parsed form (YAML reads `1e-4` as a string; "0,5" and [0, 5] both work)."""
     if value is None:
         return None
     if flag.kind in ("switch", "tri", "toggle"):
@@ -187,7 +187,7 @@ def apply_config_file(args: argparse.Namespace) -> None:
             setattr(args, key, value)
             continue
         try:
-            new_value = _coerce_yaml_value(flag, value)
+            new_value = coerce_flag_value(flag, value)
         except (ValueError, TypeError, argparse.ArgumentTypeError) as err:
             raise MilesUserError(f"{where}: key {raw_key!r} ({flag.name}): {err}") from None
         logger.warning("%s: key %r overrides %s (%r -> %r)", where, raw_key, flag.name, getattr(args, key), new_value)

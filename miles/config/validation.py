@@ -448,3 +448,12 @@ def validate_args(args: argparse.Namespace) -> None:
     for rule in RULES:
         rule(args)
 
+
+
+def validation_rules(names: tuple[str, ...]) -> tuple[Callable[[argparse.Namespace], None], ...]:
+    """The rules `_rule_<name>` for each name, in `RULES` order (test scaffolding runs a subset)."""
+    by_name = {rule.__name__.removeprefix("_rule_"): rule for rule in RULES}
+    unknown = sorted(set(names) - set(by_name))
+    if unknown:
+        raise KeyError(f"no such rules: {unknown}")
+    return tuple(rule for name, rule in by_name.items() if name in names)

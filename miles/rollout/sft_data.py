@@ -216,7 +216,12 @@ def build_sft_samples(
     if not data_path:
         raise MilesUserError("--loss-type sft_loss needs --prompt-data (an SFT JSONL of captions and image/video paths)")
     rows = load_sft_rows(data_path, getattr(args, "input_key", None) or "input")
-    family = family or build_train_pipeline_config(args)
+    family = family or build_train_pipeline_config(
+        args.hf_checkpoint,
+        diffusion_model_family=getattr(args, "diffusion_model_family", None),
+        train_pipeline_config_path=getattr(args, "train_pipeline_config_path", None),
+        model_backend_path=getattr(args, "model_backend_path", None),
+    )
     encoder_path = getattr(args, "sft_encoder_checkpoint", None) or args.hf_checkpoint
     folder = sft_cache_folder(args, data_path, getattr(family, "family", type(family).__name__), encoder_path)
     try:

@@ -99,7 +99,7 @@ def sd3(tiny_checkpoint):
     from miles.rollout.sft_data import load_encoder_pipeline
 
     path = tiny_checkpoint("sd3")
-    family = build_train_pipeline_config(Namespace(hf_checkpoint=path, diffusion_model_family="sd3"))
+    family = build_train_pipeline_config(path, diffusion_model_family="sd3")
     return path, family, load_encoder_pipeline(family, path, torch.float32, "cpu")
 
 
@@ -170,7 +170,7 @@ def test_wan2_2_video_samples_build_from_a_gif(tmp_path, tiny_checkpoint):
     from miles.rollout.sft_data import load_encoder_pipeline
 
     path = tiny_checkpoint("wan2_2")
-    family = build_train_pipeline_config(Namespace(hf_checkpoint=path, diffusion_model_family="wan2_2"))
+    family = build_train_pipeline_config(path, diffusion_model_family="wan2_2")
     pipe = load_encoder_pipeline(family, path, torch.float32, "cpu")
     assert pipe.transformer is None and pipe.transformer_2 is None  # encoders only
     rng = np.random.default_rng(0)
@@ -198,7 +198,7 @@ def test_cosmos3_video_samples_carry_the_fps_they_were_encoded_for(tmp_path, tin
     from miles.rollout.sft_data import load_encoder_pipeline, sft_cache_folder
 
     path = tiny_checkpoint("cosmos3")
-    family = build_train_pipeline_config(Namespace(hf_checkpoint=path, diffusion_model_family="cosmos3"))
+    family = build_train_pipeline_config(path, diffusion_model_family="cosmos3")
     pipe = load_encoder_pipeline(family, path, torch.float32, "cpu")
     assert pipe.transformer is None  # encoders only: the tokenizer and the VAE
     rng = np.random.default_rng(0)

@@ -1,6 +1,7 @@
-"""Trainer inputs without engines: the flag namespace with CLI defaults, and rollout samples made in-process.
+"""Trainer inputs without engines: tiny run configurations and rollout samples made in-process.
 
-Used by the trainer's tests and `bench/bench_train.py`. `make_rollout_samples` runs the family's own
+Used by the trainer's tests and `bench/bench_train.py`; the configurations come from the flag declarations
+(`miles.testing.config.trainer_config`), never from a list of defaults of their own. `make_rollout_samples` runs the family's own
 `predict_velocity` and the math core's SDE step exactly as the engine does (per-sample generators, CFG,
 recorded x_k / x_{k+1} / log-probs at the selected steps, the final latent as `clean_latents`), so a trainer
 with the same weights must reproduce the rollout log-probs (docs/algorithms.md §11.7).
@@ -8,133 +9,18 @@ with the same weights must reproduce the rollout log-probs (docs/algorithms.md �
 
 from __future__ import annotations
 
-import argparse
-from typing import Any
-
 import torch
 
+from miles.config.sections import RunConfig
 from miles.models.base import GenerationShape
+from miles.testing.config import trainer_config
 from miles.types import GuidanceConfig, Sample
-
-# The trainer-relevant flags with the defaults of spec/cli-reference.md.
-TRAINER_FLAG_DEFAULTS: dict[str, Any] = dict(
-    hf_checkpoint=None,
-    diffusion_model_family=None,
-    train_pipeline_config_path=None,
-    model_backend_path=None,
-    update_weight_target_module="transformer",
-    update_weight_buffer_size=512 * 1024 * 1024,
-    update_weight_transport="auto",
-    check_weight_sync=False,
-    loss_type="policy_loss",
-    seed=1234,
-    lr=1e-6,
-    min_lr=0.0,
-    lr_warmup_init=0.0,
-    lr_warmup_iters=0,
-    lr_warmup_fraction=None,
-    lr_decay_iters=None,
-    lr_decay_style="constant",
-    lr_wsd_decay_iters=None,
-    lr_wsd_decay_style=None,
-    use_checkpoint_lr_scheduler=True,
-    override_lr_scheduler=False,
-    adam_beta1=0.9,
-    adam_beta2=0.999,
-    adam_eps=1e-8,
-    weight_decay=0.0,
-    clip_grad=1.0,
-    num_rollout=1,
-    num_steps_per_rollout=1,
-    micro_batch_size=1,
-    parity_forward_tile=0,
-    rollout_patch_group=[],
-    micro_batch_size_sample=None,
-    micro_batch_size_tstep=None,
-    diffusion_train_iter_order="sample_major",
-    train_dp_split_mode="contiguous",
-    diffusion_forward_dtype="bf16",
-    fsdp_master_dtype="fp32",
-    fsdp_reduce_dtype="fp32",
-    fsdp_cpu_offload=False,
-    fsdp_cpu_backend="gloo",
-    fsdp_attention_backend=None,
-    fsdp_flow_shift=None,
-    dp_replicate_size=1,
-    sequence_parallel_size=1,
-    ulysses_degree=0,
-    gradient_checkpointing=False,
-    fsdp_torch_compile=False,
-    deterministic_mode=False,
-    train_env_vars="{}",
-    distributed_backend="nccl",
-    distributed_timeout_minutes=10,
-    diffusion_num_steps=10,
-    diffusion_guidance_scale=4.0,
-    diffusion_guidance_scale_2=None,
-    diffusion_true_cfg_scale=None,
-    diffusion_negative_prompt=None,
-    diffusion_noise_level=0.7,
-    diffusion_height=512,
-    diffusion_width=512,
-    diffusion_output_num_frames=1,
-    diffusion_fps=None,
-    diffusion_sde_type="sde",
-    sde_step_backend_path=None,
-    diffusion_log_prob_no_const=False,
-    diffusion_clip_range=1e-4,
-    diffusion_adv_clip_max=5.0,
-    diffusion_recompute_old_log_prob=False,
-    diffusion_kl_beta=0.0,
-    ref_mode=None,
-    custom_prepare_train_batch_path=None,
-    custom_loss_function_path=None,
-    custom_convert_samples_to_train_data_path=None,
-    custom_expand_samples_to_train_pairs_path=None,
-    diffusion_nft_beta=1.0,
-    diffusion_nft_timestep_fraction=0.99,
-    no_diffusion_nft_adaptive_weight=False,
-    no_diffusion_nft_shuffle_timesteps=False,
-    use_lora=False,
-    lora_rank=64,
-    lora_alpha=64,
-    lora_target_modules=None,
-    lora_init_weights="gaussian",
-    lora_ipc_weight_sync=False,
-    use_ema=False,
-    ema_rollout_policy="live",
-    ema_decay_init=0.001,
-    ema_decay_ramp=0.001,
-    ema_decay_max=0.5,
-    ema_decay_flat_steps=0,
-    save=None,
-    save_interval=None,
-    save_keep_latest=None,
-    load=None,
-    ckpt_step=None,
-    no_save_optim=False,
-    no_load_optim=False,
-    no_load_rng=False,
-    start_rollout_id=None,
-    debug_skip_optimizer_step=False,
-    diffusion_debug_mode=False,
-    colocate=False,
-)
-
-
-def trainer_args(**overrides) -> argparse.Namespace:
-    """A namespace like the parser's for the trainer's flags; unknown names are refused (typo guard)."""
-    unknown = sorted(set(overrides) - set(TRAINER_FLAG_DEFAULTS))
-    if unknown:
-        raise KeyError(f"not trainer flags: {unknown}")
-    return argparse.Namespace(**{**TRAINER_FLAG_DEFAULTS, **overrides})
-
 
 @torch.no_grad()
 def make_rollout_samples(
     family,
     pipe,
-    args,
+    config: RunConfig,
     prompts: list[str],
     n_samples_per_prompt: int,
     sde_step_indices: list[int],
@@ -145,22 +31,23 @@ def make_rollout_samples(
     """Samples as the engine returns them: SDE steps at `sde_step_indices`, Euler steps elsewhere."""
     from miles.diffusion.sde import build_sde_backend, ode_step
 
+    sampling = config.sampling
     guidance = GuidanceConfig(
-        guidance_scale=args.diffusion_guidance_scale,
-        guidance_scale_2=args.diffusion_guidance_scale_2,
-        true_cfg_scale=args.diffusion_true_cfg_scale,
+        guidance_scale=sampling.diffusion_guidance_scale,
+        guidance_scale_2=sampling.diffusion_guidance_scale_2,
+        true_cfg_scale=sampling.diffusion_true_cfg_scale,
     )
     shape = GenerationShape(
-        args.diffusion_height, args.diffusion_width, args.diffusion_output_num_frames, args.diffusion_fps
+        sampling.diffusion_height, sampling.diffusion_width, sampling.diffusion_output_num_frames, sampling.diffusion_fps
     )
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.diffusion_forward_dtype]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[config.trainer.diffusion_forward_dtype]
     sde = build_sde_backend(
-        args.diffusion_sde_type, args.diffusion_noise_level, args.diffusion_log_prob_no_const, args.sde_step_backend_path
+        sampling.diffusion_sde_type, sampling.diffusion_noise_level, sampling.diffusion_log_prob_no_const, sampling.sde_step_backend_path
     )
     all_prompts = [p for p in prompts for _ in range(n_samples_per_prompt)]
     count = len(all_prompts)
-    conditioning = family.encode_prompt(pipe, all_prompts, args.diffusion_negative_prompt, guidance, shape=shape)
-    sigmas = family.sigmas(pipe, args.diffusion_num_steps, shape, None).to(torch.float32)
+    conditioning = family.encode_prompt(pipe, all_prompts, sampling.diffusion_negative_prompt, guidance, shape=shape)
+    sigmas = family.sigmas(pipe, sampling.diffusion_num_steps, shape, None).to(torch.float32)
     generators = [torch.Generator().manual_seed(seed + i) for i in range(count)]
     latents = family.prepare_latents(pipe, shape, generators, dtype)
     modules = {name: getattr(pipe, name) for name in family.trainable_modules}
@@ -168,7 +55,7 @@ def make_rollout_samples(
     log_probs: list[torch.Tensor] = []
     outputs: dict[int, torch.Tensor] = {}
     keep = set(sde_step_indices) | {k + 1 for k in sde_step_indices}
-    for k in range(args.diffusion_num_steps):
+    for k in range(sampling.diffusion_num_steps):
         if k in keep:
             recorded[k] = latents.clone()
         sigma = sigmas[k].expand(count)
@@ -181,8 +68,8 @@ def make_rollout_samples(
             log_probs.append(step.log_prob)
         else:
             latents = ode_step(latents, velocity, sigmas[k], sigmas[k + 1])
-    if args.diffusion_num_steps in keep:
-        recorded[args.diffusion_num_steps] = latents.clone()
+    if sampling.diffusion_num_steps in keep:
+        recorded[sampling.diffusion_num_steps] = latents.clone()
     if advantages is None:
         adv_gen = torch.Generator().manual_seed(seed + 10_000)
         advantages = torch.randn(count, generator=adv_gen).tolist()
@@ -215,8 +102,8 @@ def make_rollout_samples(
 TINY_TEXT_LENGTH = 8  # T5 tokens: keeps the tiny SD3 joint sequence short so CPU tests stay fast
 
 
-def tiny_trainer_args(checkpoint: str, **overrides) -> argparse.Namespace:
-    """Small, fp32, LoRA-ready settings for a tiny pipeline folder."""
+def tiny_trainer_config(checkpoint: str, **overrides) -> RunConfig:
+    """Small, fp32, LoRA-ready settings for a tiny pipeline folder (`overrides` by flag dest)."""
     base = dict(
         hf_checkpoint=checkpoint,
         diffusion_height=32,
@@ -228,23 +115,23 @@ def tiny_trainer_args(checkpoint: str, **overrides) -> argparse.Namespace:
         lr=1e-2,
         seed=0,
     )
-    return trainer_args(**{**base, **overrides})
+    return trainer_config(**{**base, **overrides})
 
 
-def build_tiny_family(args):
-    """The family object for `args.hf_checkpoint`, with a short text length where the family has one."""
+def build_tiny_family(config: RunConfig):
+    """The family object of `config.model`, with a short text length where the family has one."""
     from miles.models.common import build_train_pipeline_config
 
-    family = build_train_pipeline_config(args)
+    family = build_train_pipeline_config(**config.model.family_source())
     if hasattr(family, "max_sequence_length"):
         family.max_sequence_length = TINY_TEXT_LENGTH
     return family
 
 
-def load_tiny_family(args):
-    """(family, pipeline in fp32) for `args.hf_checkpoint`."""
-    family = build_tiny_family(args)
-    return family, family.load_pipeline(args.hf_checkpoint, torch.float32)
+def load_tiny_family(config: RunConfig):
+    """(family, pipeline in fp32) for `config.model.hf_checkpoint`."""
+    family = build_tiny_family(config)
+    return family, family.load_pipeline(config.model.hf_checkpoint, torch.float32)
 
 
 def trained_state(trainer) -> dict[str, torch.Tensor]:
@@ -253,7 +140,7 @@ def trained_state(trainer) -> dict[str, torch.Tensor]:
 
 
 def rollout_and_train_step(
-    args, prompts: list[str], n_samples_per_prompt: int, sde_step_indices: list[int], seed: int = 0
+    config: RunConfig, prompts: list[str], n_samples_per_prompt: int, sde_step_indices: list[int], seed: int = 0
 ):
     """One engine-free iteration on a tiny pipeline, on the current process group: rollout samples made with the
     family's pipeline (velocities recorded), then one trainer step on them. Returns (samples, metrics, trainable
@@ -261,18 +148,18 @@ def rollout_and_train_step(
     with the rollout's (`train/model_output_max_abs_diff`, docs/algorithms.md §11.7)."""
     from miles.backends.fsdp_utils.actor import DiffusionTrainer
 
-    family, pipe = load_tiny_family(args)
+    family, pipe = load_tiny_family(config)
     samples = make_rollout_samples(
-        family, pipe, args, prompts, n_samples_per_prompt, sde_step_indices, seed=seed, debug=True
+        family, pipe, config, prompts, n_samples_per_prompt, sde_step_indices, seed=seed, debug=True
     )
-    trainer = DiffusionTrainer(args, family)
+    trainer = DiffusionTrainer(config, family)
     trainer.init()
     before = trained_state(trainer)
     metrics = trainer.train(0, samples)
     return samples, metrics, before, trained_state(trainer)
 
 
-def train_rank_worker(rank: int, args, samples_path: str, rollout_ids: list[int]) -> dict:
+def train_rank_worker(rank: int, config: RunConfig, samples_path: str, rollout_ids: list[int]) -> dict:
     """Spawned-rank body: build the trainer, train the given rollouts, return metrics and the trained weights.
 
     `samples_path`: a `torch.save`d list of `Sample.to_record()` dicts."""
@@ -280,10 +167,10 @@ def train_rank_worker(rank: int, args, samples_path: str, rollout_ids: list[int]
     from miles.types import Sample
     from miles.utils.safe_load import load_plain
 
-    family = build_tiny_family(args)
+    family = build_tiny_family(config)
     samples = [Sample.from_record(record, f"{samples_path} sample {position}")
                for position, record in enumerate(load_plain(samples_path, "train_rank_worker samples"))]
-    trainer = DiffusionTrainer(args, family)
+    trainer = DiffusionTrainer(config, family)
     trainer.init()
     metrics = [trainer.train(rollout_id, samples) for rollout_id in rollout_ids]
     return {"metrics": metrics, "state": trained_state(trainer)}
