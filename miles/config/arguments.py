@@ -27,7 +27,6 @@ from miles.config.batch_geometry import (  # noqa: F401 - re-exported
     step_strategy,
     trained_steps_per_trajectory,
 )
-from miles.utils.errors import MilesUserError
 from miles.config.flags import (  # noqa: F401 - re-exported
     MIB,
     MILES_GROUPS,
@@ -44,6 +43,8 @@ from miles.config.flags import (  # noqa: F401 - re-exported
     flag_groups,
     int_list,
     int_pair,
+    parse_reward_weights,
+    reward_weights,
 )
 from miles.config.validation import (  # noqa: F401 - re-exported
     DERIVED_ATTRIBUTES,
@@ -51,6 +52,7 @@ from miles.config.validation import (  # noqa: F401 - re-exported
     _torch_version,
     validate_args,
 )
+from miles.utils.errors import MilesUserError
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +142,8 @@ def coerce_flag_value(flag: Flag, value: Any) -> Any:
         value = ",".join(str(item) for item in value)
     if isinstance(value, dict) and getattr(flag.type, "__name__", "") == "json_object":
         return {str(k): str(v) for k, v in value.items()}
+    if isinstance(value, dict) and flag.type is reward_weights:  # a YAML mapping {ocr: 1, pickscore: 0.5}
+        return parse_reward_weights(value)
     if isinstance(value, (bool, list, dict)):
         raise ValueError(f"expected a single {flag.type_name or flag.type.__name__} value, got {value!r}")
     if flag.type is int and isinstance(value, float):

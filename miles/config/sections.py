@@ -410,29 +410,44 @@ class RunConfig:
         return RunConfig.from_args(argparse.Namespace(**values))
 
     @property
+    def router_url(self) -> str | None:
+        """The miles router's URL, known once the engines started (`with_router_url`); None before."""
+        return self.values.get(ROUTER_URL_KEY)
+
+    def with_router_url(self, url: str) -> "RunConfig":
+        """This config once the router runs; hooks see it as `args.miles_router_url`, as in the reference."""
+        return dataclasses.replace(self, values={**self.values, ROUTER_URL_KEY: url})
+
+    @property
     def hook_args(self) -> "HookArgs":
         """The `args` user hooks receive (the reference's `fn(args, ...)`): every value, read-only."""
-        return HookArgs(MappingProxyType(self.values))
+        return HookArgs(self)
+
+
+ROUTER_URL_KEY = "miles_router_url"  # a run-time value, not a flag: set by the rollout manager
 
 
 class HookArgs:
-    """A read-only namespace over every value of the run: `args.rollout_batch_size`, `getattr(args, "key", None)`
-    and `vars(args)` work as on the reference's namespace; assigning raises."""
+    """What a hook gets as `args`: a read-only namespace over every value of the run (flags, derived values,
+    YAML-only keys, `miles_router_url`): `args.rollout_batch_size`, `getattr(args, "key", None)` and
+    `vars(args)` work as on the reference's namespace; assigning raises. The built-in implementations of a hook
+    signature (the default rollout function, step strategies, rewards) read the typed sections through
+    `run_config_of(args)`."""
 
-    __slots__ = ("_values",)
+    __slots__ = ("_config",)
 
-    def __init__(self, values: Mapping[str, Any]):
-        object.__setattr__(self, "_values", values)
+    def __init__(self, config: RunConfig):
+        object.__setattr__(self, "_config", config)
 
     def __getattr__(self, name: str) -> Any:
         try:
-            return object.__getattribute__(self, "_values")[name]
+            return object.__getattribute__(self, "_config").values[name]
         except KeyError:
             raise AttributeError(name) from None
 
     @property
     def __dict__(self) -> Mapping[str, Any]:  # type: ignore[override] # vars(args)
-        return object.__getattribute__(self, "_values")
+        return MappingProxyType(object.__getattribute__(self, "_config").values)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"args is read-only in a hook (tried to set {name!r})")
@@ -441,14 +456,20 @@ class HookArgs:
         raise AttributeError(f"args is read-only in a hook (tried to delete {name!r})")
 
     def __contains__(self, name: str) -> bool:
-        return name in object.__getattribute__(self, "_values")
+        return name in object.__getattribute__(self, "_config").values
 
     def __repr__(self) -> str:
-        return f"HookArgs({len(object.__getattribute__(self, '_values'))} values)"
+        return f"HookArgs({len(object.__getattribute__(self, '_config').values)} values)"
 
     def __reduce__(self):
-        return _hook_args, (dict(object.__getattribute__(self, "_values")),)
+        return HookArgs, (object.__getattribute__(self, "_config"),)
 
 
-def _hook_args(values: dict[str, Any]) -> HookArgs:
-    return HookArgs(MappingProxyType(values))
+def run_config_of(args: HookArgs | RunConfig) -> RunConfig:
+    """The typed configuration behind the `args` a hook received (a RunConfig passes through)."""
+    if isinstance(args, RunConfig):
+        return args
+    if isinstance(args, HookArgs):
+        return object.__getattribute__(args, "_config")
+    raise TypeError(f"expected the run's HookArgs or RunConfig, got {type(args).__name__}; build one with "
+                    "miles.config.sections.RunConfig.from_args (tests: miles.testing.config)")

@@ -99,7 +99,7 @@ def init_ray(args) -> None:
 def _local_gpu_budget(args) -> int:
     import torch
 
-    return min(int(getattr(args, "num_gpus_per_node", 8) or 8), torch.cuda.device_count())
+    return min(args.num_gpus_per_node, torch.cuda.device_count())
 
 
 # Set by `ray job submit` in the driver's environment: the job's config, its runtime_env included.

@@ -48,11 +48,11 @@ def assign_advantages(args, samples: Sequence[Sample]) -> dict[str, float]:
     samples = list(samples)
     if not samples:
         raise MilesUserError("no samples to compute advantages for (did every group get filtered out?)")
-    group_size = int(getattr(args, "n_samples_per_prompt", 1) or 1)
+    group_size = args.n_samples_per_prompt
     _check_group_order(samples, group_size)
     rewards = torch.tensor([reward_value(args, sample.reward) for sample in samples], dtype=torch.float64)
 
-    post_process_path = getattr(args, "custom_reward_post_process_path", None)
+    post_process_path = args.custom_reward_post_process_path
     if post_process_path:
         fn = load_function(post_process_path, "--custom-reward-post-process-path", required_params=2)
         advantages = list(fn(args, samples))
@@ -76,9 +76,9 @@ def assign_advantages(args, samples: Sequence[Sample]) -> dict[str, float]:
         advantage_tensor, stats = compute_grpo_advantages(
             rewards,
             group_size,
-            globalize_mean=bool(getattr(args, "globalize_reward_mean", False)),
-            globalize_std=bool(getattr(args, "globalize_reward_std", False)),
-            disable_std_normalization=bool(getattr(args, "disable_grpo_std_normalization", False)),
+            globalize_mean=args.globalize_reward_mean,
+            globalize_std=args.globalize_reward_std,
+            disable_std_normalization=args.disable_grpo_std_normalization,
         )
         zero_std_ratio = float(stats["zero_std_ratio"])
 

@@ -70,14 +70,14 @@ OPTIONAL_KEYS = {f.name for f in fields(EvalDataset)} - {"name", "path"}
 
 def _defaults(args) -> dict[str, Any]:
     return {
-        "input_key": getattr(args, "eval_input_key", None) or getattr(args, "input_key", None) or "input",
-        "metadata_key": getattr(args, "metadata_key", None) or "metadata",
-        "n_samples_per_eval_prompt": int(getattr(args, "n_samples_per_eval_prompt", None) or 1),
+        "input_key": args.eval_input_key or args.input_key,
+        "metadata_key": args.metadata_key,
+        "n_samples_per_eval_prompt": args.n_samples_per_eval_prompt,
         "num_steps": int(
-            getattr(args, "diffusion_eval_num_steps", None) or getattr(args, "diffusion_num_steps", None) or 10
+            args.diffusion_eval_num_steps or args.diffusion_num_steps
         ),
-        "reward_key": getattr(args, "eval_reward_key", None) or getattr(args, "reward_key", None),
-        "reward_weights": getattr(args, "reward_weights", None),
+        "reward_key": args.eval_reward_key or args.reward_key,
+        "reward_weights": args.reward_weights,
         "rm_type": None,  # None: routed like training (metadata.rm_type, --custom-rm-path, --rm-type)
     }
 
@@ -152,10 +152,10 @@ def _from_config(args, config_path: str) -> list[EvalDataset]:
 
 def build_eval_datasets(args) -> list[EvalDataset]:
     """The configured eval datasets ([] when none): `--eval-config` wins over `--eval-prompt-data`."""
-    config_path = getattr(args, "eval_config", None)
+    config_path = args.eval_config
     if config_path:
         return _from_config(args, config_path)
-    pairs = getattr(args, "eval_prompt_data", None)
+    pairs = args.eval_prompt_data
     if pairs:
         return _from_pairs(args, list(pairs))
     return []

@@ -89,8 +89,9 @@ def _load(spec: HookSpec, path: str) -> Callable:
 def load_rollout_hooks(args) -> RolloutHooks:
     """Import and check every hook flag that is set (MilesUserError naming the flag otherwise)."""
     loaded: dict[str, Any] = {}
+    values = vars(args)  # every flag is there: the run's read-only args (or a parsed namespace)
     for spec in HOOK_SPECS:
-        path = getattr(args, spec.attribute, None)
+        path = values[spec.attribute]
         if spec.field == "rollout_function":
             path = path or DEFAULT_ROLLOUT_FUNCTION
         if spec.field == "eval_function" and not path:
@@ -98,7 +99,7 @@ def load_rollout_hooks(args) -> RolloutHooks:
         if path:
             loaded[spec.field] = _load(spec, path)
     loaded.setdefault("eval_function", loaded["rollout_function"])
-    data_source_path = getattr(args, "data_source_path", None)
+    data_source_path = values["data_source_path"]
     if data_source_path:
         from miles.rollout.data_source import REQUIRED_METHODS
 

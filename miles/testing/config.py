@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from miles.config.arguments import build_parser, coerce_flag_value, parse_args
 from miles.config.flags import all_flags
-from miles.config.sections import RunConfig
+from miles.config.sections import HookArgs, RunConfig
 from miles.config.validation import validation_rules
 
 # Engine-free trainer tests run one rollout, one optimizer step and no numeric-parity patch group unless told.
@@ -51,3 +51,9 @@ def trainer_namespace(hf_checkpoint: str = "unused", **values: Any) -> argparse.
 def trainer_config(hf_checkpoint: str = "unused", **values: Any) -> RunConfig:
     """A trainer's `RunConfig`: declared defaults, `values` (by flag dest), the trainer rules."""
     return RunConfig.from_args(trainer_namespace(hf_checkpoint, **values))
+
+
+def hook_args(hf_checkpoint: str = "unused", *, router_url: str | None = None, **values: Any) -> HookArgs:
+    """The read-only `args` hooks and the rollout side receive, for `trainer_config(hf_checkpoint, **values)`."""
+    config = trainer_config(hf_checkpoint, **values)
+    return (config.with_router_url(router_url) if router_url else config).hook_args
