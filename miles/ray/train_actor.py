@@ -15,12 +15,12 @@ from typing import Any
 import ray
 
 from miles.config.sections import RunConfig
+from miles.ray.placement import TRAIN_GPU_SHARE
 from miles.ray.shutdown import on_run_exit
 from miles.utils.errors import PartDiedError
 
 logger = logging.getLogger(__name__)
 
-COLOCATED_TRAIN_GPU_SHARE = 0.7  # train 0.7 + rollout 0.25 + reward 0.05 on one GPU (docs/design.md §3)
 DEATH_REPORT_SECONDS = 10.0  # how long a rank's failure waits for Ray to report another rank's death behind it
 
 
@@ -175,7 +175,7 @@ class TrainActorGroup:
         self.config = config
         self.world_size = world_size or config.placement.train_world_size
         use_gpu = torch.cuda.is_available()
-        num_gpus = (COLOCATED_TRAIN_GPU_SHARE if config.placement.colocate else 1.0) if use_gpu else 0
+        num_gpus = (TRAIN_GPU_SHARE if config.placement.colocate else 1.0) if use_gpu else 0
         env_vars = dict(config.trainer.train_env_vars)
         remote_cls = ray.remote(TrainRayActor)
         self.actors = []
