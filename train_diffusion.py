@@ -37,7 +37,7 @@ def train(args) -> None:
     config = RunConfig.from_args(args)  # the typed sections, built once; nothing changes args from here on
     args = config.hook_args  # the read-only view of every value, for the parts that still read flags by name
     init_ray(args)
-    run_logger = RunLogger(args, started_at=PROCESS_START)
+    run_logger = RunLogger(config, started_at=PROCESS_START)
     placement = create_placement_groups(args)
     rollout_manager = RolloutManager(config, placement, run_logger)
     actor = None

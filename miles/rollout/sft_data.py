@@ -210,18 +210,14 @@ def build_sft_samples(
 ) -> list[Sample]:
     """Every row of `--prompt-data` as a Sample with `clean_latents` and `conditioning`, from the cache when
     possible. `family`/`pipe` default to the run's family and its encoders."""
+    from miles.config.sections import run_config_of
     from miles.models.common import build_train_pipeline_config, conditioning_unbatch
 
     data_path = args.prompt_data
     if not data_path:
         raise MilesUserError("--loss-type sft_loss needs --prompt-data (an SFT JSONL of captions and image/video paths)")
     rows = load_sft_rows(data_path, args.input_key)
-    family = family or build_train_pipeline_config(
-        args.hf_checkpoint,
-        diffusion_model_family=args.diffusion_model_family,
-        train_pipeline_config_path=args.train_pipeline_config_path,
-        model_backend_path=args.model_backend_path,
-    )
+    family = family or build_train_pipeline_config(**run_config_of(args).model.family_source())
     encoder_path = args.sft_encoder_checkpoint or args.hf_checkpoint
     folder = sft_cache_folder(args, data_path, getattr(family, "family", type(family).__name__), encoder_path)
     try:
