@@ -34,11 +34,10 @@ def train(args) -> None:
         from miles.rollout.data_source import num_rollout_from_args
 
         args.num_rollout = num_rollout_from_args(args)
-    config = RunConfig.from_args(args)  # the typed sections, built once; nothing changes args from here on
-    args = config.hook_args  # the read-only view of every value, for the parts that still read flags by name
-    init_ray(args)
+    config = RunConfig.from_args(args)  # the typed sections, built once; every part below reads them
+    init_ray(config)
     run_logger = RunLogger(config, started_at=PROCESS_START)
-    placement = create_placement_groups(args)
+    placement = create_placement_groups(config)
     rollout_manager = RolloutManager(config, placement, run_logger)
     actor = None
     if not config.debug.debug_rollout_only:
