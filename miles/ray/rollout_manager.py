@@ -58,7 +58,7 @@ class RolloutManager:
             self.sft_dataset = build_sft_dataset(args)
         elif not config.debug.load_debug_rollout_data:
             self.data_source = build_data_source(args)
-        self.eval_datasets = build_eval_datasets(args) if not config.debug.train_only else []
+        self.eval_datasets = build_eval_datasets(config) if not config.debug.train_only else []
         self.fleet = EngineFleet(config, placement) if placement.num_engines > 0 else None
         if self.data_source is not None or self.eval_datasets:
             self._load_rewards(placement)
@@ -169,7 +169,7 @@ class RolloutManager:
         rollout_time = time.perf_counter() - start
         apply_rollout_sample_filter(self.hooks, self.args, samples)  # masked samples still count for advantages
         if self.config.trainer.loss_type != "sft_loss":
-            metrics.update(assign_advantages(self.args, samples))
+            metrics.update(assign_advantages(self.config, samples))
         metrics["rollout/num_samples"] = len(samples)
         num_images = sum(1 if s.image is None else s.image.shape[0] for s in samples)
         if rollout_time > 0 and self.sft_dataset is None and not self.config.debug.load_debug_rollout_data:

@@ -8,10 +8,10 @@ import uuid
 import pytest
 import torch
 
-from miles.config.sections import HookArgs
+from miles.config.sections import RunConfig
 from miles.diffusion.advantages import compute_grpo_advantages
 from miles.rollout.advantages import assign_advantages
-from miles.testing.config import hook_args
+from miles.testing.config import trainer_config
 from miles.types import Sample
 from miles.utils.errors import MilesUserError
 
@@ -21,11 +21,11 @@ METRIC_NAMES = {
 }
 
 
-def _args(**overrides) -> HookArgs:
+def _args(**overrides) -> RunConfig:
     values = dict(n_samples_per_prompt=3, globalize_reward_mean=False, globalize_reward_std=False,
                   disable_grpo_std_normalization=False, custom_reward_post_process_path=None, reward_key=None)
     values.update(overrides)
-    return hook_args(**values)
+    return trainer_config(**values)
 
 
 def _samples(rewards: list, group_size: int = 3) -> list[Sample]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from miles.config.arguments import parse_args
-from miles.config.sections import HookArgs
+from miles.config.sections import HookArgs, run_config_of
 from miles.rollout.advantages import assign_advantages
 from miles.rollout.eval_config import EvalDataset, build_eval_datasets
 from miles.rollout.rm_hub import batched_async_rm, reward_component_metrics, reward_value
@@ -107,7 +107,7 @@ def test_rollout_metrics_log_every_component():
     samples = _samples([0, 255, 51, 102])
     for sample, reward in zip(samples, asyncio.run(batched_async_rm(args, samples))):
         sample.reward = reward
-    metrics = assign_advantages(args, samples)
+    metrics = assign_advantages(run_config_of(args), samples)
     assert metrics["rollout/reward/brightness_mean"] == pytest.approx((0 + 1 + 0.2 + 0.4) / 4)
     assert metrics["rollout/reward_mean"] == pytest.approx(metrics["rollout/reward/brightness_mean"])
     assert "rollout/reward/jpeg_compressibility_std" in metrics  # weight 0, logged all the same
@@ -124,7 +124,7 @@ def test_eval_sets_take_the_weights_or_their_own(tmp_path):
     config.write_text(f"datasets:\n  - name: own\n    path: {prompts}\n    reward_weights: {{ocr: 2}}\n"
                       f"  - name: default\n    path: {prompts}\n")
     args = _args(eval_config=str(config), reward_weights={"ocr": 1.0, "pickscore": 1.0})
-    own, default = build_eval_datasets(args)
+    own, default = build_eval_datasets(run_config_of(args))
     assert own.reward_weights == {"ocr": 2.0} and default.reward_weights == {"ocr": 1.0, "pickscore": 1.0}
     assert own.scalar_reward({"ocr": 0.5, "pickscore": 0.25}) == 1.0
     assert default.scalar_reward({"ocr": 0.5, "pickscore": 0.25}) == 0.75
@@ -132,7 +132,7 @@ def test_eval_sets_take_the_weights_or_their_own(tmp_path):
         {"ocr": 0.5, "pickscore": 0.25}) == 0.25
     config.write_text(f"datasets:\n  - name: bad\n    path: {prompts}\n    reward_weights: {{ocr: x}}\n")
     with pytest.raises(MilesUserError, match=r"datasets\[0\]: reward_weights: the weight of 'ocr' is not a number"):
-        build_eval_datasets(args)
+        build_eval_datasets(run_config_of(args))
 
 
 BASE = ["--hf-checkpoint", "org/sd3-tiny", "--prompt-data", "prompts.jsonl", "--rollout-batch-size", "4",
