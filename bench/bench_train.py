@@ -189,8 +189,8 @@ def run_naive(rank: int, opts) -> dict:
     transformer = family.load_modules(checkpoint, ["transformer"], torch.float32)["transformer"].to(device)
     transformer.train()
     trainer = run_config.trainer
-    optimizer = torch.optim.AdamW(transformer.parameters(), lr=trainer.lr, betas=(trainer.adam_beta1, trainer.adam_beta2),
-                                  eps=trainer.adam_eps)
+    optimizer = torch.optim.AdamW(transformer.parameters(), lr=trainer.lr,
+                                  betas=(trainer.adam_beta1, trainer.adam_beta2), eps=trainer.adam_eps)
     sde = build_sde_backend("sde", run_config.sampling.diffusion_noise_level, False)
     samples = synthetic_samples(opts, config, latent, text_tokens)
     pairs = convert_samples_to_train_data(run_config, samples, family)

@@ -405,7 +405,8 @@ class RunConfig:
         )
 
     def replace(self, **changes: Any) -> "RunConfig":
-        """A copy with flag values changed (by dest), each routed to its section; the hook view follows."""
+        """A copy with flag values changed (by dest), each routed to its section; the hook view follows. The values
+        are taken as given: the validation rules do not run again (tests, and values known only at run time)."""
         values = {**self.values, **changes}
         return RunConfig.from_args(argparse.Namespace(**values))
 

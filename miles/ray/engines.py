@@ -129,8 +129,9 @@ class EngineFleet:
         router_host = "127.0.0.1"
         if self.placement.spans_nodes and self.config.rollout.use_distributed_post:
             router_host = ray.util.get_node_ip_address()
-        self.router_process, self.router_url = launch_router_process(RouterConfig.from_rollout(self.config.rollout), self.urls,
-                                                                     host=router_host)
+        self.router_process, self.router_url = launch_router_process(
+            RouterConfig.from_rollout(self.config.rollout), self.urls, host=router_host
+        )
         logger.info("engines up: %s, router %s", self.urls, self.router_url)
 
     def engine_urls(self) -> list[str]:

@@ -1,8 +1,8 @@
 """Trainer inputs without engines: tiny run configurations and rollout samples made in-process.
 
 Used by the trainer's tests and `bench/bench_train.py`; the configurations come from the flag declarations
-(`miles.testing.config.trainer_config`), never from a list of defaults of their own. `make_rollout_samples` runs the family's own
-`predict_velocity` and the math core's SDE step exactly as the engine does (per-sample generators, CFG,
+(`miles.testing.config.trainer_config`), never from a list of defaults of their own. `make_rollout_samples`
+runs the family's own `predict_velocity` and the math core's SDE step exactly as the engine does (per-sample generators, CFG,
 recorded x_k / x_{k+1} / log-probs at the selected steps, the final latent as `clean_latents`), so a trainer
 with the same weights must reproduce the rollout log-probs (docs/algorithms.md §11.7).
 """
@@ -13,6 +13,7 @@ import torch
 
 from miles.config.sections import RunConfig
 from miles.models.base import GenerationShape
+from miles.models.common import parse_dtype
 from miles.testing.config import trainer_config
 from miles.types import GuidanceConfig, Sample
 
@@ -37,13 +38,11 @@ def make_rollout_samples(
         guidance_scale_2=sampling.diffusion_guidance_scale_2,
         true_cfg_scale=sampling.diffusion_true_cfg_scale,
     )
-    shape = GenerationShape(
-        sampling.diffusion_height, sampling.diffusion_width, sampling.diffusion_output_num_frames, sampling.diffusion_fps
-    )
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[config.trainer.diffusion_forward_dtype]
-    sde = build_sde_backend(
-        sampling.diffusion_sde_type, sampling.diffusion_noise_level, sampling.diffusion_log_prob_no_const, sampling.sde_step_backend_path
-    )
+    shape = GenerationShape(sampling.diffusion_height, sampling.diffusion_width,
+                            sampling.diffusion_output_num_frames, sampling.diffusion_fps)
+    dtype = parse_dtype(config.trainer.diffusion_forward_dtype)
+    sde = build_sde_backend(sampling.diffusion_sde_type, sampling.diffusion_noise_level,
+                            sampling.diffusion_log_prob_no_const, sampling.sde_step_backend_path)
     all_prompts = [p for p in prompts for _ in range(n_samples_per_prompt)]
     count = len(all_prompts)
     conditioning = family.encode_prompt(pipe, all_prompts, sampling.diffusion_negative_prompt, guidance, shape=shape)

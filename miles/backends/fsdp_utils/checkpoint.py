@@ -444,7 +444,8 @@ def load_checkpoint(trainer) -> int:
                              f"{_describe_failure(err)}") from None
     if load_optim:
         set_optimizer_state_dict(trainer.model, trainer.optimizer, optim_state_dict=state["optimizer"])
-        use_checkpoint_schedule = config.trainer.use_checkpoint_lr_scheduler and not config.trainer.override_lr_scheduler
+        # validation turns use_checkpoint_lr_scheduler off under --override-lr-scheduler
+        use_checkpoint_schedule = config.trainer.use_checkpoint_lr_scheduler
         trainer.lr_scheduler.load_state_dict(meta["lr_scheduler"], use_checkpoint_schedule=use_checkpoint_schedule)
         trainer.scaler.load_state_dict(meta["grad_scaler"])
     if ema_template is not None:

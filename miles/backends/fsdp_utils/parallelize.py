@@ -131,7 +131,9 @@ def enable_gradient_checkpointing(module: nn.Module, blocks: list[nn.ModuleList]
             block_list[index] = checkpoint_wrapper(block)
 
 
-def parallelize_module(module: nn.Module, family, trainer: TrainerConfig, dims: ParallelDims, mesh, name: str, device) -> nn.Module:
+def parallelize_module(
+    module: nn.Module, family, trainer: TrainerConfig, dims: ParallelDims, mesh, name: str, device
+) -> nn.Module:
     """Shard one denoiser module in place (per block, then the root); returns it (now an FSDPModule)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 

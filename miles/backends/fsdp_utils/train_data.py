@@ -35,7 +35,8 @@ RL_LOSSES = ("policy_loss", "custom_loss")
 def _sample_generator(config: RunConfig, sample: Sample, salt: int) -> torch.Generator:
     """Per-sample generator for expansion-time draws (NFT shuffle, SFT σ index): same pairs on every rank."""
     generator = torch.Generator()
-    generator.manual_seed((config.trainer.seed * 7919 + sample.group_index * 104_729 + sample.index * 31 + salt) % (2**62))
+    seed = config.trainer.seed * 7919 + sample.group_index * 104_729 + sample.index * 31 + salt
+    generator.manual_seed(seed % (2**62))
     return generator
 
 
