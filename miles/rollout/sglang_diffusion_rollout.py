@@ -46,7 +46,7 @@ import time
 import uuid
 from typing import Sequence
 
-from miles.config.sections import run_config_of
+from miles.config.sections import RunConfig, run_config_of
 from miles.engine.protocol import GenerateRequest
 from miles.rollout.engine_client import EngineClient, EngineRequestError
 from miles.rollout.hooks import RolloutHooks, apply_dynamic_sampling_filter, load_rollout_hooks
@@ -84,7 +84,7 @@ def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = Fals
 
 
 def build_request(
-    args,
+    config: RunConfig,
     prompt: str,
     num_samples: int,
     seed: int,
@@ -93,29 +93,30 @@ def build_request(
     return_latent_indices: Sequence[int],
     evaluation: bool,
 ) -> GenerateRequest:
-    """A GenerateRequest from the run's `--diffusion-*` flags."""
+    """A GenerateRequest from the run's `--diffusion-*` flags (its sampling section)."""
+    sampling = config.sampling
     return GenerateRequest(
         prompt=prompt,
         num_samples=num_samples,
         seed=seed,
         num_steps=num_steps,
-        negative_prompt=args.diffusion_negative_prompt,
+        negative_prompt=sampling.diffusion_negative_prompt,
         guidance=GuidanceConfig(
-            guidance_scale=args.diffusion_guidance_scale,
-            guidance_scale_2=args.diffusion_guidance_scale_2,
-            true_cfg_scale=args.diffusion_true_cfg_scale,
+            guidance_scale=sampling.diffusion_guidance_scale,
+            guidance_scale_2=sampling.diffusion_guidance_scale_2,
+            true_cfg_scale=sampling.diffusion_true_cfg_scale,
         ),
-        noise_level=args.diffusion_noise_level,
-        sde_type=args.diffusion_sde_type,
-        log_prob_no_const=args.diffusion_log_prob_no_const,
+        noise_level=sampling.diffusion_noise_level,
+        sde_type=sampling.diffusion_sde_type,
+        log_prob_no_const=sampling.diffusion_log_prob_no_const,
         sde_step_indices=list(sde_step_indices),
         return_latent_indices=list(return_latent_indices),
-        height=args.diffusion_height,
-        width=args.diffusion_width,
-        num_frames=args.diffusion_output_num_frames,
-        fps=args.diffusion_fps,
-        flow_shift=args.diffusion_flow_shift,
-        debug=args.diffusion_debug_mode and not evaluation,
+        height=sampling.diffusion_height,
+        width=sampling.diffusion_width,
+        num_frames=sampling.diffusion_output_num_frames,
+        fps=sampling.diffusion_fps,
+        flow_shift=sampling.diffusion_flow_shift,
+        debug=config.debug.diffusion_debug_mode and not evaluation,
         evaluation=evaluation,
         request_id=uuid.uuid4().hex[:16],
     )
@@ -153,7 +154,7 @@ class _Rollout:
             sde_steps, return_latents = [], []
         else:
             sde_steps, return_latents = self.strategy(self.args, samples[0], self.num_steps, seed)
-        request = build_request(self.args, samples[0].prompt, len(samples), seed, self.num_steps, sde_steps,
+        request = build_request(run_config_of(self.args), samples[0].prompt, len(samples), seed, self.num_steps, sde_steps,
                                 return_latents, self.evaluation)
         if self.hooks.custom_generate is not None:
             params = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}
