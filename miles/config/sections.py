@@ -6,10 +6,12 @@ flag declarations (`miles.config.flags`, `miles.config.backend_flags`). Each fla
 `PARSE_ONLY`); tests/config/test_sections.py checks that. The derived values of `validate_args` (`DERIVED_ATTRIBUTES`)
 sit in the section of the concern they belong to, computed once by the rules.
 
-Each part of the program receives the sections it needs: the trainer `TrainerConfig` (+ sampling, checkpoint, ...),
-the rollout side `RolloutConfig`/`DataConfig`/`RewardConfig`, Ray placement `PlacementConfig`. User hooks keep the
-reference's `fn(args, ...)` signature: they get `RunConfig.hook_args`, a read-only view of every value (the flags,
-the derived values and the YAML-only keys `apply_config_file` keeps for them).
+Each part of the program receives the config or the sections it needs: the trainer reads `config.trainer`,
+`config.sampling`, ...; the LR schedule a `TrainerConfig`, the router a `RolloutConfig`, the CI check a
+`LoggingConfig`. User hooks keep the reference's `fn(args, ...)` signature: they get `RunConfig.hook_args`, a
+read-only view of every value (the flags, the derived values, the YAML-only keys `apply_config_file` keeps for
+them, `miles_router_url`); so do the built-in implementations of those signatures (the default rollout function,
+the step strategies, the data source, the rewards), which reach the sections with `run_config_of(args)`.
 
 Lists inside a section (`rollout_patch_group`, `lora_target_modules`, ...) stay lists: the sections are frozen
 against rebinding, not deep-frozen.

@@ -1,10 +1,12 @@
 """Run configurations for tests and benchmarks, built from the flag declarations (no default is listed here).
 
 - `parsed_config(argv)`: the full path of `train_diffusion.py` (parse, YAML, every rule), as a `RunConfig`.
-- `trainer_config(**values)`: an engine-free trainer's configuration: the declared defaults, the given values
-  (by flag dest, parsed the way the YAML merge parses them), then the rules that resolve trainer values
-  (topology, modes, losses, reference policy, optimizer, parity). The rules about rollout batches and prompt data
-  are left out: trainer tests hand the trainer samples of their own.
+- `trainer_config(**values)`: a configuration without a rollout plan: the declared defaults, the given values
+  (by flag dest, parsed the way the YAML merge parses them), then every rule except those about the rollout
+  batch geometry and the prompt data (`TRAINER_RULES`): tests hand the trainer, the rewards or the rollout
+  function samples and prompts of their own.
+- `hook_args(**values)`: the same configuration as the read-only `args` hooks receive (`router_url` sets
+  `args.miles_router_url`).
 """
 
 from __future__ import annotations
