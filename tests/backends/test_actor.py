@@ -274,7 +274,7 @@ def test_bad_geometry_errors(tiny):
     with pytest.raises(MilesUserError, match="not divisible by --dp-replicate-size"):
         ParallelDims.from_config(replace(trainer_config().trainer, dp_replicate_size=3), 4)
     with pytest.raises(MilesUserError, match="--ulysses-degree 3 must divide"):
-        ParallelDims.from_config(replace(trainer_config().trainer, sequence_parallel_size=4, ulysses_degree=3), 4)
+        ParallelDims.from_config(replace(trainer_config().trainer, sequence_parallel_size=4, ulysses_degree_resolved=3), 4)
     dims = ParallelDims.from_config(trainer_config(dp_replicate_size=2, sequence_parallel_size=2).trainer, 8)
     assert (dims.dp_shard, dims.dp_size, dims.ring, dims.ulysses) == (2, 4, 1, 2)
     assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]

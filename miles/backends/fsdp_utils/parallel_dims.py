@@ -28,11 +28,10 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, trainer: "TrainerConfig", world_size: int) -> "ParallelDims":
-        """The grid of `--dp-replicate-size`, `--sequence-parallel-size` and `--ulysses-degree` over `world_size`."""
-        dp_replicate = trainer.dp_replicate_size
-        sp = trainer.sequence_parallel_size
-        ulysses = trainer.ulysses_degree or sp
-        dims = cls(world_size=world_size, dp_replicate=dp_replicate, sp=sp, ulysses=ulysses)
+        """The grid of `--dp-replicate-size`, `--sequence-parallel-size` and the resolved Ulysses degree over the
+        ranks that actually joined (`world_size`)."""
+        dims = cls(world_size=world_size, dp_replicate=trainer.dp_replicate_size, sp=trainer.sequence_parallel_size,
+                   ulysses=trainer.ulysses_degree_resolved)
         dims.validate()
         return dims
 
