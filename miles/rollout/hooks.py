@@ -18,8 +18,6 @@ from miles.types import Sample
 from miles.utils.errors import MilesUserError
 from miles.utils.imports import load_function, load_object
 
-DEFAULT_ROLLOUT_FUNCTION = "miles.rollout.sglang_rollout.generate_rollout"
-
 
 @dataclass(frozen=True)
 class HookSpec:
@@ -91,9 +89,7 @@ def load_rollout_hooks(args) -> RolloutHooks:
     loaded: dict[str, Any] = {}
     values = vars(args)  # every flag is there: the run's read-only args (or a parsed namespace)
     for spec in HOOK_SPECS:
-        path = values[spec.attribute]
-        if spec.field == "rollout_function":
-            path = path or DEFAULT_ROLLOUT_FUNCTION
+        path = values[spec.attribute]  # --rollout-function-path always has one (its declared default)
         if spec.field == "eval_function" and not path:
             continue  # defaults to the rollout function below
         if path:

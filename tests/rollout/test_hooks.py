@@ -115,7 +115,7 @@ def module(tmp_path, monkeypatch):
 
 
 def _args(module: str | None = None, **overrides) -> HookArgs:
-    values = {spec.attribute: None for spec in HOOK_SPECS}
+    values = {spec.attribute: None for spec in HOOK_SPECS if spec.attribute != "rollout_function_path"}
     values["data_source_path"] = None
     if module:
         values.update({flag: f"{module}.{fn}" for flag, fn in FLAG_TO_FUNCTION.items()})
