@@ -45,13 +45,15 @@ def train(args) -> None:
         actor = TrainActorGroup(config, slots.placement_group, gpu_share=slots.gpu_share or None,
                                 cpu_share=slots.cpu_share)
 
+    # Engines load while the trainer does (they only need the trainer's weights at the first sync below).
+    rollout_manager.launch_engines()
     start_rollout_id = 0
     if actor is not None:
         start_rollout_id = actor.init()
         rollout_manager.load_state_dict((actor.loaded_extra_state or {}).get("data_source"))
     if config.data.start_rollout_id is not None:
         start_rollout_id = config.data.start_rollout_id
-    rollout_manager.start_engines()
+    rollout_manager.wait_for_engines()
     if actor is not None and rollout_manager.has_engines:
         # The engines start from the trainer's weights (LoRA-initialised or loaded from --load).
         with run_logger.phase("weight_sync"):

@@ -1,24 +1,31 @@
-"""CFG-parallel engines: one engine = 2 processes, the guided branches of every DiT forward split between them.
+"""Engines of several processes: rank 0 (the HTTP server's ModelRunner) and its followers (`FollowerGroup`).
 
-With `--rollout-num-gpus-per-engine 2` (ServerArgs.tp_size == 2) the engine's ModelRunner (rank 0, the HTTP
-server process) starts one follower process (rank 1) that loads the same pipeline on the next device, and
-both join a private 2-rank group (gloo on CPU, NCCL on GPU; `ProcessGroupGloo`/`ProcessGroupNCCL` over a
-`TCPStore`, so it lives beside any default group of the process). For every CFG forward rank 0 broadcasts
-the step's unconditional inputs (latents, sigmas, negative conditioning: a fixed-field int64 header first,
-then the tensors; nothing is pickled), computes the conditional branch itself while rank 1 computes the
-unconditional one, receives rank 1's velocity by a broadcast rooted at rank 1, and combines them with
-`combine_cfg` exactly as the family's doubled batch would. Each branch is the family's own `predict_velocity`
-with guidance off, so no family code changes; only families whose CFG is the plain `combine_cfg` of two
-forwards with the conditioning split by its `negative_` prefix qualify (sd3 today, `CFG_PARALLEL_KEYS`).
+With `--rollout-num-gpus-per-engine N > 1` (ServerArgs.tp_size) rank 0 starts N − 1 follower processes that
+load the same pipeline on the next devices, and all join a private N-rank group (gloo on CPU, NCCL on GPU;
+`ProcessGroupGloo`/`ProcessGroupNCCL` over a `TCPStore`, so it lives beside any default group of the process).
+Rank 0 drives them with a fixed-field int64 header broadcast, then the tensors (nothing is pickled).
+`engine_parallel_mode` (ServerArgs.ulysses_degree) picks how they split a forward:
 
-Weights: the follower receives every denoiser parameter and buffer of rank 0 once at start-up (so both
-ranks hold identical weights whatever each loaded) and again after every applied weight-update flush.
+- CFG-parallel (`MODE_CFG_PARALLEL`, N = 2): for every CFG forward rank 0 broadcasts the step's
+  unconditional inputs (latents, sigmas, negative conditioning), computes the conditional branch itself while
+  rank 1 computes the unconditional one, receives rank 1's velocity by a broadcast rooted at rank 1, and
+  combines them with `combine_cfg` exactly as the family's doubled batch would. Each branch is the family's
+  own `predict_velocity` with guidance off, so no family code changes; only families whose CFG is the plain
+  `combine_cfg` of two forwards with the conditioning split by its `negative_` prefix qualify (sd3 today,
+  `CFG_PARALLEL_KEYS`).
+- sequence parallel (`MODE_SEQUENCE_PARALLEL`, any N): rank 0 broadcasts every forward's whole input
+  (guidance, conditioning key names, latents, sigmas, conditioning) and all ranks run the same forward on
+  their share of the tokens (sequence_parallel.py); the velocity is gathered inside it.
+
+Weights: the followers receive every denoiser parameter and buffer of rank 0 once at start-up (so all ranks
+hold identical weights whatever each loaded) and again after every applied weight-update flush.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import multiprocessing
 import os
 import socket
@@ -47,22 +54,49 @@ GROUP_TIMEOUT = timedelta(days=7)
 STARTUP_TIMEOUT_S = 600.0
 
 # ---- the header: one int64 vector of fixed fields --------------------------------------------------------
-CMD_STOP, CMD_FORWARD, CMD_SYNC_WEIGHTS, CMD_RELEASE_MEMORY, CMD_RESUME_MEMORY = range(5)
+CMD_STOP, CMD_FORWARD, CMD_SYNC_WEIGHTS, CMD_RELEASE_MEMORY, CMD_RESUME_MEMORY, CMD_SP_FORWARD = range(6)
 MAX_DIMS = 6
-MAX_TENSORS = 8
+MAX_TENSORS = 12
 TENSOR_FIELDS = 2 + MAX_DIMS  # dtype code, ndim, dims (zero-padded)
 # command, count (tensors of a forward / parameters of a weight sync), height, width, num_frames, fps in 1/1000
 # (-1: none), then MAX_TENSORS tensor descriptors
 HEAD_FIELDS = 6
 HEADER_LEN = HEAD_FIELDS + MAX_TENSORS * TENSOR_FIELDS
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool, torch.float64, torch.uint8)
+
+MODE_CFG_PARALLEL = "cfg"
+MODE_SEQUENCE_PARALLEL = "sequence"
 
 
 def check_cfg_parallel_family(family_name: str) -> tuple[str, ...]:
     if family_name not in CFG_PARALLEL_KEYS:
         raise MilesUserError(f"--rollout-num-gpus-per-engine 2 (CFG-parallel engine) supports the families "
-                             f"{sorted(CFG_PARALLEL_KEYS)}, not {family_name!r}")
+                             f"{sorted(CFG_PARALLEL_KEYS)}, not {family_name!r}; --sglang-ulysses-degree 2 makes it "
+                             "a sequence-parallel engine instead")
     return CFG_PARALLEL_KEYS[family_name]
+
+
+def engine_parallel_mode(tp_size: int, ulysses_degree: int, family_name: str) -> str | None:
+    """How an engine of `tp_size` processes splits its forwards (ServerArgs.ulysses_degree): None for one process,
+    MODE_CFG_PARALLEL or MODE_SEQUENCE_PARALLEL; an impossible combination is a MilesUserError naming the flags."""
+    flags = f"--rollout-num-gpus-per-engine {tp_size} with --sglang-ulysses-degree {ulysses_degree}"
+    if ulysses_degree < 0:
+        raise MilesUserError(f"--sglang-ulysses-degree {ulysses_degree} must be >= 0")
+    if tp_size == 1:
+        if ulysses_degree > 1:
+            raise MilesUserError(f"{flags}: a sequence-parallel degree needs that many GPUs per engine")
+        return None
+    if ulysses_degree == tp_size:
+        return MODE_SEQUENCE_PARALLEL
+    if ulysses_degree == 1:
+        if tp_size != 2:
+            raise MilesUserError(f"{flags}: a CFG-parallel engine has exactly 2 GPUs (one per CFG branch)")
+        check_cfg_parallel_family(family_name)
+        return MODE_CFG_PARALLEL
+    if ulysses_degree == 0:
+        return MODE_CFG_PARALLEL if tp_size == 2 and family_name in CFG_PARALLEL_KEYS else MODE_SEQUENCE_PARALLEL
+    raise MilesUserError(f"{flags}: CFG-parallel and sequence parallel in one engine are not implemented; set "
+                         f"--sglang-ulysses-degree to {tp_size} (sequence parallel), 1 (CFG-parallel, 2 GPUs) or 0 (auto)")
 
 
 def split_conditioning(conditioning: Mapping[str, torch.Tensor], keys: tuple[str, ...]):
@@ -130,52 +164,119 @@ def _sync_weights(group: _Group, modules: Mapping[str, nn.Module]) -> None:
         _broadcast(group, tensor, root=0)
 
 
-class CfgParallelLeader:
-    """Rank 0's side: starts the follower, ships it the unconditional half of each CFG forward."""
+def _guidance_tensor(guidance: GuidanceConfig) -> torch.Tensor:
+    nan = float("nan")
+    values = (guidance.guidance_scale, guidance.guidance_scale_2, guidance.true_cfg_scale)
+    return torch.tensor([nan if v is None else v for v in values], dtype=torch.float64)
 
-    def __init__(self, server_args, device: torch.device):
+
+def _guidance_from(tensor: torch.Tensor) -> GuidanceConfig:
+    scale, scale_2, true_cfg = (float(v) for v in tensor.cpu())
+    return GuidanceConfig(guidance_scale=scale, guidance_scale_2=None if math.isnan(scale_2) else scale_2,
+                          true_cfg_scale=None if math.isnan(true_cfg) else true_cfg)
+
+
+class FollowerGroup:
+    """Rank 0's side of a multi-process engine: starts the followers (ranks 1..N-1) and drives them.
+
+    `mode` MODE_CFG_PARALLEL: one follower computes the unconditional half of each CFG forward.
+    `mode` MODE_SEQUENCE_PARALLEL: `world_size` - 1 followers run every forward with rank 0 (sequence_parallel.py).
+    """
+
+    def __init__(self, server_args, device: torch.device, mode: str = MODE_CFG_PARALLEL, world_size: int = 2):
         self.keys: tuple[str, ...] = ()  # known once rank 0 has loaded its family (connect)
+        self.mode = mode
+        self.world_size = world_size
         self.device = device
         self.backend = "nccl" if device.type == "cuda" else "gloo"
-        follower_device = f"cuda:{device.index + 1}" if device.type == "cuda" else "cpu"
-        follower_args = dataclasses.replace(server_args, tp_size=1, device=follower_device, url_file=None, port=0)
-        # bound now, served by the store in connect(): the follower can start and load meanwhile
+        # bound now, served by the store in connect(): the followers can start and load meanwhile
         self._listen_socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listen_socket.bind(("127.0.0.1", 0))
         self._listen_socket.listen()
         port = self._listen_socket.getsockname()[1]
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=follower_main, args=(follower_args, port, self.backend, os.getpid()),
-            name="miles-cfg-follower", daemon=True,
-        )
-        self.process.start()
+        context = multiprocessing.get_context("spawn")
+        self.processes = []
+        for rank in range(1, world_size):
+            follower_device = f"cuda:{device.index + rank}" if device.type == "cuda" else "cpu"
+            follower_args = dataclasses.replace(server_args, tp_size=1, ulysses_degree=0, device=follower_device,
+                                                url_file=None, port=0)
+            process = context.Process(
+                target=follower_main, args=(follower_args, port, self.backend, os.getpid(), rank, world_size, mode),
+                name=f"miles-{mode}-follower-{rank}", daemon=True,
+            )
+            process.start()
+            self.processes.append(process)
         self.group: _Group | None = None
 
+    @property
+    def process(self) -> multiprocessing.Process:
+        """The first follower (the only one of a CFG-parallel engine)."""
+        return self.processes[0]
+
     def connect(self, family_name: str, modules: Mapping[str, nn.Module]) -> None:
-        """Join the group (waits for the follower to load) and give it rank 0's weights."""
-        self.keys = check_cfg_parallel_family(family_name)
+        """Join the group (waits for the followers to load) and give them rank 0's weights."""
+        if self.mode == MODE_CFG_PARALLEL:
+            self.keys = check_cfg_parallel_family(family_name)
         began = time.perf_counter()
-        self.group = _connect("127.0.0.1", self._listen_socket.getsockname()[1], 0, 2, "cfg-parallel", self.backend,
-                              GROUP_TIMEOUT, self.device, listen_socket=self._listen_socket)
+        self.group = self._join_followers()
         self.sync_weights(modules)
-        logger.info("CFG-parallel follower (pid %d) joined in %.1fs", self.process.pid, time.perf_counter() - began)
+        logger.info("%s-parallel followers (pids %s) joined in %.1fs", self.mode, [p.pid for p in self.processes],
+                    time.perf_counter() - began)
+
+    def _join_followers(self) -> _Group:
+        """Host the group's rendezvous on a thread while watching the followers: one that dies while loading
+        (its error is in the engine log) fails the start-up instead of leaving rank 0 waiting for it."""
+        joined: dict[str, object] = {}
+
+        def host() -> None:
+            try:
+                joined["group"] = _connect("127.0.0.1", self._listen_socket.getsockname()[1], 0, self.world_size,
+                                           f"{self.mode}-parallel", self.backend, GROUP_TIMEOUT, self.device,
+                                           listen_socket=self._listen_socket)
+            except BaseException as err:  # re-raised on the caller's thread
+                joined["error"] = err
+
+        thread = threading.Thread(target=host, name=f"miles-{self.mode}-parallel-join", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while thread.is_alive():
+            thread.join(timeout=0.5)
+            dead = [p for p in self.processes if not p.is_alive()]
+            if thread.is_alive() and dead:
+                raise RuntimeError(f"{self.mode}-parallel follower {dead[0].name} exited with code {dead[0].exitcode} "
+                                   "during start-up; its error is in the engine log above")
+            if thread.is_alive() and time.monotonic() > deadline:
+                raise RuntimeError(f"{self.mode}-parallel followers did not join within {STARTUP_TIMEOUT_S:.0f}s")
+        if "error" in joined:
+            raise joined["error"]
+        return joined["group"]
 
     def _send_header(self, header: torch.Tensor) -> None:
         _broadcast(self.group, header.to(self.device), root=0)
 
+    def _send(self, command: int, shape: GenerationShape, tensors: tuple[torch.Tensor, ...]) -> None:
+        tensors = tuple(t.to(self.device).contiguous() for t in tensors)
+        self._send_header(_encode_header(command, len(tensors), shape, tensors))
+        for tensor in tensors:
+            _broadcast(self.group, tensor, root=0)
+
     def send_unconditional(self, latents: torch.Tensor, sigmas: torch.Tensor,
                            negative: Mapping[str, torch.Tensor], shape: GenerationShape) -> None:
         """Start the follower's unconditional forward; `receive_unconditional` collects it."""
-        tensors = (latents, sigmas, *(negative[key] for key in self.keys))
-        tensors = tuple(t.contiguous() for t in tensors)
-        self._send_header(_encode_header(CMD_FORWARD, len(tensors), shape, tensors))
-        for tensor in tensors:
-            _broadcast(self.group, tensor, root=0)
+        self._send(CMD_FORWARD, shape, (latents, sigmas, *(negative[key] for key in self.keys)))
 
     def receive_unconditional(self, like: torch.Tensor) -> torch.Tensor:
         velocity = torch.empty_like(like, dtype=torch.float32, memory_format=torch.contiguous_format)
         _broadcast(self.group, velocity, root=1)
         return velocity
+
+    def send_forward(self, latents: torch.Tensor, sigmas: torch.Tensor, conditioning: Mapping[str, torch.Tensor],
+                     guidance: GuidanceConfig, shape: GenerationShape) -> None:
+        """Sequence parallel: start every follower on this forward; rank 0 then runs it too."""
+        keys = sorted(conditioning)
+        names = torch.tensor(list(",".join(keys).encode("ascii")), dtype=torch.uint8)
+        tensors = (_guidance_tensor(guidance), names, latents, sigmas, *(conditioning[key] for key in keys))
+        self._send(CMD_SP_FORWARD, shape, tensors)
 
     def sync_weights(self, modules: Mapping[str, nn.Module]) -> None:
         tensors = _denoiser_tensors(modules)
@@ -192,16 +293,18 @@ class CfgParallelLeader:
         if self.group is not None:
             try:
                 self._send_header(_encode_header(CMD_STOP))
-            except RuntimeError as err:  # the follower is already gone; nothing left to stop
-                logger.warning("CFG-parallel follower stop: %s", err)
-            self.process.join(timeout=30)
+            except RuntimeError as err:  # a follower is already gone; nothing left to stop
+                logger.warning("%s-parallel follower stop: %s", self.mode, err)
+            for process in self.processes:
+                process.join(timeout=30)
             self.group.close()
             self.group = None
         if self._listen_socket.fileno() != -1:  # never handed to a store: connect() did not run
             self._listen_socket.close()
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(timeout=10)
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=10)
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -212,15 +315,34 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(1.0)
 
 
-def follower_main(server_args, port: int, backend: str, parent_pid: int) -> None:
-    """Rank 1: load the pipeline, join the group, then serve commands until CMD_STOP."""
-    from miles.engine.model_runner import ModelRunner  # the follower is a plain 1-device runner
+def _drop_all_but_denoisers(runner) -> None:
+    """A follower only runs the denoisers: free its text encoders and VAE (a Wan UMT5-XXL is ~11 GB in bf16)."""
+    for name in runner.pipeline_modules():
+        if name not in runner.modules:
+            setattr(runner.pipe, name, None)
+    if runner.device.type == "cuda":
+        torch.cuda.empty_cache()
 
-    logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s cfg-follower %(levelname)s %(message)s")
+
+def follower_main(server_args, port: int, backend: str, parent_pid: int, rank: int = 1, world_size: int = 2,
+                  mode: str = MODE_CFG_PARALLEL) -> None:
+    """Rank 1..N-1: load the pipeline, join the group, then serve commands until CMD_STOP."""
+    from miles.engine.model_runner import ModelRunner  # the follower is a plain 1-device runner
+    from miles.engine import sequence_parallel as sp
+
+    logging.basicConfig(level=server_args.log_level.upper(),
+                        format=f"%(asctime)s {mode}-follower-{rank} %(levelname)s %(message)s")
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     runner = ModelRunner(server_args)
-    keys = check_cfg_parallel_family(runner.family.family)
-    group = _connect("127.0.0.1", port, 1, 2, "cfg-parallel", backend, GROUP_TIMEOUT, runner.device)
+    _drop_all_but_denoisers(runner)
+    keys: tuple[str, ...] = ()
+    if mode == MODE_CFG_PARALLEL:
+        keys = check_cfg_parallel_family(runner.family.family)
+    else:
+        layouts = sp.sequence_parallel_layouts(runner.family, runner.modules, world_size)
+    group = _connect("127.0.0.1", port, rank, world_size, f"{mode}-parallel", backend, GROUP_TIMEOUT, runner.device)
+    if mode == MODE_SEQUENCE_PARALLEL:
+        sp.install_sequence_parallel(layouts, runner.modules, sp.UlyssesComm(group))
     unguided = GuidanceConfig(guidance_scale=1.0)  # scale 1: the family runs one plain branch
     try:
         while True:
@@ -230,16 +352,22 @@ def follower_main(server_args, port: int, backend: str, parent_pid: int) -> None
             command, count = int(header[0]), int(header[1])
             if command == CMD_STOP:
                 break
-            if command == CMD_FORWARD:
+            if command in (CMD_FORWARD, CMD_SP_FORWARD):
                 tensors = []
                 for dtype, shape in _decode_tensor_specs(header, count):
                     tensor = torch.empty(shape, dtype=dtype, device=runner.device)
                     _broadcast(group, tensor, root=0)
                     tensors.append(tensor)
-                latents, sigmas, *conditioning = tensors
-                velocity = runner.predict(latents, sigmas, dict(zip(keys, conditioning)), unguided,
-                                          _decode_shape(header))
-                _broadcast(group, velocity.float().contiguous(), root=1)
+                if command == CMD_FORWARD:
+                    latents, sigmas, *conditioning = tensors
+                    velocity = runner.predict(latents, sigmas, dict(zip(keys, conditioning)), unguided,
+                                              _decode_shape(header))
+                    _broadcast(group, velocity.float().contiguous(), root=1)
+                else:  # the velocity is gathered inside the forward; rank 0 keeps it
+                    guidance, names, latents, sigmas, *conditioning = tensors
+                    names = bytes(names.cpu().tolist()).decode("ascii").split(",")
+                    runner.predict(latents, sigmas, dict(zip(names, conditioning)), _guidance_from(guidance),
+                                   _decode_shape(header))
             elif command == CMD_SYNC_WEIGHTS:
                 expected = len(_denoiser_tensors(runner.modules))
                 if count != expected:
@@ -251,6 +379,6 @@ def follower_main(server_args, port: int, backend: str, parent_pid: int) -> None
             elif command == CMD_RESUME_MEMORY:
                 runner.resume_memory()
             else:
-                raise RuntimeError(f"unknown CFG-parallel command {command}")
+                raise RuntimeError(f"unknown {mode}-parallel command {command}")
     finally:
         group.close()

@@ -23,11 +23,23 @@ import torch
 from torch import nn
 
 from miles.diffusion.sde import SdeStepBackend, build_sde_backend, ode_step
-from miles.engine.cfg_parallel import CfgParallelLeader, check_cfg_parallel_family, split_conditioning
+from miles.engine.cfg_parallel import (
+    MODE_CFG_PARALLEL,
+    MODE_SEQUENCE_PARALLEL,
+    FollowerGroup,
+    engine_parallel_mode,
+    split_conditioning,
+)
 from miles.engine.patches import apply_patch_groups
 from miles.engine.protocol import GenerateRequest, GenerateResponse, ProtocolError, SampleResult
+from miles.engine.sequence_parallel import (
+    UlyssesComm,
+    check_sequence_length,
+    install_sequence_parallel,
+    sequence_parallel_layouts,
+)
 from miles.engine.server_args import ServerArgs
-from miles.models.base import GenerationShape, TrainPipelineConfig
+from miles.models.base import GenerationShape, SequenceParallelLayout, TrainPipelineConfig
 from miles.models.batch_invariant import predict_velocity_in_tiles
 from miles.models.common import build_train_pipeline_config, combine_cfg, generators_from_seeds, parse_dtype
 from miles.utils.compile import compile_blocks
@@ -84,6 +96,16 @@ def _conditioning_signature(conditioning: Mapping[str, torch.Tensor]) -> tuple:
     return tuple(sorted((key, tuple(value.shape[1:]), value.dtype) for key, value in conditioning.items()))
 
 
+def padded_batch_size(batch: int, compiled: set[int], max_batch_size: int) -> int:
+    """The batch size a compiled engine forwards `batch` samples at: a size it already compiled when one fits
+    within twice the next power of two (padding costs at most one doubled forward; a new graph costs seconds, and
+    a rollout whose requests arrive in two waves ends with half-size steps), else that power of two (at most
+    `max_batch_size`, or `batch` when larger)."""
+    bucket = min(max(max_batch_size, batch), 1 << (batch - 1).bit_length())
+    fitting = [size for size in compiled if batch <= size <= 2 * bucket]
+    return min(fitting) if fitting else bucket
+
+
 class ModelRunner:
     """Owns the pipeline, the denoiser modules and the weight version of one engine."""
 
@@ -91,26 +113,27 @@ class ModelRunner:
         """`loaded`: an already built (family, pipeline) to serve instead of loading `model_path`."""
         self.server_args = server_args
         self.device = resolve_device(server_args.device)
-        if server_args.tp_size > 2:
-            if self.device.type == "cuda":
-                raise MilesUserError(
-                    f"--rollout-num-gpus-per-engine {server_args.tp_size}: engines spanning more than 2 GPUs (tensor "
-                    "or sequence parallel) are not implemented yet; use 1 or 2 (CFG-parallel) GPUs per engine"
-                )
-            logger.info("tp_size %d on a CPU engine: one process serves the whole slot", server_args.tp_size)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", server_args.base_gpu_id)
             torch.cuda.set_device(self.device)
-        # tp_size 2: a follower process computes the unconditional CFG branch (cfg_parallel.py); started first so
-        # it loads while this process does
-        self.cfg_parallel: CfgParallelLeader | None = None
-        if server_args.tp_size == 2:
-            if loaded is not None:
-                check_cfg_parallel_family(loaded[0].family)
-            self.cfg_parallel = CfgParallelLeader(server_args, self.device)
         self.dtype = parse_dtype(server_args.dtype)
         self.generator_device = self._resolve_generator_device(server_args.generator_device)
-        self.family, self.pipe = loaded if loaded is not None else self._load(server_args)
+        # tp_size > 1: followers (cfg_parallel.py) run beside this process, rank 0; started before loading when the
+        # family is known without loading, so they load while this process does
+        self.cfg_parallel: FollowerGroup | None = None  # CFG-parallel: the unconditional branch on rank 1
+        self.sequence_parallel: FollowerGroup | None = None  # sequence parallel: every forward on N ranks
+        family = loaded[0] if loaded is not None else None
+        if family is None and server_args.tp_size > 1 and not server_args.pipeline_builder_path:
+            family = self._build_family(server_args)
+        if family is not None:
+            self._start_followers(family.family)
+        try:
+            self.family, self.pipe = loaded if loaded is not None else self._load(server_args, family)
+            if self.cfg_parallel is None and self.sequence_parallel is None:
+                self._start_followers(self.family.family)
+        except BaseException:
+            self.close()
+            raise
         self.module_names: tuple[str, ...] = tuple(self.family.trainable_modules)
         self.modules: dict[str, nn.Module] = {}
         for name in self.module_names:
@@ -119,14 +142,15 @@ class ModelRunner:
                 raise MilesUserError(f"the pipeline at {server_args.model_path!r} has no denoiser module {name!r}")
             module.eval().requires_grad_(False)
             self.modules[name] = module
-        self.patch_groups = apply_patch_groups(self.modules, server_args.rollout_patch_group)
+        self.patch_groups = apply_patch_groups(self.modules, server_args.rollout_patch_group, self.family)
         if server_args.attention_backend:
             for module in self.modules.values():
                 module.set_attention_backend(server_args.attention_backend)
         self.forward_modules: dict[str, nn.Module] = dict(self.modules)
         if server_args.enable_torch_compile:
             self._compile(server_args.torch_compile_mode)
-        self.pad_batches = bool(server_args.enable_torch_compile)  # see _forward
+        self.pad_batches = bool(server_args.enable_torch_compile)  # see predict
+        self.forward_sizes: set[int] = set()  # the padded batch sizes forwarded so far (compiled graphs)
         if self.device.type == "cuda" and 0 < server_args.forward_tile < 4:
             logger.warning(
                 "DiT forwards run %d sample(s) at a time: the batch_invariant patch group uses the trainer's "
@@ -135,12 +159,47 @@ class ModelRunner:
             )
         self.weight_version = 0
         self._backends: dict[tuple, SdeStepBackend] = {}
-        if self.cfg_parallel is not None:
+        self.sequence_parallel_layouts: dict[str, SequenceParallelLayout] = {}
+        if self._followers is not None:
             try:
-                self.cfg_parallel.connect(self.family.family, self.modules)
+                if self.sequence_parallel is not None:
+                    self.sequence_parallel_layouts = sequence_parallel_layouts(
+                        self.family, self.modules, server_args.tp_size)
+                self._followers.connect(self.family.family, self.modules)
+                if self.sequence_parallel is not None:
+                    install_sequence_parallel(self.sequence_parallel_layouts, self.modules,
+                                              UlyssesComm(self.sequence_parallel.group))
             except BaseException:
-                self.cfg_parallel.close()
+                self.close()
                 raise
+
+    def _start_followers(self, family_name: str) -> None:
+        tp_size = self.server_args.tp_size
+        mode = engine_parallel_mode(tp_size, self.server_args.ulysses_degree, family_name)
+        if mode is None:
+            return
+        if mode == MODE_SEQUENCE_PARALLEL and self.server_args.enable_torch_compile:
+            raise MilesUserError(f"--sglang-enable-torch-compile with a sequence-parallel engine (--rollout-num-gpus-"
+                                 f"per-engine {tp_size}) is not supported yet: its blocks hold collectives; drop one")
+        if self.device.type == "cuda" and self.device.index + tp_size > torch.cuda.device_count():
+            raise MilesUserError(f"--rollout-num-gpus-per-engine {tp_size}: the engine on GPU {self.device.index} "
+                                 f"sees only {torch.cuda.device_count()} GPUs")
+        leader = FollowerGroup(self.server_args, self.device, mode, tp_size)
+        if mode == MODE_CFG_PARALLEL:
+            self.cfg_parallel = leader
+        else:
+            self.sequence_parallel = leader
+        logger.info("%d-process %s-parallel engine", tp_size, mode)
+
+    def parallel_info(self) -> dict:
+        """`GET /server_info`'s `parallel`: how many processes serve this engine and how they split a forward."""
+        followers = self._followers
+        return {"processes": 1 if followers is None else followers.world_size,
+                "mode": None if followers is None else followers.mode}
+
+    @property
+    def _followers(self) -> FollowerGroup | None:
+        return self.cfg_parallel if self.cfg_parallel is not None else self.sequence_parallel
 
     def _compile(self, mode: str | None) -> None:
         """Compile each transformer block in place (miles/utils/compile.py); a module whose family lists no
@@ -162,24 +221,28 @@ class ModelRunner:
             return self.device  # the engine's own GPU
         return device
 
-    def _load(self, server_args: ServerArgs) -> tuple[TrainPipelineConfig, Any]:
+    def _load(self, server_args: ServerArgs, family: TrainPipelineConfig | None) -> tuple[TrainPipelineConfig, Any]:
         if server_args.pipeline_builder_path:
             builder = load_function(server_args.pipeline_builder_path, "--pipeline-builder-path", required_params=1)
             family, pipe = builder(server_args)
             return family, pipe
+        family = family if family is not None else self._build_family(server_args)
+        pipe = family.load_pipeline(server_args.model_path, self.dtype, self.device)
+        return family, pipe
+
+    def _build_family(self, server_args: ServerArgs) -> TrainPipelineConfig:
+        """The family of `model_path` (reads its model_index.json, loads no weights)."""
         path = server_args.model_path
         if not path:
             raise MilesUserError("the engine needs --model-path (a diffusers pipeline folder or hub id)")
         if (os.path.isabs(path) or path.startswith((".", "~"))) and not os.path.exists(os.path.expanduser(path)):
             raise MilesUserError(f"--model-path {path!r} does not exist")
-        family = build_train_pipeline_config(
+        return build_train_pipeline_config(
             server_args.model_path,
             diffusion_model_family=server_args.model_family,
             train_pipeline_config_path=server_args.train_pipeline_config_path,
             model_backend_path=server_args.model_backend_path,
         )
-        pipe = family.load_pipeline(server_args.model_path, self.dtype, self.device)
-        return family, pipe
 
     # ---- one request ------------------------------------------------------------------------------------
     def _backend(self, request: GenerateRequest) -> SdeStepBackend:
@@ -211,6 +274,11 @@ class ModelRunner:
         generators = generators_from_seeds(seeds, device=self.generator_device)
         latents = self.family.prepare_latents(self.pipe, shape, generators, self.dtype)
         latents = latents.to(device=self.device, dtype=torch.float32)
+        for layout in self.sequence_parallel_layouts.values():
+            try:
+                check_sequence_length(layout, tuple(latents.shape[1:]), self.server_args.tp_size)
+            except ValueError as err:
+                raise ProtocolError(str(err)) from err
         trajectory = Trajectory(
             request=request,
             shape=shape,
@@ -282,6 +350,9 @@ class ModelRunner:
         while this process computes the conditional one; `combine_cfg` joins them as the family's doubled batch
         would."""
         guidance, shape = first.request.guidance, first.shape
+        if self.sequence_parallel is not None:  # every rank runs this forward on its share of the tokens
+            self.sequence_parallel.send_forward(latents, sigmas, conditioning, guidance, shape)
+            return self.predict(latents, sigmas, conditioning, guidance, shape)
         if self.cfg_parallel is None or not self.family.uses_cfg(guidance):
             return self.predict(latents, sigmas, conditioning, guidance, shape)
         positive, negative = split_conditioning(conditioning, self.cfg_parallel.keys)
@@ -293,9 +364,9 @@ class ModelRunner:
     def predict(self, latents, sigmas, conditioning, guidance: GuidanceConfig, shape: GenerationShape) -> torch.Tensor:
         """The family's velocity forward (fp32 out). With the batch_invariant group, in tiles of exactly
         `forward_tile` samples (the trainer's; miles/models/batch_invariant.py). Otherwise, with torch.compile, the
-        batch is padded (repeating its last sample) to the next power of two, so a compiled engine sees a handful
-        of shapes instead of recompiling for every batch size that concurrent requests happen to form; samples
-        never interact in a DiT, the padding is dropped."""
+        batch is padded (repeating its last sample; `padded_batch_size`), so a compiled engine sees a handful of
+        shapes instead of recompiling for every batch size that concurrent requests happen to form; samples never
+        interact in a DiT, the padding is dropped."""
         if self.server_args.forward_tile:
             return predict_velocity_in_tiles(
                 self.family, self.forward_modules, latents, sigmas, conditioning, guidance,
@@ -304,7 +375,8 @@ class ModelRunner:
         batch = latents.shape[0]
         padded = batch
         if self.pad_batches:
-            padded = min(max(self.server_args.max_batch_size, batch), 1 << (batch - 1).bit_length())
+            padded = padded_batch_size(batch, self.forward_sizes, self.server_args.max_batch_size)
+            self.forward_sizes.add(padded)
         if padded > batch:
             extra = padded - batch
 
@@ -355,7 +427,8 @@ class ModelRunner:
             if request.sde_step_indices
             else torch.zeros(t.num_samples, 0)
         )
-        conditioning = {key: value.cpu() for key, value in t.conditioning.items()} if training else {}
+        # One prompt per request: every sample's conditioning is the same row, sent (and kept) once.
+        conditioning = {key: value[0].to("cpu", copy=True) for key, value in t.conditioning.items()} if training else {}
         final = t.latents.cpu()
         debug = {k: v.cpu() for k, v in t.debug_velocities.items()} if request.debug else None
         samples = []
@@ -368,7 +441,7 @@ class ModelRunner:
                     timesteps=timesteps_cpu,
                     sigmas=sigmas_cpu,
                     rollout_log_probs=log_probs[b].clone(),
-                    conditioning={key: value[b].clone() for key, value in conditioning.items()},
+                    conditioning=conditioning,
                     clean_latents=final[b].clone() if training else None,
                     debug_model_outputs=None if debug is None else {k: v[b].clone() for k, v in debug.items()},
                 )
@@ -388,15 +461,16 @@ class ModelRunner:
         )
 
     def weights_updated(self) -> None:
-        """After a weight update's flush: a CFG-parallel follower receives the denoisers' new values."""
-        if self.cfg_parallel is not None:
-            self.cfg_parallel.sync_weights(self.modules)
+        """After a weight update's flush: the followers (CFG- or sequence-parallel) receive the new values."""
+        if self._followers is not None:
+            self._followers.sync_weights(self.modules)
 
     def close(self) -> None:
-        """Stop the CFG-parallel follower, if any."""
-        if self.cfg_parallel is not None:
-            self.cfg_parallel.close()
-            self.cfg_parallel = None
+        """Stop the followers, if any."""
+        followers = self._followers
+        self.cfg_parallel = self.sequence_parallel = None
+        if followers is not None:
+            followers.close()
 
     # ---- memory -----------------------------------------------------------------------------------------
     def pipeline_modules(self) -> dict[str, nn.Module]:
@@ -408,8 +482,8 @@ class ModelRunner:
         """Move every component to the host and return the cached device memory (colocated runs)."""
         if self.device.type != "cuda":
             return
-        if self.cfg_parallel is not None:
-            self.cfg_parallel.release_memory()
+        if self._followers is not None:
+            self._followers.release_memory()
         for module in self.pipeline_modules().values():
             module.to("cpu")
         torch.cuda.synchronize()
@@ -418,8 +492,8 @@ class ModelRunner:
     def resume_memory(self) -> None:
         if self.device.type != "cuda":
             return
-        if self.cfg_parallel is not None:
-            self.cfg_parallel.resume_memory()
+        if self._followers is not None:
+            self._followers.resume_memory()
         for module in self.pipeline_modules().values():
             module.to(self.device)
         torch.cuda.synchronize()

@@ -13,7 +13,7 @@ Groups:
 - `sgld`: what the sglang-diffusion engine does for flow-matching DiTs: `fp32_norms`.
 - `ltx`: LTX-Video's parity set: `fp32_norms` (its RMSNorm without affine weights is especially sensitive).
 - `batch_invariant`: bitwise engine/trainer parity (miles/models/batch_invariant.py): fixed forward tiles on
-  both sides, the flash SDPA kernel on CUDA, LoRA forwards valued with the merged weight. The default on
+  both sides, one SDPA kernel on CUDA, parameters in the trainer's dtype, LoRA forwards valued with the merged weight. The default on
   eager runs (miles/config/validation.py `_rule_parity`); the trainer applies it too (`TRAINER_PATCH_GROUPS`).
 """
 
@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import nn
 
-from miles.models.batch_invariant import pin_attention
+from miles.models.batch_invariant import cast_parameters_like_fsdp, pin_attention
 from miles.utils.errors import MilesUserError
 
 logger = logging.getLogger(__name__)
@@ -79,15 +79,27 @@ def _patch_math_attention(modules: Mapping[str, nn.Module]) -> None:
 
 
 def _forward_dtype(modules: Mapping[str, nn.Module]) -> torch.dtype:
-    """The engine's forward dtype: the one its denoisers' weights were loaded in."""
-    return next(next(iter(modules.values())).parameters()).dtype
+    """The engine's forward dtype: the one most of its denoisers' weights were loaded in (diffusers keeps a few
+    modules in fp32)."""
+    counts: dict[torch.dtype, int] = {}
+    for module in modules.values():
+        for param in module.parameters():
+            counts[param.dtype] = counts.get(param.dtype, 0) + param.numel()
+    return max(counts, key=counts.get)
+
+
+def _patch_batch_invariant(modules: Mapping[str, nn.Module], family: Any = None) -> None:
+    dtype = _forward_dtype(modules)
+    cast_parameters_like_fsdp(modules, dtype)
+    pin_attention(modules, dtype, family=family)
 
 
 @dataclass(frozen=True)
 class PatchGroup:
     name: str
     description: str
-    apply: Callable[[Mapping[str, nn.Module]], None]
+    apply: Callable[..., None]  # (modules) or, with `takes_family`, (modules, family)
+    takes_family: bool = False
 
 
 PATCH_GROUPS: dict[str, PatchGroup] = {}
@@ -105,8 +117,9 @@ register_patch_group(PatchGroup("ltx", "LTX parity: fp32 norms", _patch_fp32_nor
 register_patch_group(
     PatchGroup(
         "batch_invariant",
-        "bitwise engine/trainer parity: fixed tiles, one attention kernel",
-        lambda modules: pin_attention(modules, _forward_dtype(modules)),
+        "bitwise engine/trainer parity: fixed tiles, one attention kernel, parameters in the trainer's dtype",
+        _patch_batch_invariant,
+        takes_family=True,
     )
 )
 # The groups the trainer applies to its own modules as well; the others are engine-side numerics choices that
@@ -125,10 +138,13 @@ def parse_patch_groups(value: str | Iterable[str] | None) -> list[str]:
     return names
 
 
-def apply_patch_groups(modules: Mapping[str, nn.Module], groups: str | Iterable[str] | None) -> list[str]:
-    """Apply each named group to `modules` (engine and trainer call this with the same value)."""
+def apply_patch_groups(modules: Mapping[str, nn.Module], groups: str | Iterable[str] | None,
+                       family: Any = None) -> list[str]:
+    """Apply each named group to `modules` (engine and trainer call this with the same value); `family` is the
+    modules' `TrainPipelineConfig`, for groups whose choices depend on it."""
     names = parse_patch_groups(groups)
     for name in names:
-        PATCH_GROUPS[name].apply(modules)
+        group = PATCH_GROUPS[name]
+        group.apply(modules, family) if group.takes_family else group.apply(modules)
     return names
 

@@ -179,7 +179,7 @@ class EngineServer:
         def apply() -> dict[str, Any]:
             applied = self.receiver.apply(message)
             if message.flush:
-                self.runner.weights_updated()  # a CFG-parallel follower takes the finished update
+                self.runner.weights_updated()  # CFG- or sequence-parallel followers take the finished update
             return applied
 
         result = await self.scheduler.run_exclusive(apply)
@@ -297,6 +297,7 @@ class EngineServer:
                 "generator_device": str(runner.generator_device),
                 "max_batch_size": self.scheduler.max_batch_size,
                 "patch_groups": runner.patch_groups,
+                "parallel": runner.parallel_info(),
                 "device_identity": self.device_identity,
                 "weights_update_group": self.weight_group.describe() if self.weight_group is not None else None,
                 "compiled": bool(self.server_args.enable_torch_compile),

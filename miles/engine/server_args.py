@@ -73,6 +73,13 @@ class ServerArgs:
     max_request_bytes: int = field(
         default=16 << 20, metadata={"help": "Largest HTTP request body in bytes (larger bodies get 413)."}
     )
+    ulysses_degree: int = field(
+        default=0,
+        metadata={"help": "How an engine of N > 1 GPUs (--rollout-num-gpus-per-engine) splits its forwards: N = "
+                  "sequence parallel (Ulysses) over all N processes, 1 = CFG-parallel (N = 2: the two CFG branches "
+                  "on two processes), 0 = auto (CFG-parallel when N = 2 and the family's CFG splits into two "
+                  "forwards, sequence parallel otherwise)."},
+    )
     crash_after_requests: int = field(
         default=0,
         metadata={"help": "Fault-injection drill: the process dies abruptly when its N-th generate request arrives "

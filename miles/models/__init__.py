@@ -18,10 +18,12 @@ from miles.utils.errors import MilesUserError
 FAMILY_MODULES: dict[str, str] = {
     "sd3": "miles.models.sd3",
     "flux": "miles.models.flux",
+    "flux2": "miles.models.flux2",
     "qwen_image": "miles.models.qwen_image",
     "wan2_2": "miles.models.wan2_2",
     "ltx": "miles.models.ltx",
     "cosmos3": "miles.models.cosmos3",
+    "hunyuan_video": "miles.models.hunyuan_video",
 }
 
 # The diffusers pipeline class a local checkpoint's model_index.json names (`_class_name`) -> family key; each
@@ -30,10 +32,13 @@ FAMILY_MODULES: dict[str, str] = {
 FAMILY_PIPELINE_CLASSES: dict[str, str] = {
     "StableDiffusion3Pipeline": "sd3",
     "FluxPipeline": "flux",
+    "Flux2Pipeline": "flux2",
     "QwenImagePipeline": "qwen_image",
     "WanPipeline": "wan2_2",  # Wan 2.1 T2V and Wan 2.2: one pipeline class, one family
     "LTXPipeline": "ltx",
+    "LTX2Pipeline": "ltx",  # LTX-2: the ltx family reads the generation from the same class name
     "Cosmos3OmniPipeline": "cosmos3",
+    "HunyuanVideo15Pipeline": "hunyuan_video",
 }
 
 # Lowercased substrings of a checkpoint name, checked in order (more specific first).
@@ -53,6 +58,13 @@ FAMILY_NAME_HINTS: tuple[tuple[str, str], ...] = (
     ("cosmos-3", "cosmos3"),
     ("cosmos_3", "cosmos3"),
     ("ltx", "ltx"),
+    ("hunyuanvideo", "hunyuan_video"),  # HunyuanVideo-1.5 (the family refuses other Hunyuan pipelines)
+    ("hunyuan_video", "hunyuan_video"),
+    ("hunyuan-video", "hunyuan_video"),
+    ("flux.2", "flux2"),  # before "flux": FLUX.2 names contain it
+    ("flux2", "flux2"),
+    ("flux-2", "flux2"),
+    ("flux_2", "flux2"),
     ("flux", "flux"),
     ("stable-diffusion-3", "sd3"),
     ("sd3", "sd3"),

@@ -33,6 +33,22 @@ class GenerationShape:
     fps: float | None = None
 
 
+@dataclass(frozen=True)
+class SequenceParallelLayout:
+    """How a sequence-parallel engine splits one denoiser's tokens (miles/engine/sequence_parallel.py).
+
+    `plan`: a diffusers context-parallel plan (`{submodule path: {input: ContextParallelInput}}` splits,
+    `{submodule path: ContextParallelOutput}` gathers). `joint_attention`: the attention modules with SD3's
+    joint [image, text] semantics (`JointAttnProcessor2_0`); `self_attention`: those with Wan's self-attention
+    semantics (`WanAttnProcessor`); every other attention must be token-local (e.g. cross-attention to text).
+    `patch_size`: the DiT's patch over the latent's trailing dims (the token count of a latent size)."""
+
+    plan: Mapping[str, Any]
+    patch_size: tuple[int, ...]
+    joint_attention: tuple[nn.Module, ...] = ()
+    self_attention: tuple[nn.Module, ...] = ()
+
+
 class TrainPipelineConfig(ABC):
     """One model family. Subclasses set the class attributes and implement the methods below."""
 
@@ -42,6 +58,10 @@ class TrainPipelineConfig(ABC):
     trainable_modules: ClassVar[tuple[str, ...]] = ("transformer",)  # --update-weight-target-module default
     default_lora_target_modules: ClassVar[tuple[str, ...]] = ()
     is_video: ClassVar[bool] = False
+    # What the DiT's attention calls need, for the one SDPA kernel the parity group pins (batch_invariant.py):
+    # flash takes no mask, memory-efficient takes no grouped-query attention.
+    attention_uses_mask: ClassVar[bool] = False
+    attention_uses_gqa: ClassVar[bool] = False
     num_train_timesteps: ClassVar[int] = 1000
 
     # ---- loading ------------------------------------------------------------------------------------
@@ -124,6 +144,12 @@ class TrainPipelineConfig(ABC):
             "its TrainPipelineConfig has no encode_images(pipe, pixels, shape)"
         )
 
+    # ---- training ---------------------------------------------------------------------------------
+    def freeze_untrained(self, name: str, module: nn.Module) -> None:
+        """Called by the trainer after it unfreezes module `name` for full fine-tuning: switch off
+        `requires_grad` of the parameters the family never trains (LTX-2's audio branch), so they get no
+        gradients and no optimizer state. The default trains every parameter."""
+
     # ---- parallelism --------------------------------------------------------------------------------
     def transformer_block_lists(self, module: nn.Module) -> list[nn.ModuleList]:
         """The ModuleLists whose blocks FSDP wraps one by one."""
@@ -132,6 +158,10 @@ class TrainPipelineConfig(ABC):
     def context_parallel_plan(self, module: nn.Module) -> dict | None:
         """The diffusers context-parallel plan for sequence parallelism, or None if the family has none."""
         return getattr(module, "_cp_plan", None)
+
+    def sequence_parallel_layout(self, module: nn.Module) -> SequenceParallelLayout | None:
+        """The engine's sequence-parallel split of one denoiser (`--rollout-num-gpus-per-engine N`), or None."""
+        return None
 
 
 FAMILIES: dict[str, type[TrainPipelineConfig]] = {}

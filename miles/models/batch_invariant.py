@@ -9,11 +9,16 @@ sources of difference (docs/sde-backends.md):
 1. **Fixed forward tiles**: both sides run every DiT forward on exactly `tile` samples (the trainer's pairs per
    forward, `--micro-batch-size`), padding the last tile by repeating its last sample. Every kernel then sees
    the same shapes on both sides, and no kernel mixes rows, so a sample's output ignores its neighbours.
-2. **One attention kernel**: on CUDA both sides use one PyTorch SDPA kernel (flash; memory-efficient in fp32),
-   since without a pin the dispatcher may choose differently with and without autograd.
-4. **Buffers in the forward dtype** on the trainer too (`cast_buffers_like_the_engine` in
-   miles/backends/fsdp_utils/parallelize.py): FSDP casts parameters, not buffers such as SD3's positional table.
-3. **LoRA seen as the engine sees it**: the engine runs the merged weight W' = W + s·B·A (rounded to the
+2. **One attention kernel**: on CUDA both sides use one PyTorch SDPA kernel (flash; memory-efficient in fp32 or
+   for families that mask attention; math for fp32 grouped-query attention), since without a pin the dispatcher
+   may choose differently with and without autograd.
+3. **Every tensor in the same dtype on both sides**: FSDP's mixed precision casts every parameter of the trainer
+   to the forward dtype, including those diffusers keeps in fp32 at load time (`_keep_in_fp32_modules`: Wan's
+   norms and modulation tables, Cosmos 3's time embedder), so the engine casts those too
+   (`cast_parameters_like_fsdp`); FSDP casts no buffer, so the trainer casts the ones the engine's load put in the
+   forward dtype (`engine_holds_in_forward_dtype`; `cast_buffers_like_the_engine` in
+   miles/backends/fsdp_utils/parallelize.py), e.g. SD3's positional table, and leaves fp32 rotary tables fp32.
+4. **LoRA seen as the engine sees it**: the engine runs the merged weight W' = W + s·B·A (rounded to the
    forward dtype, `merged_lora_weight`). The trainer's LoRA layers compute the forward value with that same
    W' and take the LoRA gradients from the unmerged path, whose value is added as `lora − lora.detach()`
    (exactly 0), so values match the engine bit for bit and gradients are LoRA's own.
@@ -36,6 +41,7 @@ logger = logging.getLogger(__name__)
 GROUP = "batch_invariant"
 FLASH_ATTENTION_BACKEND = "_native_flash"  # diffusers' name for PyTorch's flash SDPA kernel (fp16/bf16 only)
 EFFICIENT_ATTENTION_BACKEND = "_native_efficient"  # the memory-efficient kernel, which also takes fp32
+MATH_ATTENTION_BACKEND = "_native_math"  # the composite kernel: everything, slowly
 
 
 def predict_velocity_in_tiles(
@@ -68,16 +74,61 @@ def predict_velocity_in_tiles(
     return torch.cat(velocities) if len(velocities) > 1 else velocities[0]
 
 
-def pin_attention(modules: Mapping[str, nn.Module], dtype: torch.dtype, device_type: str | None = None) -> None:
-    """On CUDA, route attention through one SDPA kernel on every module that can choose: flash for 16-bit
-    forwards, memory-efficient for fp32 (flash has no fp32 kernel). Both treat each (sample, head) on its own.
+def pin_attention(modules: Mapping[str, nn.Module], dtype: torch.dtype, device_type: str | None = None,
+                  family: Any = None) -> None:
+    """On CUDA, route attention through one SDPA kernel on every module that can choose (`parity_attention_backend`).
+    Each of them treats every (sample, head) on its own.
 
-    `device_type`: where the modules will run (default: where their parameters are now)."""
-    backend = EFFICIENT_ATTENTION_BACKEND if dtype == torch.float32 else FLASH_ATTENTION_BACKEND
+    `device_type`: where the modules will run (default: where their parameters are now). Diffusers also makes the
+    backend the process-wide default; that default is put back, so other models in the process are unaffected."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    backend = parity_attention_backend(dtype, family)
+    previous = _AttentionBackendRegistry.get_active_backend()[0]
     for module in modules.values():
         on_cuda = device_type == "cuda" if device_type else any(p.is_cuda for p in module.parameters())
         if on_cuda and hasattr(module, "set_attention_backend"):
             module.set_attention_backend(backend)
+    _AttentionBackendRegistry.set_active_backend(previous)
+
+
+def parity_attention_backend(dtype: torch.dtype, family: Any = None) -> str:
+    """Flash for 16-bit forwards; memory-efficient for fp32 (flash has no fp32 kernel) or when the family masks
+    attention (flash takes no mask); math for fp32 grouped-query attention (memory-efficient has none)."""
+    uses_mask = bool(getattr(family, "attention_uses_mask", False))
+    uses_gqa = bool(getattr(family, "attention_uses_gqa", False))
+    if dtype != torch.float32 and not uses_mask:
+        return FLASH_ATTENTION_BACKEND
+    if dtype == torch.float32 and uses_gqa:
+        return MATH_ATTENTION_BACKEND
+    return EFFICIENT_ATTENTION_BACKEND
+
+
+def cast_parameters_like_fsdp(modules: Mapping[str, nn.Module], dtype: torch.dtype) -> int:
+    """Engine side: every floating parameter in `dtype`, as the trainer's FSDP mixed precision computes with them
+    (diffusers' `_keep_in_fp32_modules` would otherwise stay fp32 here and be bf16 there). Returns how many were
+    cast."""
+    count = 0
+    for module in modules.values():
+        for param in module.parameters():
+            if param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+                count += 1
+    if count:
+        logger.info("batch_invariant: %d parameters kept in fp32 by diffusers now run in %s, as in the trainer",
+                    count, dtype)
+    return count
+
+
+def engine_holds_in_forward_dtype(module: nn.Module, owner_name: str, buffer_name: str) -> bool:
+    """Whether a diffusers load in the forward dtype puts this buffer in that dtype: persistent buffers are loaded
+    in `torch_dtype` unless their module is in `_keep_in_fp32_modules`; non-persistent ones (rotary tables built
+    at construction) keep the dtype they were built in."""
+    owner = module.get_submodule(owner_name) if owner_name else module
+    if buffer_name in owner._non_persistent_buffers_set:
+        return False
+    keep = set(getattr(module, "_keep_in_fp32_modules", None) or ())
+    return not keep.intersection(f"{owner_name}.{buffer_name}".split("."))
 
 
 def merged_lora_weight(

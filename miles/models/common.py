@@ -283,6 +283,7 @@ def scheduler_sigmas(
     image_seq_len: int | None = None,
     base_grid: Sequence[float] | None = None,
     default_max_shift: float = 1.15,
+    mu: float | None = None,
 ) -> torch.Tensor:
     """n + 1 fp32 sigmas (terminal 0) as a FlowMatchEulerDiscreteScheduler with this config would give them.
 
@@ -294,6 +295,8 @@ def scheduler_sigmas(
       `linspace(1, 1/n, n)`); None means the scheduler's own grid;
     - `shift_terminal`: the stretch that makes the last non-zero sigma equal that value.
     `default_max_shift` is the default the pipeline's own `calculate_shift` call uses (SD3 passes 1.16).
+    `mu`: the dynamic shift's μ when the pipeline computes it its own way (FLUX.2's empirical μ); it replaces
+    `dynamic_shift_mu(image_seq_len, ...)`.
     """
     from miles.diffusion.schedules import dynamic_shift_mu, flow_match_sigmas
 
@@ -302,7 +305,7 @@ def scheduler_sigmas(
             raise MilesUserError(f"scheduler option {option}=True is not supported by miles' sigma schedules")
     num_train_timesteps = int(scheduler_config.get("num_train_timesteps", 1000))
     dynamic = bool(scheduler_config.get("use_dynamic_shifting")) and flow_shift is None
-    if dynamic:
+    if dynamic and mu is None:
         if image_seq_len is None:
             raise ValueError("a dynamic-shift schedule needs image_seq_len")
         mu = dynamic_shift_mu(
@@ -312,6 +315,7 @@ def scheduler_sigmas(
             base_shift=scheduler_config.get("base_shift", 0.5),
             max_shift=scheduler_config.get("max_shift", default_max_shift),
         )
+    if dynamic:
         shift_type = scheduler_config.get("time_shift_type", "exponential")
         if shift_type not in ("exponential", "linear"):
             raise MilesUserError(f"scheduler time_shift_type {shift_type!r} is not supported")

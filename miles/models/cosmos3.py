@@ -64,6 +64,7 @@ DEFAULT_FPS = 24.0  # Cosmos3OmniPipeline.__call__'s fps default
 @register_family
 class Cosmos3TrainPipelineConfig(DiffusersTrainPipelineConfig):
     family: ClassVar[str] = "cosmos3"
+    attention_uses_gqa: ClassVar[bool] = True
     name_hints: ClassVar[tuple[str, ...]] = ("cosmos3", "cosmos-3", "cosmos_3")
     pipeline_class_name: ClassVar[str] = "Cosmos3OmniPipeline"
     trainable_modules: ClassVar[tuple[str, ...]] = ("transformer",)

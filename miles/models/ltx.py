@@ -1,11 +1,10 @@
-"""LTX-Video (`LTXPipeline`, text-to-video): packed latents [N, C], one T5 encoder.
+"""LTX (text-to-video): LTX-Video 0.9 (`LTXPipeline`) and LTX-2 (`LTX2Pipeline`), one family key `ltx`.
 
-Supported: `LTXPipeline` (LTX-Video 0.9.x text-to-video, e.g. Lightricks/LTX-Video). Not supported: the
-image/condition/long-multi-prompt LTX pipelines (they condition on frames, which a text-prompt RL rollout
-does not provide) and LTX-2 (`LTX2Pipeline`: joint audio + video latents, text connectors, a vocoder and a
-Gemma 3 encoder; a different family, not yet implemented).
+The generation is read from the checkpoint's model_index.json (`self.generation`: "ltx-video" or "ltx2") when
+the pipeline or the trainer's modules load. Not supported: the image/condition/long-multi-prompt pipelines of
+either generation (they condition on frames, which a text-prompt RL rollout does not provide).
 
-Mirrors `LTXPipeline.__call__` (diffusers 0.42):
+LTX-Video 0.9 mirrors `LTXPipeline.__call__` (diffusers 0.42):
 - prompts through T5 padded to `max_sequence_length` (128) tokens, the attention mask kept beside the
   embeddings (the DiT masks padded caption tokens); the negative prompt defaults to "" like diffusers;
 - noise [C, F', H', W'] per sample from its own generator (F' = (F−1)/r_t + 1, H' = H/r_s), packed to
@@ -18,10 +17,34 @@ Mirrors `LTXPipeline.__call__` (diffusers 0.42):
 - decode: unpack, `x·std / scaling_factor + mean`, and for a timestep-conditioned VAE the pipeline's
   default decode timestep 0 (its decode noise scale 0 leaves the latents unchanged); `encode_images` (SFT)
   is the inverse, `(z − mean)·scaling_factor / std`, packed.
+
+LTX-2 mirrors `LTX2Pipeline.__call__` with its guidance off (see below):
+- Gemma 3 hidden states of every layer (left-padded to `max_sequence_length`, default 1024) through the text
+  connectors: `prompt_embeds` (video), `audio_prompt_embeds` and the connectors' `prompt_attention_mask`;
+- one state per sample holds both modalities, flattened and concatenated: the packed video tokens [N_v, C_v]
+  then the packed audio tokens [L, C_a·M'] (L = round(F/fps · sample_rate / hop / 4), M' = mel bins / 4).
+  Noise per sample: video then audio from that sample's generator, as the pipeline draws them;
+- the sigma grid of LTX-Video with μ from the packed video token count; one DiT forward gives both velocities
+  (t = 1000·σ for both streams, `sigma` = t, the pipeline's `use_cross_timestep=True`, fps = `--diffusion-fps`,
+  default 24); the step (Euler, or the SDE kernel) moves the whole state, audio included;
+- guidance: none. The reference trains LTX-2 without CFG at guidance 1.0 (and without the pipeline's STG,
+  modality-isolation guidance and rescale, which all need extra forwards); `--diffusion-guidance-scale` above
+  1 is refused. With `guidance_scale=1, audio_guidance_scale=1, stg_scale=0, audio_stg_scale=0,
+  modality_scale=1, audio_modality_scale=1` the pipeline's loop is this one;
+- the audio branch of the DiT (`audio_*` modules but `audio_to_video_attn`, `video_to_audio_attn`,
+  `av_cross_attn_audio_*`) is frozen in full fine-tuning (`freeze_untrained`) and the default LoRA targets are
+  the video attention only, so its optimizer state is absent; the audio latents still ride in the state (an
+  SDE step noises them and the log-prob's mean covers them: about 2% of the elements at 121 frames 512x768);
+- decode: the video part as LTX-Video (rewards read the sampled frames); the audio is not decoded (no reward
+  reads it). `encode_images` (SFT) gives the video part and an all-zero normalised audio part (the audio VAE's
+  latent mean: SFT rows carry no sound);
+- the recommended step kernel is CPS (`--diffusion-sde-type cps`); miles has no per-family flag default, so
+  the recipe sets it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
@@ -34,6 +57,8 @@ from miles.models.common import (
     combine_cfg,
     encode_with_negative,
     flux_style_base_grid,
+    parse_dtype,
+    pipeline_component,
     randn_per_sample,
     read_model_index,
     scheduler_sigmas,
@@ -44,7 +69,21 @@ from miles.types import GuidanceConfig
 from miles.utils.errors import MilesUserError
 
 LTX_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # self- and cross-attention of every block
+# LTX-2: the video self- and cross-attention only (".attn1.to_q" does not match "audio_attn1.to_q").
+LTX2_LORA_TARGETS = tuple(f"{attn}.{proj}" for attn in ("attn1", "attn2") for proj in LTX_LORA_TARGETS)
 DEFAULT_FRAME_RATE = 25.0  # LTXPipeline.__call__'s frame_rate default
+LTX2_DEFAULT_FRAME_RATE = 24.0  # LTX2Pipeline.__call__'s
+LTX_VIDEO, LTX2 = "ltx-video", "ltx2"
+GENERATIONS = {"LTXPipeline": LTX_VIDEO, "LTX2Pipeline": LTX2}  # supported pipeline class -> generation
+DEFAULT_MAX_SEQUENCE_LENGTH = {LTX_VIDEO: 128, LTX2: 1024}  # the pipelines' defaults (T5 / Gemma tokens)
+REQUIRED_COMPONENTS = {
+    LTX_VIDEO: ("transformer", "vae", "scheduler", "text_encoder", "tokenizer"),
+    LTX2: ("transformer", "vae", "audio_vae", "scheduler", "text_encoder", "tokenizer", "connectors"),
+}
+# Modules of the LTX-2 DiT that only carry the audio stream: frozen (docstring). `audio_to_video_attn` writes into
+# the video stream and stays trainable.
+LTX2_AUDIO_PREFIXES = ("audio_", "video_to_audio_attn", "av_cross_attn_audio_")
+LTX2_VIDEO_STREAM_AUDIO_NAMES = ("audio_to_video_attn",)
 
 
 def pack_latents(latents: torch.Tensor, patch: int, patch_t: int) -> torch.Tensor:
@@ -65,19 +104,46 @@ def unpack_latents(
     return latents.permute(0, 4, 1, 5, 2, 6, 3, 7).flatten(6, 7).flatten(4, 5).flatten(2, 3)
 
 
+def is_ltx2_audio_parameter(name: str) -> bool:
+    """Whether a parameter of `LTX2VideoTransformer3DModel` belongs to its (frozen) audio branch."""
+    parts = name.split(".")
+    if any(part in LTX2_VIDEO_STREAM_AUDIO_NAMES for part in parts):
+        return False
+    return any(part.startswith(LTX2_AUDIO_PREFIXES) for part in parts)
+
+
+@dataclass(frozen=True)
+class AudioLayout:
+    """The LTX-2 audio latent geometry, read from the audio VAE (its config when only the DiT is loaded)."""
+
+    sample_rate: int
+    hop_length: int
+    temporal_ratio: int
+    channels: int
+    latent_mel_bins: int
+
+    def num_frames(self, shape: GenerationShape, fps: float) -> int:
+        """Latent audio frames for a video of `shape.num_frames` at `fps` (`LTX2Pipeline.__call__`'s rounding)."""
+        return round(shape.num_frames / fps * (self.sample_rate / self.hop_length / float(self.temporal_ratio)))
+
+
 @register_family
 class LTXTrainPipelineConfig(DiffusersTrainPipelineConfig):
     family: ClassVar[str] = "ltx"
+    attention_uses_mask: ClassVar[bool] = True  # padded caption tokens
     name_hints: ClassVar[tuple[str, ...]] = ("ltx",)
     pipeline_class_name: ClassVar[str] = "LTXPipeline"
     trainable_modules: ClassVar[tuple[str, ...]] = ("transformer",)
     default_lora_target_modules: ClassVar[tuple[str, ...]] = LTX_LORA_TARGETS
     required_components: ClassVar[tuple[str, ...]] = ("transformer", "vae", "scheduler", "text_encoder", "tokenizer")
     is_video: ClassVar[bool] = True
-    max_sequence_length: ClassVar[int] = 128  # LTXPipeline.__call__'s default T5 length
 
     def __init__(self, model_backend: Any = None) -> None:
         super().__init__(model_backend)
+        self.generation: str | None = None  # LTX_VIDEO or LTX2, from the checkpoint
+        # Text tokens; None = the pipeline's default for the generation (DEFAULT_MAX_SEQUENCE_LENGTH).
+        self.max_sequence_length: int | None = None
+        self.audio: AudioLayout | None = None  # LTX-2 only
         # The VAE's compression ratios and the DiT's patch sizes, read from the checkpoint at load time;
         # predict_velocity needs them to tell the DiT the latent grid.
         self.spatial_ratio: int | None = None
@@ -87,47 +153,94 @@ class LTXTrainPipelineConfig(DiffusersTrainPipelineConfig):
 
     # ---- loading ------------------------------------------------------------------------------------
     def check_pipeline_class(self, path: str) -> None:
-        """Refuse LTX checkpoints of another pipeline (LTX-2, image-to-video) before loading them."""
-        index = read_model_index(path) if self.model_backend is None else None
-        class_name = (index or {}).get("_class_name", self.pipeline_class_name)
-        if class_name.startswith("LTX2"):
+        """Read the generation from the checkpoint's pipeline class; refuse other LTX pipelines before loading."""
+        if self.model_backend is not None:  # configure_pipeline reads the loaded pipeline
+            return
+        index = read_model_index(path)
+        if index is None:  # a hub id: its model_index.json through the hub cache
+            from diffusers import DiffusionPipeline
+
+            index = DiffusionPipeline.load_config(path)
+        self.set_generation(index.get("_class_name"), path)
+
+    def set_generation(self, class_name: str | None, path: str) -> None:
+        if class_name not in GENERATIONS:
             raise MilesUserError(
-                f"--hf-checkpoint {path!r} is an LTX-2 pipeline ({class_name}); LTX-2 (joint audio + video) is not "
-                "supported yet, the ltx family supports LTXPipeline (LTX-Video text-to-video)"
+                f"--hf-checkpoint {path!r} holds a {class_name}; the ltx family supports LTXPipeline (LTX-Video "
+                "text-to-video) and LTX2Pipeline (LTX-2 text-to-video+audio) only, not the image-to-video or "
+                "condition pipelines"
             )
-        if class_name != self.pipeline_class_name:
-            raise MilesUserError(
-                f"--hf-checkpoint {path!r} holds a {class_name}; the ltx family supports {self.pipeline_class_name} "
-                "(LTX-Video text-to-video) only"
-            )
+        self.generation = GENERATIONS[class_name]
+        self.required_components = REQUIRED_COMPONENTS[self.generation]
+        self.default_lora_target_modules = LTX2_LORA_TARGETS if self.generation == LTX2 else LTX_LORA_TARGETS
+
+    @property
+    def is_ltx2(self) -> bool:
+        return self.generation == LTX2
+
+    def pipeline_class(self) -> type:
+        import diffusers
+
+        return diffusers.LTX2Pipeline if self.is_ltx2 else diffusers.LTXPipeline
 
     def load_pipeline(self, path: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> Any:
         self.check_pipeline_class(path)
         return super().load_pipeline(path, dtype, device)
 
     def configure_pipeline(self, pipe: Any) -> None:
+        if self.generation is None:  # --model-backend-path or a hub id: the loaded pipeline's class decides
+            import diffusers
+
+            class_name = type(pipe).__name__
+            for supported in GENERATIONS:  # a subclass of a supported pipeline counts as that pipeline
+                if isinstance(pipe, getattr(diffusers, supported)):
+                    class_name = supported
+            self.set_generation(class_name, "(the loaded pipeline)")
+        if self.is_ltx2:
+            self.audio = AudioLayout(
+                sample_rate=pipe.audio_sampling_rate,
+                hop_length=pipe.audio_hop_length,
+                temporal_ratio=pipe.audio_vae_temporal_compression_ratio,
+                channels=pipe.audio_vae.config.latent_channels,
+                latent_mel_bins=pipe.audio_vae.config.mel_bins // pipe.audio_vae_mel_compression_ratio,
+            )
         self.spatial_ratio = pipe.vae_spatial_compression_ratio
         self.temporal_ratio = pipe.vae_temporal_compression_ratio
         self.patch = pipe.transformer_spatial_patch_size
         self.patch_t = pipe.transformer_temporal_patch_size
 
     def load_modules(self, path: str, names: Sequence[str], dtype: torch.dtype) -> dict[str, nn.Module]:
-        from diffusers import AutoencoderKLLTXVideo
+        from diffusers import AutoencoderKLLTX2Video, AutoencoderKLLTXVideo
 
+        if self.model_backend is not None:  # the backend's pipeline says which generation it is, and its sizes
+            pipe = self.model_backend(path, parse_dtype(dtype))
+            self.configure_pipeline(pipe)
+            return {name: pipeline_component(pipe, name, path) for name in names}
         self.check_pipeline_class(path)
         modules = super().load_modules(path, names, dtype)
-        # Only the VAE's compression ratios are needed: read them from its config, as its __init__ does.
-        vae_config = AutoencoderKLLTXVideo.load_config(path, subfolder="vae")
-        scalings = sum(bool(s) for s in vae_config.get("spatio_temporal_scaling", (True, True, True, False)))
+        # Only the VAEs' geometry is needed: read it from their configs, as their __init__ does.
+        vae_class = AutoencoderKLLTX2Video if self.is_ltx2 else AutoencoderKLLTXVideo
+        vae_config = vae_class.load_config(path, subfolder="vae")
+        default_scaling = (True, True, True, True) if self.is_ltx2 else (True, True, True, False)
+        scalings = sum(bool(s) for s in vae_config.get("spatio_temporal_scaling", default_scaling))
         self.spatial_ratio = vae_config.get("spatial_compression_ratio") or vae_config.get("patch_size", 4) * 2**scalings
         self.temporal_ratio = (
             vae_config.get("temporal_compression_ratio") or vae_config.get("patch_size_t", 1) * 2**scalings
         )
+        if self.is_ltx2:
+            self.audio = audio_layout_from_config(path)
         transformer = modules.get("transformer")
         if transformer is not None:
             self.patch = transformer.config.patch_size
             self.patch_t = transformer.config.patch_size_t
         return modules
+
+    def freeze_untrained(self, name: str, module: nn.Module) -> None:
+        """LTX-2: the DiT's audio branch stays frozen in full fine-tuning (no gradients, no optimizer state)."""
+        if self.is_ltx2 and name == "transformer":
+            for param_name, param in module.named_parameters():
+                if is_ltx2_audio_parameter(param_name):
+                    param.requires_grad_(False)
 
     # ---- conditioning -------------------------------------------------------------------------------
     def encode_prompt(
@@ -139,15 +252,41 @@ class LTXTrainPipelineConfig(DiffusersTrainPipelineConfig):
         *,
         shape: GenerationShape | None = None,
     ) -> dict[str, torch.Tensor]:
-        """`prompt_embeds` [B, 128, D] + `prompt_attention_mask` [B, 128] (bool); with CFG the negatives too."""
+        """LTX-Video: `prompt_embeds` [B, 128, D] + `prompt_attention_mask` [B, 128] (bool); with CFG the negatives
+        too. LTX-2: the connectors' `prompt_embeds` [B, L, D_v], `audio_prompt_embeds` [B, L, D_a] and
+        `prompt_attention_mask` [B, L] (no CFG)."""
+        length = self.text_length()
+        if self.is_ltx2:
+            self.check_no_cfg(guidance)
+
+            def encode_ltx2(batch: list[str]) -> dict[str, torch.Tensor]:
+                embeds, mask, _, _ = pipe.encode_prompt(
+                    prompt=batch, do_classifier_free_guidance=False, max_sequence_length=length
+                )
+                padding_side = getattr(pipe.tokenizer, "padding_side", "left")
+                video, audio, connector_mask = pipe.connectors(embeds, mask, padding_side=padding_side)
+                return {"prompt_embeds": video, "audio_prompt_embeds": audio, "prompt_attention_mask": connector_mask}
+
+            return encode_with_negative(encode_ltx2, prompts, negative_prompt, cfg=False)
 
         def encode(batch: list[str]) -> dict[str, torch.Tensor]:
             embeds, mask, _, _ = pipe.encode_prompt(
-                prompt=batch, do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length
+                prompt=batch, do_classifier_free_guidance=False, max_sequence_length=length
             )
             return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
 
         return encode_with_negative(encode, prompts, negative_prompt, guidance.scale > 1.0)
+
+    def text_length(self) -> int:
+        return self.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH[self.generation or LTX_VIDEO]
+
+    @staticmethod
+    def check_no_cfg(guidance: GuidanceConfig) -> None:
+        if guidance.do_cfg:
+            raise MilesUserError(
+                f"--diffusion-guidance-scale {guidance.scale:g}: LTX-2 trains and samples without CFG (the reference "
+                "setup, guidance 1.0); pass --diffusion-guidance-scale 1.0"
+            )
 
     # ---- schedule and latents -----------------------------------------------------------------------
     def latent_grid(self, shape: GenerationShape) -> tuple[int, int, int]:
@@ -158,23 +297,26 @@ class LTXTrainPipelineConfig(DiffusersTrainPipelineConfig):
         if shape.num_frames < 1 or (shape.num_frames - 1) % (temporal * self.patch_t):
             raise MilesUserError(
                 f"--diffusion-output-num-frames {shape.num_frames} must be {temporal * self.patch_t}·k + 1 "
-                "for LTX-Video "
+                "for LTX "
                 f"(e.g. 1, {temporal * self.patch_t + 1}, 121)"
             )
         multiple = max(spatial * self.patch, 32)  # LTXPipeline.check_inputs asks for multiples of 32
         if shape.height % multiple or shape.width % multiple:
             raise MilesUserError(
-                f"--diffusion-height/width {shape.height}x{shape.width} must be multiples of {multiple} for LTX-Video"
+                f"--diffusion-height/width {shape.height}x{shape.width} must be multiples of {multiple} for LTX"
             )
         return ((shape.num_frames - 1) // temporal + 1, shape.height // spatial, shape.width // spatial)
 
     def sigmas(self, pipe: Any, num_steps: int, shape: GenerationShape, flow_shift: float | None) -> torch.Tensor:
         frames, height, width = self.latent_grid(shape)
+        tokens = frames * height * width  # LTX-Video: the latent count before patching
+        if self.is_ltx2:
+            tokens //= self.patch_t * self.patch * self.patch  # LTX-2: the packed video token count
         return scheduler_sigmas(
             pipe.scheduler.config,
             num_steps,
             flow_shift=flow_shift,
-            image_seq_len=frames * height * width,  # the pipeline's video_sequence_length (before patching)
+            image_seq_len=tokens,
             base_grid=flux_style_base_grid(num_steps),
         )
 
@@ -183,7 +325,41 @@ class LTXTrainPipelineConfig(DiffusersTrainPipelineConfig):
     ) -> torch.Tensor:
         channels = pipe.transformer.config.in_channels
         noise = randn_per_sample((channels, *self.latent_grid(shape)), generators, device=pipe.transformer.device)
-        return pack_latents(noise, self.patch, self.patch_t)
+        video = pack_latents(noise, self.patch, self.patch_t)
+        if not self.is_ltx2:
+            return video
+        # The same generators continue with the audio noise [C_a, L, M'], as LTX2Pipeline draws it.
+        audio = self.audio_layout()
+        audio_noise = randn_per_sample(
+            (audio.channels, audio.num_frames(shape, self.fps(shape)), audio.latent_mel_bins),
+            generators,
+            device=pipe.transformer.device,
+        )
+        return join_modalities(video, pack_audio_latents(audio_noise))
+
+    # ---- LTX-2 state layout --------------------------------------------------------------------------
+    def fps(self, shape: GenerationShape) -> float:
+        if shape.fps is not None:
+            return shape.fps
+        return LTX2_DEFAULT_FRAME_RATE if self.is_ltx2 else DEFAULT_FRAME_RATE
+
+    def audio_layout(self) -> AudioLayout:
+        if self.audio is None:
+            raise RuntimeError("load the LTX-2 pipeline (or its modules) before asking for audio sizes")
+        return self.audio
+
+    def split_modalities(self, state: torch.Tensor, shape: GenerationShape) -> tuple[torch.Tensor, torch.Tensor]:
+        """An LTX-2 state [B, D] -> (packed video [B, N_v, C_v], packed audio [B, L, C_a·M'])."""
+        frames, height, width = self.latent_grid(shape)
+        video_tokens = frames * height * width // (self.patch_t * self.patch * self.patch)
+        audio = self.audio_layout()
+        audio_frames = audio.num_frames(shape, self.fps(shape))
+        audio_size = audio_frames * audio.channels * audio.latent_mel_bins
+        video_size = state.shape[1] - audio_size
+        if video_size <= 0 or video_size % video_tokens:
+            raise ValueError(f"an LTX-2 state of {state.shape[1]} values does not fit {shape}")
+        video = state[:, :video_size].reshape(state.shape[0], video_tokens, -1)
+        return video, state[:, video_size:].reshape(state.shape[0], audio_frames, -1)
 
     # ---- the denoiser -------------------------------------------------------------------------------
     def predict_velocity(
@@ -199,10 +375,12 @@ class LTXTrainPipelineConfig(DiffusersTrainPipelineConfig):
         transformer = modules["transformer"]
         frames, height, width = self.latent_grid(shape)
         timesteps = self.timesteps_from_sigmas(sigmas.to(device=latents.device, dtype=torch.float32).reshape(-1))
+        if self.is_ltx2:
+            return self.predict_velocity_ltx2(transformer, latents, timesteps, conditioning, guidance, shape, dtype)
         cfg = guidance.scale > 1.0
         keys = ("prompt_embeds", "prompt_attention_mask")
         latents, timesteps, text = cfg_batch_inputs(latents, timesteps, conditioning, keys, cfg)
-        fps = shape.fps if shape.fps is not None else DEFAULT_FRAME_RATE
+        fps = self.fps(shape)
         output = transformer(
             hidden_states=latents.to(dtype),
             encoder_hidden_states=text["prompt_embeds"].to(dtype),
@@ -216,10 +394,46 @@ class LTXTrainPipelineConfig(DiffusersTrainPipelineConfig):
         )[0]
         return combine_cfg(output, guidance.scale) if cfg else output.float()
 
+    def predict_velocity_ltx2(
+        self,
+        transformer: nn.Module,
+        state: torch.Tensor,
+        timesteps: torch.Tensor,
+        conditioning: Mapping[str, torch.Tensor],
+        guidance: GuidanceConfig,
+        shape: GenerationShape,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """One joint forward: the video and audio velocities, joined like the state (fp32)."""
+        self.check_no_cfg(guidance)
+        frames, height, width = self.latent_grid(shape)
+        video, audio = self.split_modalities(state, shape)
+        mask = conditioning["prompt_attention_mask"]
+        video_velocity, audio_velocity = transformer(
+            hidden_states=video.to(dtype),
+            audio_hidden_states=audio.to(dtype),
+            encoder_hidden_states=conditioning["prompt_embeds"].to(dtype),
+            audio_encoder_hidden_states=conditioning["audio_prompt_embeds"].to(dtype),
+            timestep=timesteps,  # fp32 t = 1000·σ, both streams
+            sigma=timesteps,  # the pipeline passes t here too (LTX-2.3's prompt modulation)
+            encoder_attention_mask=mask,
+            audio_encoder_attention_mask=mask,
+            num_frames=frames // self.patch_t,
+            height=height // self.patch,
+            width=width // self.patch,
+            fps=self.fps(shape),
+            audio_num_frames=audio.shape[1],
+            use_cross_timestep=True,  # LTX2Pipeline.__call__'s default
+            return_dict=False,
+        )
+        return join_modalities(video_velocity.float(), audio_velocity.float())
+
     # ---- output -------------------------------------------------------------------------------------
     def decode(self, pipe: Any, latents: torch.Tensor, shape: GenerationShape) -> torch.Tensor:
         vae = pipe.vae
         frames, height, width = self.latent_grid(shape)
+        if self.is_ltx2:
+            latents, _ = self.split_modalities(latents, shape)  # rewards read the frames; the audio is not decoded
         latents = unpack_latents(latents, frames, height, width, self.patch, self.patch_t).to(vae.device)
         mean = vae.latents_mean.view(1, -1, 1, 1, 1).to(latents)
         std = vae.latents_std.view(1, -1, 1, 1, 1).to(latents)
@@ -240,4 +454,43 @@ class LTXTrainPipelineConfig(DiffusersTrainPipelineConfig):
         latents = vae_latent_mean(self, vae, pixels, shape, video_vae=True)
         mean = vae.latents_mean.view(1, -1, 1, 1, 1).to(latents)
         std = vae.latents_std.view(1, -1, 1, 1, 1).to(latents)
-        return pack_latents((latents - mean) * vae.config.scaling_factor / std, self.patch, self.patch_t)
+        video = pack_latents((latents - mean) * vae.config.scaling_factor / std, self.patch, self.patch_t)
+        if not self.is_ltx2:
+            return video
+        audio = self.audio_layout()
+        silent = video.new_zeros(video.shape[0], audio.num_frames(shape, self.fps(shape)), audio.channels * audio.latent_mel_bins)
+        return join_modalities(video, silent)
+
+    def context_parallel_plan(self, module: nn.Module) -> dict | None:
+        """LTX-2: none (its diffusers plan splits the video tokens only; the joint state is not split here)."""
+        return None if self.is_ltx2 else super().context_parallel_plan(module)
+
+
+def pack_audio_latents(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, L, M] -> [B, L, C·M]: every mel bin of a latent frame in one token (`LTX2Pipeline._pack_audio_latents`)."""
+    return latents.transpose(1, 2).flatten(2, 3)
+
+
+def unpack_audio_latents(latents: torch.Tensor, latent_mel_bins: int) -> torch.Tensor:
+    """The inverse of `pack_audio_latents`."""
+    return latents.unflatten(2, (-1, latent_mel_bins)).transpose(1, 2)
+
+
+def join_modalities(video: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
+    """Packed video [B, N_v, C_v] and audio [B, L, C_a·M'] -> one LTX-2 state [B, N_v·C_v + L·C_a·M']."""
+    return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
+
+
+def audio_layout_from_config(path: str) -> AudioLayout:
+    """The audio geometry from `audio_vae/config.json` (what `LTX2Pipeline.__init__` reads off the audio VAE)."""
+    from diffusers import AutoencoderKLLTX2Audio
+    from diffusers.models.autoencoders.autoencoder_kl_ltx2_audio import LATENT_DOWNSAMPLE_FACTOR
+
+    config = AutoencoderKLLTX2Audio.load_config(path, subfolder="audio_vae")
+    return AudioLayout(
+        sample_rate=config.get("sample_rate", 16000),
+        hop_length=config.get("mel_hop_length", 160),
+        temporal_ratio=LATENT_DOWNSAMPLE_FACTOR,
+        channels=config.get("latent_channels", 8),
+        latent_mel_bins=(config.get("mel_bins") or 64) // LATENT_DOWNSAMPLE_FACTOR,
+    )

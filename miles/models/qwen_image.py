@@ -64,6 +64,7 @@ def template_prefix_length(pipe: Any) -> int:
 @register_family
 class QwenImageTrainPipelineConfig(Packed2x2TrainPipelineConfig):
     family: ClassVar[str] = "qwen_image"
+    attention_uses_mask: ClassVar[bool] = True  # padded prompt tokens
     name_hints: ClassVar[tuple[str, ...]] = ("qwen-image", "qwen_image", "qwenimage")
     pipeline_class_name: ClassVar[str] = "QwenImagePipeline"
     trainable_modules: ClassVar[tuple[str, ...]] = ("transformer",)

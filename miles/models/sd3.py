@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 import torch
 from torch import nn
 
-from miles.models.base import GenerationShape, register_family
+from miles.models.base import GenerationShape, SequenceParallelLayout, register_family
 from miles.models.common import (
     DiffusersTrainPipelineConfig,
     cfg_batch_inputs,
@@ -147,6 +147,22 @@ class SD3TrainPipelineConfig(DiffusersTrainPipelineConfig):
             return_dict=False,
         )[0]
         return combine_cfg(output, guidance.scale) if cfg else output.float()
+
+    # ---- sequence-parallel engines ------------------------------------------------------------------------
+    def sequence_parallel_layout(self, module: nn.Module) -> SequenceParallelLayout:
+        """diffusers has no context-parallel plan for SD3: split the patch tokens (after the positional embedding)
+        at the first block, gather them after `proj_out`; every block's attention (and SD3.5's image-only
+        `attn2`) is joint attention, the text tokens replicated on every rank."""
+        from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+        plan = {
+            "transformer_blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3)},
+            "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+        }
+        attentions = [block.attn for block in module.transformer_blocks]
+        attentions += [block.attn2 for block in module.transformer_blocks if getattr(block, "attn2", None) is not None]
+        patch = module.config.patch_size
+        return SequenceParallelLayout(plan=plan, patch_size=(patch, patch), joint_attention=tuple(attentions))
 
     # ---- output -------------------------------------------------------------------------------------
     def decode(self, pipe: Any, latents: torch.Tensor, shape: GenerationShape) -> torch.Tensor:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from miles.models.base import GenerationShape, register_family
+from miles.models.base import GenerationShape, SequenceParallelLayout, register_family
 from miles.models.common import (
     DiffusersTrainPipelineConfig,
     cfg_batch_inputs,
@@ -305,6 +305,17 @@ class Wan22TrainPipelineConfig(DiffusersTrainPipelineConfig):
             return_dict=False,
         )[0]
         return combine_cfg(output, scale) if cfg else output.float()
+
+    # ---- sequence-parallel engines ------------------------------------------------------------------------
+    def sequence_parallel_layout(self, module: nn.Module) -> SequenceParallelLayout | None:
+        """diffusers' own context-parallel plan for the Wan DiT (tokens and rotary table split at the blocks,
+        per-token timesteps of the 5B split, gathered after `proj_out`); self-attention mixes the video tokens,
+        cross-attention to the text is token-local."""
+        plan = self.context_parallel_plan(module)
+        if plan is None:
+            return None
+        return SequenceParallelLayout(plan=plan, patch_size=tuple(module.config.patch_size),
+                                      self_attention=tuple(block.attn1 for block in module.blocks))
 
     # ---- output -------------------------------------------------------------------------------------
     def decode(self, pipe: Any, latents: torch.Tensor, shape: GenerationShape) -> torch.Tensor:

@@ -91,13 +91,17 @@ class EngineFleet:
         self.router_url: str | None = None
         self.on_restart: Callable[[str], None] | None = None
         self.log_dir = os.path.join(config.logging.output_dir, "engine_logs")
+        self._starting: list = []  # the actors' start() calls, between launch() and wait_until_started()
 
     def start(self) -> None:
-        import ray
+        self.launch()
+        self.wait_until_started()
+
+    def launch(self) -> None:
+        """Create the engine actors and start their processes loading; `wait_until_started` collects them."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from miles.ray.engine_actor import engine_actor_class
-        from miles.router.router import RouterConfig, launch_router_process
 
         os.makedirs(self.log_dir, exist_ok=True)
         slots = self.placement.rollout
@@ -117,8 +121,15 @@ class EngineFleet:
             ).remote(server_args, log_path=os.path.join(self.log_dir, f"engine{engine_index}.log"), env=env,
                      bind_node_address=self.placement.spans_nodes)
             self.actors.append(actor)
+        self._starting = [actor.start.remote() for actor in self.actors]
+
+    def wait_until_started(self) -> None:
+        import ray
+
+        from miles.router.router import RouterConfig, launch_router_process
+
         try:
-            self.urls = _wait_with_progress([actor.start.remote() for actor in self.actors], "starting rollout engines")
+            self.urls = _wait_with_progress(self._starting, "starting rollout engines")
         except Exception as err:
             raise MilesUserError(
                 f"a rollout engine failed to start ({err.__class__.__name__}: {str(err).splitlines()[-1]}); "

@@ -86,9 +86,15 @@ class RolloutManager:
     def has_engines(self) -> bool:
         return self.fleet is not None
 
-    def start_engines(self) -> None:
+    def launch_engines(self) -> None:
+        """Start the engine processes loading, without waiting (the trainer loads meanwhile)."""
         if self.fleet is not None:
-            self.fleet.start()
+            self.fleet.launch()
+
+    def wait_for_engines(self) -> None:
+        """Wait until every engine serves, then start the router in front of them."""
+        if self.fleet is not None:
+            self.fleet.wait_until_started()
             self.config = self.config.with_router_url(self.fleet.router_url)
             self.args = self.config.hook_args  # hooks see it as args.miles_router_url
 

@@ -2,12 +2,13 @@
 
     python -m miles.testing.make_tiny --family sd3 --out /tmp/tiny-sd3
     python -m miles.testing.make_tiny --family wan2_2 --variant wan2_1 --out /tmp/tiny-wan21
+    python -m miles.testing.make_tiny --family ltx --variant ltx2 --out /tmp/tiny-ltx2
     python -m miles.testing.make_tiny --family sd3 --real-size --out /tmp/sd35m --device cuda
     python -m miles.testing.make_tiny --family wan2_2 --real-size --num-layers 2 --out /tmp/wan5b-2l
 
 Each family's builder lives in `miles/testing/tiny/<family>.py` and exposes `build(out_dir, seed)`; a family
 with several published layouts lists them in `VARIANTS` and takes `build(out_dir, seed, variant=...)`
-(`--variant`; wan2_2: a14b (default), ti2v_5b, wan2_1). It creates locally built tokenizers (no hub), random weights from a fixed seed, and saves with
+(`--variant`; wan2_2: a14b (default), ti2v_5b, wan2_1; ltx: ltx-video (default), ltx2). It creates locally built tokenizers (no hub), random weights from a fixed seed, and saves with
 `save_pretrained`, so the result loads through the same `from_pretrained` path as a real checkpoint.
 
 `--real-size` (sd3: SD3.5-Medium; wan2_2: Wan2.2-TI2V-5B) calls the family's `build_real_size` instead: the
@@ -26,7 +27,7 @@ import os
 
 import torch
 
-TINY_FAMILIES = ("sd3", "flux", "qwen_image", "wan2_2", "ltx", "cosmos3")
+TINY_FAMILIES = ("sd3", "flux", "flux2", "qwen_image", "wan2_2", "ltx", "cosmos3", "hunyuan_video")
 # The families with a `build_real_size`, and the checkpoint each one reproduces.
 REAL_SIZE_MODELS = {"sd3": "SD3.5-Medium", "wan2_2": "Wan2.2-TI2V-5B"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -88,7 +89,8 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="output folder (diffusers format)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--variant", default=None,
-                        help="a published layout of the family (wan2_2: a14b (default), ti2v_5b, wan2_1)")
+                        help="a published layout of the family (wan2_2: a14b (default), ti2v_5b, wan2_1; "
+                             "ltx: ltx-video (default), ltx2)")
     real = parser.add_argument_group("real size (--real-size only)")
     real.add_argument(
         "--real-size", action="store_true",

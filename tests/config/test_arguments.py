@@ -242,6 +242,14 @@ def test_engine_size_fits_a_node():
         "--rollout-num-gpus-per-engine", "4", "--num-gpus-per-node", "2")
 
 
+def test_engine_parallel_mode_is_checked_at_launch():
+    gpus = ("--num-gpus-per-node", "8", "--diffusion-model-family", "sd3")
+    assert "CFG-parallel and sequence parallel in one engine are not implemented" in error(
+        *gpus, "--rollout-num-gpus-per-engine", "4", "--sglang-ulysses-degree", "2")
+    assert "a sequence-parallel degree needs that many GPUs" in error(*gpus, "--sglang-ulysses-degree", "2")
+    parse(*gpus, "--rollout-num-gpus-per-engine", "4", "--sglang-ulysses-degree", "4")
+
+
 def test_nft_geometry_counts_trained_sigmas():
     args = parse("--loss-type", "nft", "--use-ema", "--diffusion-sde-type", "ode", "--diffusion-noise-level", "0",
                  "--diffusion-num-steps", "100", "--diffusion-nft-timestep-fraction", "0.29")

@@ -226,6 +226,29 @@ def test_colocate_two_trainer_ranks_one_engine(sd3, prompts, tmp_path):
     assert len(series(records, "train/loss")) == 2
 
 
+def test_sequence_parallel_engine_run_matches_one_process_engines(sd3, prompts, tmp_path):
+    """One 2-process sequence-parallel engine (--sglang-ulysses-degree 2, CFG on) against two one-process engines
+    on the same 2 colocated slots: the engine is bitwise equal to one process on CPU, so the rollouts and the
+    training they feed are the same."""
+    runs = {"sp": ["--rollout-num-gpus-per-engine", "2", "--sglang-ulysses-degree", "2"],
+            "single": ["--rollout-num-gpus-per-engine", "1"]}
+    records = {}
+    for name, engine_flags in runs.items():
+        out = tmp_path / name
+        flags = base_flags(sd3, prompts, out)
+        flags[flags.index("--actor-num-gpus-per-node") + 1] = "2"
+        flags[flags.index("--num-gpus-per-node") + 1] = "2"
+        flags[flags.index("--diffusion-guidance-scale") + 1] = "3.0"
+        run([*flags, "--num-rollout", "2", "--colocate", *engine_flags])
+        records[name] = metrics(out)
+    engine_log = (tmp_path / "sp" / "engine_logs" / "engine0.log").read_text()
+    assert "2-process sequence-parallel engine" in engine_log
+    assert len(series(records["sp"], "train/loss")) == 2
+    assert series(records["sp"], "rollout/reward_mean") == series(records["single"], "rollout/reward_mean")
+    for a, b in zip(series(records["sp"], "train/loss"), series(records["single"], "train/loss"), strict=True):
+        assert abs(a - b) <= 1e-6 * max(1.0, abs(b))
+
+
 def test_engine_killed_mid_rollout_is_restarted(sd3, prompts, tmp_path):
     out = tmp_path / "ft"
     run([*base_flags(sd3, prompts, out), "--num-rollout", "3", "--use-fault-tolerance",

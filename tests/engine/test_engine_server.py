@@ -284,9 +284,19 @@ def test_padded_batches_give_the_same_samples(local_runner):
     _assert_same_samples(run(False), run(True), exact=False)
 
 
+def test_a_compiled_engine_reuses_a_compiled_batch_size_before_compiling_a_new_one():
+    from miles.engine.model_runner import padded_batch_size
+
+    assert padded_batch_size(3, set(), 64) == 4  # the next power of two
+    assert padded_batch_size(16, {4, 32}, 64) == 32  # a size compiled in an earlier rollout: no new graph
+    assert padded_batch_size(1, {4, 32}, 64) == 1  # 4 > 2 x 1: too much padding, compile a small one
+    assert padded_batch_size(2, {4, 32}, 64) == 4
+    assert padded_batch_size(100, {32}, 64) == 100  # larger than the cap: as is
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the multi-GPU check applies to CUDA engines")
-def test_multi_gpu_engines_are_refused_clearly():
+def test_engines_wider_than_the_visible_gpus_are_refused_clearly(sd3_path):
     from miles.utils.errors import MilesUserError
 
-    with pytest.raises(MilesUserError, match="rollout-num-gpus-per-engine 3"):
-        ModelRunner(ServerArgs(model_path="/x", device="cuda", tp_size=3))
+    with pytest.raises(MilesUserError, match="rollout-num-gpus-per-engine 64: the engine on GPU 0 sees only"):
+        ModelRunner(ServerArgs(model_path=sd3_path, model_family="sd3", device="cuda", tp_size=64, ulysses_degree=64))

@@ -123,6 +123,18 @@ def test_response_round_trip_and_fill_sample():
     assert sample.num_steps == 2 and torch.equal(sample.clean_latents, response.samples[0].clean_latents)
 
 
+def test_a_requests_shared_conditioning_travels_once():
+    response = _response()
+    text = {"prompt_embeds": torch.randn(333, 512)}  # 682 KB: the bulk of the response
+    for sample in response.samples:
+        sample.conditioning = text  # what the engine does: one dict for the request's samples
+    data = encode_response(response)
+    assert len(data) < 1.2 * text["prompt_embeds"].numel() * 4
+    back = decode_response(data)
+    assert back.samples[0].conditioning is back.samples[1].conditioning
+    assert torch.equal(back.samples[1].conditioning["prompt_embeds"], text["prompt_embeds"])
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [

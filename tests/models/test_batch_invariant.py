@@ -11,6 +11,7 @@ from miles.backends.fsdp_utils.spawn import free_port, init_distributed
 from miles.testing.tiny_rollout import load_tiny_family, tiny_trainer_config
 from miles.backends.fsdp_utils.weight_export import iter_named_tensors
 from miles.engine.model_runner import ModelRunner
+from miles.engine.patches import apply_patch_groups
 from miles.engine.protocol import GenerateRequest
 from miles.engine.server_args import ServerArgs
 from miles.types import GuidanceConfig, Sample
@@ -30,17 +31,19 @@ def tiny(tiny_checkpoint):
 
 
 def rollout(family, pipe, checkpoint: str, tile: int, weights: dict[str, torch.Tensor] | None = None,
-            dtype: str = "fp32") -> list[Sample]:
+            dtype: str = "fp32", size: int = 32) -> list[Sample]:
     """Two requests (3 + 2 samples, different prompts) denoised together, one batched forward per step."""
     server_args = ServerArgs(model_path=checkpoint, device="cpu", dtype=dtype, generator_device="cpu",
                              forward_tile=tile, max_batch_size=64)
     runner = ModelRunner(server_args, loaded=(family, pipe))
+    if tile:
+        apply_patch_groups(runner.modules, "batch_invariant", family)
     if weights:
         with torch.no_grad():
             for name, param in runner.modules["transformer"].named_parameters():
                 param.copy_(weights[f"transformer.{name}"])
     requests = [
-        GenerateRequest(prompt=prompt, num_samples=m, seed=seed, num_steps=STEPS, height=32, width=32,
+        GenerateRequest(prompt=prompt, num_samples=m, seed=seed, num_steps=STEPS, height=size, width=size,
                         guidance=GuidanceConfig(guidance_scale=GUIDANCE), noise_level=0.7, debug=True,
                         sde_step_indices=SDE_STEPS, return_latent_indices=sorted({*SDE_STEPS, *(k + 1 for k in SDE_STEPS)}))
         for prompt, m, seed in (("a red cube", 3, 0), ("two cats under a tree", 2, 10))
@@ -112,3 +115,34 @@ def test_lora_trainer_matches_an_engine_running_merged_weights(tiny):
     metrics = trainer.train(1, samples)
     assert metrics["train/model_output_max_abs_diff"] == 0.0
     assert metrics["train/log_prob_mean_abs_diff"] == 0.0
+
+
+def test_bf16_parity_with_parameters_diffusers_keeps_in_fp32(tiny, tiny_checkpoint):
+    """Cosmos 3 keeps its time embedder in fp32 when loaded in bf16; the trainer's FSDP casts it to bf16, so the
+    group casts it on the engine too (and leaves the fp32 rotary table alone on both sides)."""
+    from miles.testing.tiny_rollout import build_tiny_family
+
+    checkpoint = tiny_checkpoint("cosmos3")
+    args = tiny_trainer_config(checkpoint, diffusion_height=64, diffusion_width=64)
+    family = build_tiny_family(args)
+    pipe = family.load_pipeline(checkpoint, torch.bfloat16)
+    assert any(p.dtype == torch.float32 for p in pipe.transformer.parameters())  # what diffusers does
+    samples = rollout(family, pipe, checkpoint, tile=3, dtype="bf16", size=64)
+    metrics, _ = replay((args, family, pipe), samples, tile=3, diffusion_forward_dtype="bf16",
+                        diffusion_height=64, diffusion_width=64)
+    assert metrics["train/model_output_max_abs_diff"] == 0.0
+    assert metrics["train/log_prob_mean_abs_diff"] == 0.0
+
+
+def test_the_pinned_attention_kernel_supports_what_the_family_calls():
+    from types import SimpleNamespace
+
+    from miles.models.batch_invariant import parity_attention_backend
+
+    plain, masked, gqa = (SimpleNamespace(attention_uses_mask=m, attention_uses_gqa=g)
+                          for m, g in ((False, False), (True, False), (False, True)))
+    assert parity_attention_backend(torch.bfloat16, plain) == "_native_flash"
+    assert parity_attention_backend(torch.bfloat16, masked) == "_native_efficient"  # flash takes no mask
+    assert parity_attention_backend(torch.bfloat16, gqa) == "_native_flash"
+    assert parity_attention_backend(torch.float32, plain) == "_native_efficient"  # flash has no fp32 kernel
+    assert parity_attention_backend(torch.float32, gqa) == "_native_math"  # efficient has no grouped-query

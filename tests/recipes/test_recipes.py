@@ -50,8 +50,8 @@ def test_external_ray_submits_a_job(monkeypatch):
         recipe.command()
 
 
-FAMILY_OF = {"sd35m": "sd3", "flux": "flux", "qwen_image": "qwen_image", "wan2_2": "wan2_2", "ltx": "ltx",
-             "cosmos3": "cosmos3"}
+FAMILY_OF = {"sd35m": "sd3", "flux2": "flux2", "flux": "flux", "qwen_image": "qwen_image", "wan2_2": "wan2_2",
+             "ltx": "ltx", "cosmos3": "cosmos3", "hunyuan_video": "hunyuan_video"}  # first matching prefix wins
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)

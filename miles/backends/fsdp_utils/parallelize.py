@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from miles.backends.fsdp_utils.parallel_dims import ParallelDims
+from miles.models.batch_invariant import engine_holds_in_forward_dtype
 from miles.utils.compile import compile_blocks
 from miles.utils.errors import MilesUserError
 
@@ -105,17 +106,18 @@ def set_sequence_parallel_gradient_reduction(module: nn.Module, dims: ParallelDi
 
 
 def cast_buffers_like_the_engine(module: nn.Module, master_dtype: torch.dtype, forward_dtype: torch.dtype) -> None:
-    """Floating buffers (e.g. SD3's positional table) in the forward dtype, as the engine holds them.
+    """Floating buffers in the dtype the engine holds them in (`engine_holds_in_forward_dtype`).
 
     FSDP's mixed precision casts parameters for the forward but never buffers: without this the trainer adds an
     fp32 positional table where the engine (its pipeline loaded in the forward dtype) adds a bf16 one, and the
-    two velocities differ by ~1% in bf16. Only buffers in the master dtype are cast; fp64 or complex tables
-    (rotary frequencies) keep theirs."""
+    two velocities differ by ~1% in bf16. Rotary tables the engine keeps in fp32 (non-persistent, or in
+    diffusers' `_keep_in_fp32_modules`) stay fp32 here too."""
     if forward_dtype == master_dtype:
         return
-    for owner in module.modules():
+    for owner_name, owner in module.named_modules():
         for name, buffer in list(owner.named_buffers(recurse=False)):
-            if buffer is not None and buffer.dtype == master_dtype:
+            if (buffer is not None and buffer.dtype == master_dtype
+                    and engine_holds_in_forward_dtype(module, owner_name, name)):
                 setattr(owner, name, buffer.to(forward_dtype))
 
 

@@ -6,6 +6,7 @@ saves and reloads through `AutoTokenizer.from_pretrained` exactly like a real on
 - `build_clip_tokenizer`: CLIP's byte-level BPE (SD3's two CLIP encoders), every byte a token, no merges.
 - `build_t5_tokenizer`: a small T5 Unigram (SD3/FLUX/LTX T5; also UMT5 for Wan, same tokenizer class).
 - `build_qwen2_tokenizer`: Qwen2's byte-level BPE with the chat special tokens (Qwen-Image, Cosmos 3).
+- `build_gemma_tokenizer`: a Gemma BPE over ASCII characters (the LTX-2 Gemma 3 encoder).
 
 The vocabularies are small (a few hundred entries), so the text encoders' embedding tables stay tiny; the
 `vocab_size` to give the text encoder config is `len(tokenizer)`.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import string
 from typing import Sequence
 
-from transformers import CLIPTokenizer, Qwen2Tokenizer, T5Tokenizer
+from transformers import CLIPTokenizer, GemmaTokenizer, Qwen2Tokenizer, T5Tokenizer
 
 
 def _byte_level_alphabet() -> list[str]:
@@ -86,3 +87,16 @@ def build_qwen2_tokenizer(
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
+
+
+def build_gemma_tokenizer(model_max_length: int = 1024) -> GemmaTokenizer:
+    """A small Gemma BPE: its special tokens, the word-start marker `▁`, ASCII characters alone and merged with
+    `▁` (a word-initial piece), so any ASCII text tokenizes without `<unk>`."""
+    characters = string.ascii_lowercase + string.ascii_uppercase + string.digits + string.punctuation
+    vocab = {token: i for i, token in enumerate(("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "▁"))}
+    for character in characters:
+        vocab.setdefault(character, len(vocab))
+    for character in characters:
+        vocab.setdefault("▁" + character, len(vocab))
+    merges = [("▁", character) for character in characters]
+    return GemmaTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
