@@ -13,7 +13,7 @@ import time
 
 PROCESS_START = time.perf_counter()  # perf/startup_time counts from here
 
-from miles.utils.arguments import check_user_paths, format_dry_run, parse_args
+from miles.config.arguments import check_user_paths, format_dry_run, parse_args
 from miles.utils.errors import exit_on_user_error
 
 logger = logging.getLogger("miles")
@@ -22,6 +22,7 @@ logger = logging.getLogger("miles")
 def train(args) -> None:
     # Heavy imports only after the command line is known to be good (a bad flag fails in a second).
     from miles.backends.fsdp_utils.checkpoint import should_save
+    from miles.config.sections import RunConfig
     from miles.logging.ci_check import check_ci_metric
     from miles.logging.run_logger import RunLogger
     from miles.ray.colocation import ColocationPolicy
@@ -33,15 +34,16 @@ def train(args) -> None:
         from miles.rollout.data_source import num_rollout_from_args
 
         args.num_rollout = num_rollout_from_args(args)
-    init_ray(args)
-    run_logger = RunLogger(args, started_at=PROCESS_START)
-    placement = create_placement_groups(args)
-    rollout_manager = RolloutManager(args, placement, run_logger)
+    config = RunConfig.from_args(args)  # the typed sections, built once; every part below reads them
+    init_ray(config)
+    run_logger = RunLogger(config, started_at=PROCESS_START)
+    placement = create_placement_groups(config)
+    rollout_manager = RolloutManager(config, placement, run_logger)
     actor = None
-    if not args.debug_rollout_only:
+    if not config.debug.debug_rollout_only:
         slots = placement.train
-        actor = TrainActorGroup(args, slots.placement_group, args.diffusion_model_family_resolved,
-                                gpu_share=slots.gpu_share or None, cpu_share=slots.cpu_share)
+        actor = TrainActorGroup(config, slots.placement_group, gpu_share=slots.gpu_share or None,
+                                cpu_share=slots.cpu_share)
 
     # Engines load while the trainer does (they only need the trainer's weights at the first sync below).
     rollout_manager.launch_engines()
@@ -49,8 +51,8 @@ def train(args) -> None:
     if actor is not None:
         start_rollout_id = actor.init()
         rollout_manager.load_state_dict((actor.loaded_extra_state or {}).get("data_source"))
-    if args.start_rollout_id is not None:
-        start_rollout_id = args.start_rollout_id
+    if config.data.start_rollout_id is not None:
+        start_rollout_id = config.data.start_rollout_id
     rollout_manager.wait_for_engines()
     if actor is not None and rollout_manager.has_engines:
         # The engines start from the trainer's weights (LoRA-initialised or loaded from --load).
@@ -61,15 +63,15 @@ def train(args) -> None:
     rollout_manager.weight_version = start_rollout_id
     # Colocated: trainer and engines take turns on the GPUs while they must (see miles/ray/colocation.py).
     turns = ColocationPolicy(
-        args.colocate_offload_policy,
-        offload_train=args.offload_train and actor is not None,
-        offload_rollout=args.offload_rollout and rollout_manager.has_engines and actor is not None,
-        margin_gb=args.colocate_memory_margin_gb,
+        config.placement.colocate_offload_policy,
+        offload_train=config.placement.offload_train and actor is not None,
+        offload_rollout=config.placement.offload_rollout and rollout_manager.has_engines and actor is not None,
+        margin_gb=config.placement.colocate_memory_margin_gb,
     )
     if turns.trainer_offloads:
         actor.offload()  # the engines generate first
 
-    for rollout_id in range(start_rollout_id, args.num_rollout):
+    for rollout_id in range(start_rollout_id, config.data.num_rollout):
         run_logger.begin_iteration()
         if rollout_manager.should_eval(rollout_id):
             with run_logger.phase("eval"):
@@ -77,7 +79,7 @@ def train(args) -> None:
 
         with run_logger.phase("rollout"):
             samples = rollout_manager.generate(rollout_id)
-        if args.overlap_rollout and rollout_id + 1 < args.num_rollout:
+        if config.placement.overlap_rollout and rollout_id + 1 < config.data.num_rollout:
             rollout_manager.generate_ahead(rollout_id + 1)  # on the current weights, while this one trains
         if actor is None:
             run_logger.flush(rollout_id)
@@ -93,13 +95,13 @@ def train(args) -> None:
             train_metrics = actor.train(rollout_id, samples)
         run_logger.log(rollout_id, train_metrics)
 
-        if should_save(args, rollout_id):
+        if should_save(config, rollout_id):
             with run_logger.phase("save"):
                 actor.save(rollout_id, extra_state={"data_source": rollout_manager.state_dict()})
         actor.export_if_due(rollout_id, run_logger.phase)  # --export-interval: <output-dir>/export/, for inference
 
         if rollout_manager.has_engines:
-            if args.overlap_rollout:
+            if config.placement.overlap_rollout:
                 with run_logger.phase("overlap_wait"):
                     rollout_manager.wait_ahead()  # the engines finish it before their weights change
             if turns.engines_release:
@@ -117,12 +119,12 @@ def train(args) -> None:
                 actor.offload()
         run_logger.flush(rollout_id)
 
-    if rollout_manager.should_eval(args.num_rollout, final=True):
-        rollout_manager.eval(args.num_rollout)
-        run_logger.flush(args.num_rollout)
+    if rollout_manager.should_eval(config.data.num_rollout, final=True):
+        rollout_manager.eval(config.data.num_rollout)
+        run_logger.flush(config.data.num_rollout)
     rollout_manager.shutdown()
     run_logger.finish()
-    check_ci_metric(args, run_logger.history)  # --ci-test: the run fails here when its metric missed the bar
+    check_ci_metric(config.logging, run_logger.history)  # --ci-test: the run fails here when its metric missed the bar
 
 
 @exit_on_user_error

@@ -40,6 +40,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from miles.config.flags import all_flags  # noqa: E402
+
 PHASES = ("rollout", "release", "onload", "train", "save", "resume", "weight_sync", "offload", "eval", "log")
 LORA_TARGETS = None  # the family's defaults (miles.models.sd3.SD3_LORA_TARGETS)
 
@@ -303,7 +305,7 @@ def main() -> None:
     parser.add_argument("--height", type=int)
     parser.add_argument("--width", type=int)
     parser.add_argument("--guidance", type=float, default=4.5)
-    parser.add_argument("--noise-level", type=float, default=0.7)
+    parser.add_argument("--noise-level", type=float, default=all_flags()["diffusion_noise_level"].default)
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--setups", default="lora,full", help="comma list of lora, full")

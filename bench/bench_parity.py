@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from miles.backends.fsdp_utils.actor import DiffusionTrainer  # noqa: E402
 from miles.backends.fsdp_utils.spawn import free_port, init_distributed  # noqa: E402
-from miles.backends.fsdp_utils.tiny_rollout import build_tiny_family, tiny_trainer_args  # noqa: E402
+from miles.testing.tiny_rollout import build_tiny_family, tiny_trainer_config  # noqa: E402
 from miles.backends.fsdp_utils.weight_export import iter_named_tensors  # noqa: E402
 from miles.engine.model_runner import ModelRunner  # noqa: E402
 from miles.engine.protocol import GenerateRequest  # noqa: E402
@@ -103,9 +103,10 @@ def trainer_for(family, checkpoint: str, opts, tile: int, micro_batch_size: int,
     height, width, frames = opts.shape
     # Real optimizer steps (forward, backward, clip, AdamW) at lr 0: timed like training, and the policy stays the
     # one the engine ran, so every pass is a valid probe.
-    args = tiny_trainer_args(
+    assert tile in (0, micro_batch_size), "the batch_invariant group forwards in micro-batch tiles"
+    args = tiny_trainer_config(
         checkpoint, diffusion_debug_mode=True, lr=0.0, micro_batch_size=micro_batch_size,
-        parity_forward_tile=tile, rollout_patch_group=["batch_invariant"] if tile else [],
+        rollout_patch_group=["batch_invariant" if tile else "none"],
         diffusion_guidance_scale=opts.guidance, diffusion_num_steps=opts.steps, diffusion_forward_dtype=opts.dtype,
         diffusion_height=height, diffusion_width=width, diffusion_output_num_frames=frames, **overrides,
     )
@@ -147,7 +148,7 @@ def load_into_engine(runner: ModelRunner, trainer: DiffusionTrainer) -> None:
 
 def cost_at_checkpoint(opts) -> None:
     """The group's cost and the probe with a trained (non-zero) LoRA, at one checkpoint."""
-    family = build_tiny_family(tiny_trainer_args(opts.checkpoint))
+    family = build_tiny_family(tiny_trainer_config(opts.checkpoint))
     pipe = family.load_pipeline(opts.checkpoint, DTYPES[opts.dtype]).to(opts.device)
     prompts = (PROMPTS * ((opts.prompts + len(PROMPTS) - 1) // len(PROMPTS)))[: opts.prompts]
     tile = opts.micro_batch_size
@@ -201,7 +202,7 @@ def families_probe(opts) -> None:
     for name in opts.families.split(","):
         variant = TINY_VARIANTS.get(name)
         checkpoint = build_tiny_pipeline(name, os.path.join(root, f"tiny-{name}-{variant or 'default'}"), variant=variant)
-        family = build_tiny_family(tiny_trainer_args(checkpoint))
+        family = build_tiny_family(tiny_trainer_config(checkpoint))
         pipe = family.load_pipeline(checkpoint, DTYPES[opts.dtype]).to(opts.device)
         opts.shape = TINY_SHAPES[name]
         lines = []

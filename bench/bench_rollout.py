@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
+from miles.config.flags import all_flags  # noqa: E402
 from miles.engine.server_args import ServerArgs  # noqa: E402
 from miles.models.common import encode_with_negative  # noqa: E402
 from miles.models.sd3 import SD3TrainPipelineConfig  # noqa: E402
@@ -44,6 +45,8 @@ from miles.testing.real_size import (  # noqa: E402
 )
 from miles.types import GuidanceConfig  # noqa: E402
 from miles.utils.auth import auth_headers, ensure_run_api_key  # noqa: E402
+
+DEFAULT_NOISE_LEVEL = all_flags()["diffusion_noise_level"].default  # the run's --diffusion-noise-level default
 
 # ---- the random SD3.5-Medium pipeline ----------------------------------------------------------------------
 
@@ -125,7 +128,7 @@ def run_naive(family, pipe, prompts, seeds, opts, device) -> float:
     from miles.models.base import GenerationShape
     from miles.testing.reference_loop import sample_reference
 
-    backend = build_sde_backend("sde", 0.7, False)
+    backend = build_sde_backend("sde", DEFAULT_NOISE_LEVEL, False)
     shape = GenerationShape(opts.height, opts.width)
     began = time.perf_counter()
     for prompt, seed in zip(prompts, seeds):
@@ -141,7 +144,7 @@ def time_step(family, modules, latents, conditioning, guidance, shape, dtype, de
     (the minimum: a shared machine only ever adds time)."""
     from miles.diffusion.sde import build_sde_backend
 
-    backend = build_sde_backend("sde", 0.7, False)
+    backend = build_sde_backend("sde", DEFAULT_NOISE_LEVEL, False)
     batch = latents.shape[0]
     sigma = torch.full((batch,), 0.8, device=device)
     generators = [torch.Generator(device=device).manual_seed(i) for i in range(batch)]

@@ -62,13 +62,13 @@ def random_sd3_backend(path: str, dtype: torch.dtype):
 # setup shared by both sides
 # ---------------------------------------------------------------------------------------------------------
 def bench_args(opts, checkpoint: str):
-    from miles.backends.fsdp_utils.tiny_rollout import trainer_args
+    from miles.testing.config import trainer_config
 
     pixels = ARCH_SHAPES[opts.arch]["pixels"] if opts.arch else 32
     extra = {}
     if opts.arch:
         extra = dict(diffusion_model_family="sd3", model_backend_path="bench_train.random_sd3_backend")
-    return trainer_args(
+    return trainer_config(
         hf_checkpoint=checkpoint,
         diffusion_height=pixels,
         diffusion_width=pixels,
@@ -146,10 +146,10 @@ def run_miles(rank: int, opts) -> dict:
     from miles.models.common import build_train_pipeline_config
 
     checkpoint, config, latent, text_tokens = model_setup(opts)
-    args = bench_args(opts, checkpoint)
-    family = build_train_pipeline_config(args)
+    run_config = bench_args(opts, checkpoint)
+    family = build_train_pipeline_config(**run_config.model.family_source())
     device = "cuda" if opts.device == "cuda" else "cpu"
-    trainer = DiffusionTrainer(args, family, device=device)
+    trainer = DiffusionTrainer(run_config, family, device=device)
     trainer.init()
     samples = synthetic_samples(opts, config, latent, text_tokens)
     for rollout_id in range(opts.warmup):
@@ -183,15 +183,17 @@ def run_naive(rank: int, opts) -> dict:
     from miles.models.common import build_train_pipeline_config
 
     checkpoint, config, latent, text_tokens = model_setup(opts)
-    args = bench_args(opts, checkpoint)
+    run_config = bench_args(opts, checkpoint)
     device = "cuda" if opts.device == "cuda" else "cpu"
-    family = build_train_pipeline_config(args)
+    family = build_train_pipeline_config(**run_config.model.family_source())
     transformer = family.load_modules(checkpoint, ["transformer"], torch.float32)["transformer"].to(device)
     transformer.train()
-    optimizer = torch.optim.AdamW(transformer.parameters(), lr=1e-5, betas=(0.9, 0.999), eps=1e-8)
-    sde = build_sde_backend("sde", 0.7, False)
+    trainer = run_config.trainer
+    optimizer = torch.optim.AdamW(transformer.parameters(), lr=trainer.lr,
+                                  betas=(trainer.adam_beta1, trainer.adam_beta2), eps=trainer.adam_eps)
+    sde = build_sde_backend("sde", run_config.sampling.diffusion_noise_level, False)
     samples = synthetic_samples(opts, config, latent, text_tokens)
-    pairs = convert_samples_to_train_data(args, samples, family)
+    pairs = convert_samples_to_train_data(run_config, samples, family)
     batches = [collate(pairs[i : i + opts.micro_batch_size], device) for i in range(0, len(pairs), opts.micro_batch_size)]
     flops = {}
 

@@ -9,10 +9,14 @@ cosine or WSD coefficients c.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from miles.utils.errors import MilesUserError
+
+if TYPE_CHECKING:
+    from miles.config.sections import TrainerConfig
 
 __all__ = ["DECAY_STYLES", "WSD_DECAY_STYLES", "LRScheduler", "build_lr_scheduler"]
 
@@ -156,29 +160,29 @@ class LRScheduler:
         self._apply(self.get_lr())
 
 
-def build_lr_scheduler(args, optimizer: torch.optim.Optimizer, total_steps: int) -> LRScheduler:
+def build_lr_scheduler(trainer: TrainerConfig, optimizer: torch.optim.Optimizer, total_steps: int) -> LRScheduler:
     """The scheduler from the `--lr*` flags; `total_steps` = T = num_rollout × num_steps_per_rollout (§9).
 
     D = `--lr-decay-iters` or T; W = `--lr-warmup-fraction`·D if given else `--lr-warmup-iters`.
     """
-    decay_steps = getattr(args, "lr_decay_iters", None) or total_steps
+    decay_steps = trainer.lr_decay_iters or total_steps
     if not decay_steps or decay_steps <= 0:
         raise MilesUserError(f"--lr-decay-iters: the decay length must be > 0 (got {decay_steps}; T = {total_steps})")
-    fraction = getattr(args, "lr_warmup_fraction", None)
+    fraction = trainer.lr_warmup_fraction
     if fraction is not None:
         if not 0.0 <= fraction < 1.0:
             raise MilesUserError(f"--lr-warmup-fraction {fraction}: must be in [0, 1)")
         warmup_steps = fraction * decay_steps
     else:
-        warmup_steps = getattr(args, "lr_warmup_iters", 0) or 0
+        warmup_steps = trainer.lr_warmup_iters
     return LRScheduler(
         optimizer,
-        max_lr=args.lr,
-        min_lr=getattr(args, "min_lr", 0.0) or 0.0,
-        warmup_init=getattr(args, "lr_warmup_init", 0.0) or 0.0,
+        max_lr=trainer.lr,
+        min_lr=trainer.min_lr,
+        warmup_init=trainer.lr_warmup_init,
         warmup_steps=warmup_steps,
         decay_steps=decay_steps,
-        decay_style=getattr(args, "lr_decay_style", "constant") or "constant",
-        wsd_decay_steps=getattr(args, "lr_wsd_decay_iters", None),
-        wsd_decay_style=getattr(args, "lr_wsd_decay_style", None),
+        decay_style=trainer.lr_decay_style,
+        wsd_decay_steps=trainer.lr_wsd_decay_iters,
+        wsd_decay_style=trainer.lr_wsd_decay_style,
     )

@@ -237,13 +237,12 @@ class ModelRunner:
             raise MilesUserError("the engine needs --model-path (a diffusers pipeline folder or hub id)")
         if (os.path.isabs(path) or path.startswith((".", "~"))) and not os.path.exists(os.path.expanduser(path)):
             raise MilesUserError(f"--model-path {path!r} does not exist")
-        args = _FamilyArgs(
-            hf_checkpoint=server_args.model_path,
+        return build_train_pipeline_config(
+            server_args.model_path,
             diffusion_model_family=server_args.model_family,
             train_pipeline_config_path=server_args.train_pipeline_config_path,
             model_backend_path=server_args.model_backend_path,
         )
-        return build_train_pipeline_config(args)
 
     # ---- one request ------------------------------------------------------------------------------------
     def _backend(self, request: GenerateRequest) -> SdeStepBackend:
@@ -498,13 +497,3 @@ class ModelRunner:
         for module in self.pipeline_modules().values():
             module.to(self.device)
         torch.cuda.synchronize()
-
-
-@dataclass
-class _FamilyArgs:
-    """The four run flags `build_train_pipeline_config` reads, taken from the engine's ServerArgs."""
-
-    hf_checkpoint: str
-    diffusion_model_family: str | None
-    train_pipeline_config_path: str | None
-    model_backend_path: str | None

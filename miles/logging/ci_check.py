@@ -11,16 +11,18 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
+from miles.config.sections import LoggingConfig
 from miles.utils.errors import MilesUserError
 
 logger = logging.getLogger(__name__)
 
 
-def check_ci_metric(args, history: Sequence[dict[str, Any]]) -> None:
-    """Raise MilesUserError unless some record's value of the checker key reaches the threshold."""
-    if not getattr(args, "ci_test", False) or getattr(args, "ci_metric_checker_key", None) is None:
+def check_ci_metric(config: LoggingConfig, history: Sequence[dict[str, Any]]) -> None:
+    """Raise MilesUserError unless some record's value of the checker key reaches the threshold (validation makes
+    --ci-test and both checker flags go together)."""
+    if not config.ci_test:
         return
-    key, threshold = args.ci_metric_checker_key, float(args.ci_metric_checker_threshold)
+    key, threshold = config.ci_metric_checker_key, config.ci_metric_checker_threshold
     values = [float(record[key]) for record in history if key in record]
     if not values:
         raise MilesUserError(f"--ci-test: no metrics record holds --ci-metric-checker-key {key!r} (check the name, "

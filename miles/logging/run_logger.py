@@ -28,6 +28,7 @@ from typing import Any, Iterator
 
 import torch
 
+from miles.config.sections import RunConfig
 from miles.logging.dashboard import PhaseTimeline
 from miles.logging.plots import save_reward_curve, save_sample_grid
 
@@ -41,20 +42,22 @@ def setup_console_logging(level: int = logging.INFO) -> None:
 class RunLogger:
     """Collects one rollout's metrics, then writes them everywhere at `flush`."""
 
-    def __init__(self, args, started_at: float | None = None) -> None:
+    def __init__(self, config: RunConfig, started_at: float | None = None) -> None:
         """`started_at`: the `time.perf_counter()` reading at process start, for `perf/startup_time`."""
         setup_console_logging()
-        self.args = args
-        self.output_dir = args.output_dir
+        self.config = config
+        self.output_dir = config.logging.output_dir
         os.makedirs(self.output_dir, exist_ok=True)
-        self.metrics_path = args.metrics_path or os.path.join(self.output_dir, "metrics.jsonl")
+        self.metrics_path = config.logging.metrics_path  # resolved by validation: <output-dir>/metrics.jsonl
         os.makedirs(os.path.dirname(os.path.abspath(self.metrics_path)), exist_ok=True)
         self._pending: dict[str, float] = {}
         self._history: list[dict[str, Any]] = []
         self._sample_images: list[tuple[int, str, torch.Tensor]] = []  # (rollout id, prompt, uint8 [F,H,W,3])
-        self.timeline = PhaseTimeline(args.miles_dashboard_workspace) if args.use_miles_dashboard else None
-        self.wandb = self._init_wandb(args) if args.use_wandb else None
-        self.tensorboard = self._init_tensorboard(args) if getattr(args, "use_tensorboard", False) else None
+        logging_config = config.logging
+        self.timeline = (PhaseTimeline(logging_config.miles_dashboard_workspace) if logging_config.use_miles_dashboard
+                         else None)
+        self.wandb = self._init_wandb(config) if logging_config.use_wandb else None
+        self.tensorboard = self._init_tensorboard(config) if logging_config.use_tensorboard else None
         self._started_at = started_at
         self._iteration_start: float | None = None
         self._next_iteration_start: float | None = None  # when the last flush began
@@ -110,17 +113,17 @@ class RunLogger:
 
     def log_samples(self, rollout_id: int, samples: list, prefix: str = "rollout") -> None:
         """Keep a few images for the final grid and, on the image interval, send them to wandb."""
-        keep = max(self.args.wandb_log_num_images, 4)
+        keep = max(self.config.logging.wandb_log_num_images, 4)
         chosen = [s for s in samples if s.image is not None][:keep]
         if prefix == "rollout":
             self._sample_images = [(rollout_id, s.prompt, s.image) for s in chosen] if chosen else self._sample_images
             if rollout_id == 0 or not hasattr(self, "_first_images"):
                 self._first_images = [(rollout_id, s.prompt, s.image) for s in chosen]
-        if self.wandb is None or self.args.wandb_log_num_images <= 0:
+        if self.wandb is None or self.config.logging.wandb_log_num_images <= 0:
             return
-        if rollout_id % self.args.wandb_log_image_interval != 0:
+        if rollout_id % self.config.logging.wandb_log_image_interval != 0:
             return
-        media = [self._to_wandb_media(s) for s in chosen[: self.args.wandb_log_num_images]]
+        media = [self._to_wandb_media(s) for s in chosen[: self.config.logging.wandb_log_num_images]]
         self.wandb.log({f"{prefix}/samples": media}, step=rollout_id)
 
     # ---- writing ------------------------------------------------------------------------------------
@@ -188,31 +191,31 @@ class RunLogger:
         parts = [f"{k.split('/', 1)[1]}={record[k]:.4g}" for k in keys if k in record]
         return " ".join(parts) if parts else "(no metrics)"
 
-    def _init_wandb(self, args):
+    def _init_wandb(self, config: RunConfig):
         import wandb
 
-        if args.wandb_key:
-            wandb.login(key=args.wandb_key, host=args.wandb_host)
-        name = args.wandb_group or "miles"
-        if not args.disable_wandb_random_suffix:
+        if config.logging.wandb_key:
+            wandb.login(key=config.logging.wandb_key, host=config.logging.wandb_host)
+        name = config.logging.wandb_group or "miles"
+        if not config.logging.disable_wandb_random_suffix:
             name = f"{name}-{os.urandom(3).hex()}"
         return wandb.init(
-            project=args.wandb_project or "miles",
-            entity=args.wandb_team,
-            group=args.wandb_group,
+            project=config.logging.wandb_project or "miles",
+            entity=config.logging.wandb_team,
+            group=config.logging.wandb_group,
             name=name,
-            id=args.wandb_run_id,
-            resume="allow" if args.wandb_run_id else None,
-            mode=args.wandb_mode,
-            dir=args.wandb_dir or os.path.abspath("wandb"),
-            config=vars(args),
+            id=config.logging.wandb_run_id,
+            resume="allow" if config.logging.wandb_run_id else None,
+            mode=config.logging.wandb_mode,
+            dir=config.logging.wandb_dir or os.path.abspath("wandb"),
+            config=dict(config.values),
         )
 
     @staticmethod
-    def _init_tensorboard(args):
+    def _init_tensorboard(config: RunConfig):
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package (validation checks)
 
-        return SummaryWriter(log_dir=os.path.join(args.output_dir, "tensorboard"))
+        return SummaryWriter(log_dir=os.path.join(config.logging.output_dir, "tensorboard"))
 
     @staticmethod
     def _to_wandb_media(sample):

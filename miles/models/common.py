@@ -2,7 +2,7 @@
 
 Family modules (`miles/models/<family>.py`) subclass `DiffusersTrainPipelineConfig`, which loads a diffusers
 pipeline folder (or hub id) with `dtype=` (diffusers 0.42 rejects `torch_dtype=`), checks the folder for
-missing components first, and honours `--model-backend-path`. `build_train_pipeline_config(args)` is the
+missing components first, and honours `--model-backend-path`. `build_train_pipeline_config` is the
 one entry point the engine and the trainer use to get the family object.
 """
 
@@ -531,23 +531,24 @@ def load_train_pipeline_config_class(path: str) -> type[TrainPipelineConfig]:
     return cls
 
 
-def build_train_pipeline_config(args: Any) -> TrainPipelineConfig:
-    """The family object for a run: `--train-pipeline-config-path`, else the resolved registered family.
-
-    Reads `args.hf_checkpoint`, `args.diffusion_model_family`, `args.train_pipeline_config_path` and
-    `args.model_backend_path` (absent attributes count as unset).
-    """
-    user_class_path = getattr(args, "train_pipeline_config_path", None)
-    family_flag = getattr(args, "diffusion_model_family", None)
-    backend = load_model_backend(getattr(args, "model_backend_path", None))
-    if user_class_path:
-        if family_flag:
+def build_train_pipeline_config(
+    hf_checkpoint: str | None,
+    *,
+    diffusion_model_family: str | None = None,
+    train_pipeline_config_path: str | None = None,
+    model_backend_path: str | None = None,
+) -> TrainPipelineConfig:
+    """The family object for a run: `--train-pipeline-config-path`, else the registered family that
+    `--diffusion-model-family` names or `hf_checkpoint` resolves to; `--model-backend-path` overrides its loader."""
+    backend = load_model_backend(model_backend_path)
+    if train_pipeline_config_path:
+        if diffusion_model_family:
             raise MilesUserError(
                 "--train-pipeline-config-path and --diffusion-model-family are mutually exclusive; pass one"
             )
-        cls = load_train_pipeline_config_class(user_class_path)
+        cls = load_train_pipeline_config_class(train_pipeline_config_path)
     else:
-        cls = get_family_class(resolve_family_name(getattr(args, "hf_checkpoint", None), family_flag))
+        cls = get_family_class(resolve_family_name(hf_checkpoint, diffusion_model_family))
     if issubclass(cls, DiffusersTrainPipelineConfig):
         return cls(model_backend=backend)
     if backend is not None:

@@ -10,7 +10,6 @@ added to the router as they come up, and removed and re-added when fault toleran
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -18,7 +17,8 @@ import subprocess
 import urllib.request
 from typing import Callable
 
-from miles.engine.server_args import SET_BY_MILES, ServerArgs
+from miles.config.sections import RunConfig
+from miles.engine.server_args import ServerArgs
 from miles.utils.auth import auth_headers
 from miles.utils.errors import MilesUserError
 
@@ -27,28 +27,24 @@ logger = logging.getLogger(__name__)
 STOP_TIMEOUT_SECONDS = 20.0  # for the engines and the router to exit after being asked to
 
 
-def build_server_args(args, device: str) -> ServerArgs:
-    """The engine's settings: what miles decides, plus every `--sglang-<field>` the user passed."""
-    passthrough = {
-        f.name: getattr(args, f"sglang_{f.name}")
-        for f in dataclasses.fields(ServerArgs)
-        if f.name not in SET_BY_MILES and getattr(args, f"sglang_{f.name}", None) is not None
-    }
+def build_server_args(config: RunConfig, device: str) -> ServerArgs:
+    """The engine's settings: what miles decides, plus every `--sglang-<field>` passthrough value."""
+    model, sampling = config.model, config.sampling
     return ServerArgs(
-        model_path=args.hf_checkpoint,
-        model_family=None if args.train_pipeline_config_path else args.diffusion_model_family_resolved,
-        train_pipeline_config_path=args.train_pipeline_config_path,
-        model_backend_path=args.model_backend_path,
+        model_path=model.hf_checkpoint,
+        model_family=None if model.train_pipeline_config_path else model.diffusion_model_family_resolved,
+        train_pipeline_config_path=model.train_pipeline_config_path,
+        model_backend_path=model.model_backend_path,
         # the engines import the SDE step backend from their own flags; requests never carry a module path
-        sde_step_backend_path=getattr(args, "sde_step_backend_path", None),
-        rollout_patch_group=",".join(args.rollout_patch_group) if isinstance(args.rollout_patch_group, list) else args.rollout_patch_group,
-        forward_tile=args.parity_forward_tile,
-        tp_size=args.rollout_num_gpus_per_engine,
-        random_seed=args.rollout_seed,
-        dtype=args.diffusion_forward_dtype,
+        sde_step_backend_path=sampling.sde_step_backend_path,
+        rollout_patch_group=",".join(sampling.rollout_patch_group),
+        forward_tile=sampling.parity_forward_tile,
+        tp_size=config.placement.rollout_num_gpus_per_engine,
+        random_seed=sampling.rollout_seed,
+        dtype=config.trainer.diffusion_forward_dtype,
         device=device,
-        generator_device=args.diffusion_generator_device if device == "cuda" else "cpu",
-        **passthrough,
+        generator_device=sampling.diffusion_generator_device if device == "cuda" else "cpu",
+        **config.engine.passthrough,
     )
 
 
@@ -85,16 +81,16 @@ def _post_json(url: str, payload: dict | None = None, timeout: float = 600.0) ->
 class EngineFleet:
     """The engine actors of a run and the router in front of them."""
 
-    def __init__(self, args, placement) -> None:
-        self.args = args
+    def __init__(self, config: RunConfig, placement) -> None:
+        self.config = config
         self.placement = placement
-        self.server_args = build_server_args(args, placement.device)
+        self.server_args = build_server_args(config, placement.device)
         self.actors: list = []
         self.urls: list[str] = []
         self.router_process = None
         self.router_url: str | None = None
         self.on_restart: Callable[[str], None] | None = None
-        self.log_dir = os.path.join(args.output_dir, "engine_logs")
+        self.log_dir = os.path.join(config.logging.output_dir, "engine_logs")
         self._starting: list = []  # the actors' start() calls, between launch() and wait_until_started()
 
     def start(self) -> None:
@@ -142,10 +138,11 @@ class EngineFleet:
         # the router serves the driver's rollout client; the per-node POST actors of --use-distributed-post may
         # call it from other nodes
         router_host = "127.0.0.1"
-        if self.placement.spans_nodes and getattr(self.args, "use_distributed_post", False):
+        if self.placement.spans_nodes and self.config.rollout.use_distributed_post:
             router_host = ray.util.get_node_ip_address()
-        self.router_process, self.router_url = launch_router_process(RouterConfig.from_args(self.args), self.urls,
-                                                                     host=router_host)
+        self.router_process, self.router_url = launch_router_process(
+            RouterConfig.from_rollout(self.config.rollout), self.urls, host=router_host
+        )
         logger.info("engines up: %s, router %s", self.urls, self.router_url)
 
     def engine_urls(self) -> list[str]:

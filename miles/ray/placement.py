@@ -17,6 +17,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from miles.config.sections import RunConfig
 from miles.ray.shutdown import reinstall_signal_handlers
 
 logger = logging.getLogger(__name__)
@@ -68,11 +69,7 @@ class Placement:
         return len(set(self.bundle_nodes) | ({self.driver_node} if self.driver_node else set())) > 1
 
 
-def train_world_size(args) -> int:
-    return args.actor_num_nodes * args.actor_num_gpus_per_node
-
-
-def init_ray(args) -> None:
+def init_ray(config: RunConfig) -> None:
     """Start (no address) or join (RAY_ADDRESS set) a Ray cluster, forwarding the offline environment and the
     run's API key (created here unless $MILES_API_KEY is set)."""
     import ray
@@ -83,30 +80,31 @@ def init_ray(args) -> None:
     api_key = ensure_run_api_key()
     if ray.is_initialized():
         return
-    runtime_env = {"env_vars": worker_env_vars(args, api_key)}
+    runtime_env = {"env_vars": worker_env_vars(config, api_key)}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=True)
     else:
         # A CPU machine gets logical CPU slots for every process the job starts (they mostly wait on each other).
-        slots = train_world_size(args) + _num_engines(args) * max(1, args.rollout_num_gpus_per_engine) + 8
+        placement = config.placement
+        slots = placement.train_world_size + _num_engines(config) * placement.rollout_num_gpus_per_engine + 8
         num_cpus = None if use_gpus() else max(slots, os.cpu_count() or 1)
-        num_gpus = _local_gpu_budget(args) if use_gpus() else None  # --num-gpus-per-node caps this node's GPUs
+        num_gpus = _local_gpu_budget(config) if use_gpus() else None  # --num-gpus-per-node caps this node's GPUs
         ray.init(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=runtime_env, include_dashboard=False,
                  log_to_driver=True)
     reinstall_signal_handlers()  # ray.init made SIGTERM a bare sys.exit, which would skip the run's cleanup
 
 
-def _local_gpu_budget(args) -> int:
+def _local_gpu_budget(config: RunConfig) -> int:
     import torch
 
-    return min(int(getattr(args, "num_gpus_per_node", 8) or 8), torch.cuda.device_count())
+    return min(config.placement.num_gpus_per_node, torch.cuda.device_count())
 
 
 # Set by `ray job submit` in the driver's environment: the job's config, its runtime_env included.
 _RAY_JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 
 
-def worker_env_vars(args, api_key: str, environ=os.environ) -> dict[str, str]:
+def worker_env_vars(config: RunConfig, api_key: str, environ=os.environ) -> dict[str, str]:
     """The environment every Ray worker of the run gets: the offline settings, --train-env-vars and the key.
 
     Inside a submitted job (`ray job submit`) the job's own runtime_env already reaches every worker, and Ray
@@ -115,7 +113,7 @@ def worker_env_vars(args, api_key: str, environ=os.environ) -> dict[str, str]:
     from miles.utils.auth import API_KEY_ENV
 
     env = {k: environ[k] for k in _FORWARDED_ENV if k in environ}
-    env.update(args.train_env_vars or {})
+    env.update(config.trainer.train_env_vars)
     env[API_KEY_ENV] = api_key
     job_config = environ.get(_RAY_JOB_CONFIG_ENV)
     if job_config:
@@ -128,25 +126,25 @@ def worker_env_vars(args, api_key: str, environ=os.environ) -> dict[str, str]:
     return env
 
 
-def _num_engines(args) -> int:
-    if args.train_only or args.load_debug_rollout_data:
+def _num_engines(config: RunConfig) -> int:
+    if config.debug.train_only or config.debug.load_debug_rollout_data:
         return 0
-    rollout_gpus = args.rollout_num_gpus or train_world_size(args)
-    return max(1, rollout_gpus // args.rollout_num_gpus_per_engine)
+    rollout_gpus = config.placement.rollout_num_gpus or config.placement.train_world_size
+    return max(1, rollout_gpus // config.placement.rollout_num_gpus_per_engine)
 
 
-def create_placement_groups(args) -> Placement:
+def create_placement_groups(config: RunConfig) -> Placement:
     """Reserve every slot at once, so a job that does not fit fails before any model loads."""
     import ray
     from ray.util.placement_group import placement_group
 
     device = "cuda" if use_gpus() else "cpu"
-    world = train_world_size(args)
-    num_engines = _num_engines(args)
-    gpus_per_engine = args.rollout_num_gpus_per_engine
+    world = config.placement.train_world_size
+    num_engines = _num_engines(config)
+    gpus_per_engine = config.placement.rollout_num_gpus_per_engine
     on_gpu = device == "cuda"
-    rollout_bundles = 0 if args.colocate else num_engines * gpus_per_engine
-    first_engine_bundle = 0 if args.colocate else world
+    rollout_bundles = 0 if config.placement.colocate else num_engines * gpus_per_engine
+    first_engine_bundle = 0 if config.placement.colocate else world
     engine_bundles = [first_engine_bundle + i * gpus_per_engine for i in range(num_engines)]
     bundle = {"GPU": 1, "CPU": 1} if on_gpu else {"CPU": 1}
     bundles = [dict(bundle) for _ in range(world + rollout_bundles)]
@@ -162,8 +160,9 @@ def create_placement_groups(args) -> Placement:
             f"--rollout-num-gpus); cluster resources: {ray.cluster_resources()}"
         )
     gpu_ids = _bundle_gpu_ids(pg, total) if device == "cuda" else []
-    cpu_share = 0.45 if args.colocate else 1.0  # trainer rank and engine supervisor; reward actors take the rest
-    train_gpu_share = TRAIN_GPU_SHARE if args.colocate else 1.0
+    # trainer rank and engine supervisor; reward actors take the rest
+    cpu_share = 0.45 if config.placement.colocate else 1.0
+    train_gpu_share = TRAIN_GPU_SHARE if config.placement.colocate else 1.0
     train = Slots(pg, list(range(world)), train_gpu_share if on_gpu else 0.0, cpu_share, gpu_ids[:world])
     # An engine's actor only supervises its process, which owns the devices: a small share is enough.
     rollout = Slots(pg, engine_bundles, ROLLOUT_GPU_SHARE if on_gpu else 0.0, cpu_share, gpu_ids)
@@ -177,7 +176,7 @@ def create_placement_groups(args) -> Placement:
         num_engines,
         gpus_per_engine,
         _short_ids(placement.nodes_of(rollout)),
-        " (colocated)" if args.colocate else "",
+        " (colocated)" if config.placement.colocate else "",
         _short_ids([placement.driver_node]),
         "; the run spans nodes: engines bind their node's address" if placement.spans_nodes else "",
     )

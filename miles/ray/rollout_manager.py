@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from miles.config.sections import RunConfig
 from miles.logging.plots import save_eval_grid
 from miles.ray.engines import EngineFleet
 from miles.ray.shutdown import on_run_exit
@@ -43,20 +44,22 @@ logger = logging.getLogger(__name__)
 
 
 class RolloutManager:
-    def __init__(self, args, placement, run_logger) -> None:
-        self.args = args
+    def __init__(self, config: RunConfig, placement, run_logger) -> None:
+        self.config = config
+        # The rollout side runs the reference's hook signatures (`fn(args, ...)`): it reads the read-only view.
+        self.args = args = config.hook_args
         self.run_logger = run_logger
         self.hooks = load_rollout_hooks(args)
         self.sft_dataset = None
         self.data_source = None
-        if args.loss_type == "sft_loss":
+        if config.trainer.loss_type == "sft_loss":
             from miles.rollout.sft_data import build_sft_dataset
 
             self.sft_dataset = build_sft_dataset(args)
-        elif not args.load_debug_rollout_data:
+        elif not config.debug.load_debug_rollout_data:
             self.data_source = build_data_source(args)
-        self.eval_datasets = build_eval_datasets(args) if not args.train_only else []
-        self.fleet = EngineFleet(args, placement) if placement.num_engines > 0 else None
+        self.eval_datasets = build_eval_datasets(config) if not config.debug.train_only else []
+        self.fleet = EngineFleet(config, placement) if placement.num_engines > 0 else None
         if self.data_source is not None or self.eval_datasets:
             self._load_rewards(placement)
         self.weight_version = 0
@@ -70,7 +73,7 @@ class RolloutManager:
     def _load_rewards(self, placement) -> None:
         """Start the model rewards' workers now, so a bad model path fails before the first rollout."""
         reward_types = configured_reward_types(self.args, [dataset.rm_type for dataset in self.eval_datasets])
-        if getattr(self.args, "colocate_reward", False):
+        if self.config.reward.colocate_reward:
             from miles.rollout.rm_hub.workers import colocate_reward_workers
 
             rollout_bundles = list(range(placement.num_engines * placement.gpus_per_engine))
@@ -92,7 +95,8 @@ class RolloutManager:
         """Wait until every engine serves, then start the router in front of them."""
         if self.fleet is not None:
             self.fleet.wait_until_started()
-            self.args.miles_router_url = self.fleet.router_url
+            self.config = self.config.with_router_url(self.fleet.router_url)
+            self.args = self.config.hook_args  # hooks see it as args.miles_router_url
 
     def engine_urls(self) -> list[str]:
         return self.fleet.engine_urls() if self.fleet is not None else []
@@ -111,15 +115,15 @@ class RolloutManager:
 
     def watch_engines(self, on_restart: Callable[[str], None]) -> None:
         """`--use-fault-tolerance`: restart a dead engine with the current weights, in the background."""
-        if self.fleet is None or not self.args.use_fault_tolerance:
+        if self.fleet is None or not self.config.rollout.use_fault_tolerance:
             return
         self.fleet.on_restart = on_restart
         self._watcher = threading.Thread(target=self._watch, name="engine-watcher", daemon=True)
         self._watcher.start()
 
     def _watch(self) -> None:
-        time.sleep(self.args.rollout_health_check_first_wait)
-        while not self._stop_watching.wait(self.args.rollout_health_check_interval):
+        time.sleep(self.config.rollout.rollout_health_check_first_wait)
+        while not self._stop_watching.wait(self.config.rollout.rollout_health_check_interval):
             try:
                 self.fleet.restart_dead_engines()
             except Exception:  # keep watching: one failed restart must not end fault tolerance for the run
@@ -142,8 +146,8 @@ class RolloutManager:
         if not skip_default:
             self.run_logger.log(rollout_id, metrics)
             self.run_logger.log_samples(rollout_id, samples)
-        if self.args.save_debug_rollout_data:
-            path = self.args.save_debug_rollout_data.format(rollout_id, rollout_id=rollout_id)
+        if self.config.debug.save_debug_rollout_data:
+            path = self.config.debug.save_debug_rollout_data.format(rollout_id, rollout_id=rollout_id)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             save_plain({"rollout_id": rollout_id, "samples": [sample.to_record() for sample in samples]}, path,
                        "--save-debug-rollout-data")
@@ -170,11 +174,11 @@ class RolloutManager:
         samples, metrics = self._produce_samples(rollout_id)
         rollout_time = time.perf_counter() - start
         apply_rollout_sample_filter(self.hooks, self.args, samples)  # masked samples still count for advantages
-        if self.args.loss_type != "sft_loss":
-            metrics.update(assign_advantages(self.args, samples))
+        if self.config.trainer.loss_type != "sft_loss":
+            metrics.update(assign_advantages(self.config, samples))
         metrics["rollout/num_samples"] = len(samples)
         num_images = sum(1 if s.image is None else s.image.shape[0] for s in samples)
-        if rollout_time > 0 and self.sft_dataset is None and not self.args.load_debug_rollout_data:
+        if rollout_time > 0 and self.sft_dataset is None and not self.config.debug.load_debug_rollout_data:
             metrics["perf/images_per_second"] = num_images / rollout_time
         return samples, metrics
 
@@ -182,7 +186,7 @@ class RolloutManager:
         """The rollout's samples and the rollout function's own counters (retries, dropped groups, ...)."""
         if self.sft_dataset is not None:
             return self.sft_dataset.next_batch(rollout_id), {}
-        if self.args.load_debug_rollout_data:
+        if self.config.debug.load_debug_rollout_data:
             return self._load_debug_rollout(rollout_id), {}
         groups = self.hooks.rollout_function(self.args, rollout_id, self.data_source, evaluation=False)
         samples = [sample for group in groups for sample in group]
@@ -191,7 +195,7 @@ class RolloutManager:
         return samples, dict(getattr(groups, "metrics", {}))
 
     def _load_debug_rollout(self, rollout_id: int) -> list[Sample]:
-        path = self.args.load_debug_rollout_data.format(rollout_id, rollout_id=rollout_id)
+        path = self.config.debug.load_debug_rollout_data.format(rollout_id, rollout_id=rollout_id)
         if not os.path.exists(path):
             raise MilesUserError(f"--load-debug-rollout-data: {path!r} does not exist (rollout {rollout_id})")
         payload = load_plain(path, "--load-debug-rollout-data")
@@ -200,9 +204,9 @@ class RolloutManager:
             raise MilesUserError(f"--load-debug-rollout-data: {path} holds no 'samples' list (not a saved rollout)")
         samples = [Sample.from_record(record, f"--load-debug-rollout-data {path} sample {position}")
                    for position, record in enumerate(records)]
-        fraction = self.args.load_debug_rollout_data_subsample
+        fraction = self.config.debug.load_debug_rollout_data_subsample
         if fraction is not None:
-            group_size = self.args.n_samples_per_prompt
+            group_size = self.config.data.n_samples_per_prompt
             groups = [samples[i : i + group_size] for i in range(0, len(samples), group_size)]
             keep = max(1, int(len(groups) * fraction))
             groups = random.Random(rollout_id).sample(groups, keep)
@@ -211,13 +215,13 @@ class RolloutManager:
 
     # ---- eval ---------------------------------------------------------------------------------------
     def should_eval(self, rollout_id: int, final: bool = False) -> bool:
-        if not self.eval_datasets or self.fleet is None or not self.args.eval_interval:
+        if not self.eval_datasets or self.fleet is None or not self.config.evaluation.eval_interval:
             return False
         if final:
             return True
         if rollout_id == 0:
-            return not self.args.skip_eval_before_train
-        return rollout_id % self.args.eval_interval == 0
+            return not self.config.evaluation.skip_eval_before_train
+        return rollout_id % self.config.evaluation.eval_interval == 0
 
     def eval(self, rollout_id: int) -> dict[str, float]:
         metrics: dict[str, float] = {}
@@ -236,7 +240,7 @@ class RolloutManager:
             if not skip:
                 self.run_logger.log(rollout_id, dataset_metrics)
                 self.run_logger.log_samples(rollout_id, samples, prefix=f"eval/{dataset.name}")
-                folder = os.path.join(self.args.output_dir, "eval", str(rollout_id))
+                folder = os.path.join(self.config.logging.output_dir, "eval", str(rollout_id))
                 grid = save_eval_grid(groups, folder, dataset.name)
                 if grid:
                     logger.info("eval %s images: %s", dataset.name, grid)
@@ -262,7 +266,7 @@ class RolloutManager:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
         if self._watcher is not None:
-            self._watcher.join(timeout=self.args.rollout_health_check_timeout)
+            self._watcher.join(timeout=self.config.rollout.rollout_health_check_timeout)
         if self.fleet is not None:
             self.fleet.shutdown()
 

@@ -7,7 +7,6 @@ FSDP collectives (training, gathering weights for sync, checkpoints) need every 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from datetime import timedelta
@@ -15,53 +14,39 @@ from typing import Any
 
 import ray
 
+from miles.config.sections import RunConfig
+from miles.ray.placement import TRAIN_GPU_SHARE
 from miles.ray.shutdown import on_run_exit
-from miles.utils.errors import MilesUserError, PartDiedError
+from miles.utils.errors import PartDiedError
 
 logger = logging.getLogger(__name__)
 
-COLOCATED_TRAIN_GPU_SHARE = 0.7  # train 0.7 + rollout 0.25 + reward 0.05 on one GPU (docs/design.md §3)
 DEATH_REPORT_SECONDS = 10.0  # how long a rank's failure waits for Ray to report another rank's death behind it
 
 
-def process_group_backend(args, on_gpu: bool, log: bool = True) -> str:
+def process_group_backend(config: RunConfig, on_gpu: bool, log: bool = True) -> str:
     """The trainer's torch.distributed backend: `--distributed-backend` on GPU (its cuda part under
     `--fsdp-cpu-offload`), gloo on CPU, where nccl cannot run (`log`: say so, once per run from rank 0)."""
-    requested = getattr(args, "distributed_backend", None) or "nccl"
+    requested = config.placement.distributed_backend
     if not on_gpu:
         if requested != "gloo" and log:
             logger.info("--distributed-backend %s: no GPU, the trainer's process group uses gloo", requested)
         return "gloo"
-    if getattr(args, "fsdp_cpu_offload", False):
-        return f"cpu:{getattr(args, 'fsdp_cpu_backend', 'gloo') or 'gloo'},cuda:{requested}"
+    if config.trainer.fsdp_cpu_offload:
+        return f"cpu:{config.trainer.fsdp_cpu_backend},cuda:{requested}"
     return requested
-
-
-def parse_train_env_vars(value) -> dict[str, str]:
-    """`--train-env-vars` as a dict of strings (JSON text or a dict)."""
-    if not value:
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as err:
-            raise MilesUserError(f"--train-env-vars {value!r}: not valid JSON ({err})") from err
-    if not isinstance(value, dict):
-        raise MilesUserError(f"--train-env-vars must be a JSON object, got {type(value).__name__}")
-    return {str(k): str(v) for k, v in value.items()}
 
 
 class TrainRayActor:
     """One trainer rank. Methods mirror `DiffusionTrainer`; see `TrainActorGroup` for their meaning."""
 
-    def __init__(self, args, rank: int, world_size: int, family_name: str | None = None):
-        self.args = args
+    def __init__(self, config: RunConfig, rank: int, world_size: int):
+        self.config = config
         self.rank = rank
         self.world_size = world_size
-        self.family_name = family_name
         self.trainer = None
         self.weight_pusher = None  # rank 0: transports and the broadcast group of weight sync (weight_push.py)
-        os.environ.update(parse_train_env_vars(getattr(args, "train_env_vars", None)))
+        os.environ.update(config.trainer.train_env_vars)
 
     def master_address(self) -> tuple[str, int]:
         from miles.backends.fsdp_utils.spawn import free_port
@@ -73,6 +58,7 @@ class TrainRayActor:
         import torch.distributed as dist
 
         from miles.backends.fsdp_utils.actor import DiffusionTrainer
+        from miles.models.common import build_train_pipeline_config
 
         os.environ.update(
             MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank), WORLD_SIZE=str(self.world_size)
@@ -80,11 +66,11 @@ class TrainRayActor:
         on_gpu = torch.cuda.is_available()
         if on_gpu:
             torch.cuda.set_device(0)  # Ray exposes this actor's GPU as device 0
-        backend = process_group_backend(self.args, on_gpu, log=self.rank == 0)
-        timeout = timedelta(minutes=float(getattr(self.args, "distributed_timeout_minutes", 10) or 10))
+        backend = process_group_backend(self.config, on_gpu, log=self.rank == 0)
+        timeout = timedelta(minutes=self.config.placement.distributed_timeout_minutes)
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=timeout)
-        family = _build_family(self.args, self.family_name)
-        self.trainer = DiffusionTrainer(self.args, family, device="cuda" if on_gpu else "cpu")
+        family = build_train_pipeline_config(**self.config.model.family_source())
+        self.trainer = DiffusionTrainer(self.config, family, device="cuda" if on_gpu else "cpu")
         return self.trainer.init()
 
     def loaded_extra_state(self) -> dict | None:
@@ -103,25 +89,25 @@ class TrainRayActor:
             for _ in named_tensors:  # join every gather; only rank 0 sends
                 pass
             return None
-        args = self.args
+        config = self.config
         if self.weight_pusher is None:
             from miles.backends.fsdp_utils.weight_push import WeightPusher
 
             self.weight_pusher = WeightPusher(
-                getattr(args, "update_weight_transport", "auto") or "auto",
-                colocated=bool(getattr(args, "colocate", False)),
+                config.rollout.update_weight_transport,
+                colocated=config.placement.colocate,
                 device=self.trainer.device,
-                timeout=60.0 * float(getattr(args, "distributed_timeout_minutes", 10) or 10),
+                timeout=60.0 * config.placement.distributed_timeout_minutes,
             )
         return self.weight_pusher.push(
             engine_urls,
             named_tensors,
-            bucket_bytes=int(getattr(args, "update_weight_buffer_size", 512 * 1024 * 1024)),
+            bucket_bytes=config.rollout.update_weight_buffer_size,
             weight_version=weight_version,
-            lora=bool(getattr(args, "lora_ipc_weight_sync", False)),
+            lora=config.trainer.lora_ipc_weight_sync,
             lora_scaling=lora_scaling(self.trainer),
             target_modules=list(self.trainer.model.keys()),
-            check=bool(getattr(args, "check_weight_sync", False)),
+            check=config.rollout.check_weight_sync,
         )
 
     def named_tensors(self, lora_only: bool = False, use_ema: bool = False) -> dict | None:
@@ -168,19 +154,6 @@ class TrainRayActor:
             dist.destroy_process_group()
 
 
-def _build_family(args, family_name: str | None):
-    from miles.models.common import build_train_pipeline_config
-
-    if family_name and not getattr(args, "diffusion_model_family", None) and not getattr(
-        args, "train_pipeline_config_path", None
-    ):
-        import copy
-
-        args = copy.copy(args)
-        args.diffusion_model_family = family_name
-    return build_train_pipeline_config(args)
-
-
 class TrainActorGroup:
     """The N trainer ranks (`--actor-num-nodes` × `--actor-num-gpus-per-node`).
 
@@ -190,9 +163,8 @@ class TrainActorGroup:
 
     def __init__(
         self,
-        args,
+        config: RunConfig,
         placement_group=None,
-        family_name: str | None = None,
         world_size: int | None = None,
         gpu_share: float | None = None,
         cpu_share: float | None = None,
@@ -200,13 +172,11 @@ class TrainActorGroup:
         """`gpu_share` / `cpu_share` override each actor's resources (the placement's colocation shares)."""
         import torch
 
-        self.args = args
-        self.world_size = world_size or int(getattr(args, "actor_num_nodes", 1) or 1) * int(
-            getattr(args, "actor_num_gpus_per_node", 1) or 1
-        )
+        self.config = config
+        self.world_size = world_size or config.placement.train_world_size
         use_gpu = torch.cuda.is_available()
-        num_gpus = (COLOCATED_TRAIN_GPU_SHARE if getattr(args, "colocate", False) else 1.0) if use_gpu else 0
-        env_vars = parse_train_env_vars(getattr(args, "train_env_vars", None))
+        num_gpus = (TRAIN_GPU_SHARE if config.placement.colocate else 1.0) if use_gpu else 0
+        env_vars = dict(config.trainer.train_env_vars)
         remote_cls = ray.remote(TrainRayActor)
         self.actors = []
         for rank in range(self.world_size):
@@ -222,7 +192,7 @@ class TrainActorGroup:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=placement_group, placement_group_bundle_index=rank
                 )
-            self.actors.append(remote_cls.options(**options).remote(args, rank, self.world_size, family_name))
+            self.actors.append(remote_cls.options(**options).remote(config, rank, self.world_size))
         self.weight_version = 0
         self.weight_sync_metrics: dict[str, float] = {}  # the last push as `weight_sync/*` metrics
         on_run_exit("the trainer actors", self.kill)
@@ -263,7 +233,7 @@ class TrainActorGroup:
         return None
 
     def _death_message(self, rank: int, method: str) -> str:
-        save = getattr(self.args, "save", None)
+        save = self.config.checkpoint.save
         resume = (f"; rerun with --load {save} to resume from its last checkpoint" if save
                   else "; without --save there is no checkpoint to resume from")
         return (f"trainer rank {rank} of {len(self.actors)} died during {method}() (its process was killed, ran out "
@@ -317,9 +287,9 @@ class TrainActorGroup:
 
         from miles.backends.fsdp_utils.model_export import export_dir, should_export
 
-        if not should_export(self.args, rollout_id):
+        if not should_export(self.config, rollout_id):
             return None
-        path = export_dir(self.args, rollout_id)  # resolved here: the ranks may run in another folder
+        path = export_dir(self.config, rollout_id)  # resolved here: the ranks may run in another folder
         with phase("export") if phase is not None else contextlib.nullcontext():
             self._all("export", path, rollout_id)
         return path

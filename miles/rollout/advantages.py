@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from miles.config.sections import RunConfig
 from miles.diffusion.advantages import compute_grpo_advantages
 from miles.rollout.rm_hub import reward_component_metrics, reward_value
 from miles.types import Sample
@@ -43,16 +44,18 @@ def _zero_std_ratio(rewards: torch.Tensor, group_size: int) -> float:
     return (grouped.amax(dim=1) == grouped.amin(dim=1)).double().mean().item()
 
 
-def assign_advantages(args, samples: Sequence[Sample]) -> dict[str, float]:
+def assign_advantages(config: RunConfig, samples: Sequence[Sample]) -> dict[str, float]:
     """Write `sample.advantage` for every sample; return the rollout's reward/advantage metrics."""
     samples = list(samples)
     if not samples:
         raise MilesUserError("no samples to compute advantages for (did every group get filtered out?)")
-    group_size = int(getattr(args, "n_samples_per_prompt", 1) or 1)
+    reward = config.reward
+    group_size = config.data.n_samples_per_prompt
     _check_group_order(samples, group_size)
+    args = config.hook_args  # what the reward helpers and the post-process hook read
     rewards = torch.tensor([reward_value(args, sample.reward) for sample in samples], dtype=torch.float64)
 
-    post_process_path = getattr(args, "custom_reward_post_process_path", None)
+    post_process_path = reward.custom_reward_post_process_path
     if post_process_path:
         fn = load_function(post_process_path, "--custom-reward-post-process-path", required_params=2)
         advantages = list(fn(args, samples))
@@ -76,9 +79,9 @@ def assign_advantages(args, samples: Sequence[Sample]) -> dict[str, float]:
         advantage_tensor, stats = compute_grpo_advantages(
             rewards,
             group_size,
-            globalize_mean=bool(getattr(args, "globalize_reward_mean", False)),
-            globalize_std=bool(getattr(args, "globalize_reward_std", False)),
-            disable_std_normalization=bool(getattr(args, "disable_grpo_std_normalization", False)),
+            globalize_mean=reward.globalize_reward_mean,
+            globalize_std=reward.globalize_reward_std,
+            disable_std_normalization=reward.disable_grpo_std_normalization,
         )
         zero_std_ratio = float(stats["zero_std_ratio"])
 

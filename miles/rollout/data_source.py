@@ -180,20 +180,20 @@ def compute_num_rollout(
 
 def num_rollout_from_args(args) -> int:
     """`compute_num_rollout` with the prompt count read from `--prompt-data`."""
-    if getattr(args, "num_rollout", None) is not None:
-        return int(args.num_rollout)
-    if getattr(args, "disable_rollout_global_dataset", False) or not getattr(args, "prompt_data", None):
+    if args.num_rollout is not None:
+        return args.num_rollout
+    if args.disable_rollout_global_dataset or not args.prompt_data:
         raise MilesUserError("set --num-rollout: without --prompt-data the number of rollouts cannot be derived")
     num_prompts = len(load_prompt_data(args.prompt_data, _input_key(args), _metadata_key(args)))
-    return compute_num_rollout(None, getattr(args, "num_epoch", None), num_prompts, args.rollout_batch_size)
+    return compute_num_rollout(None, args.num_epoch, num_prompts, args.rollout_batch_size)
 
 
 def _input_key(args) -> str:
-    return getattr(args, "input_key", None) or "input"
+    return args.input_key
 
 
 def _metadata_key(args) -> str:
-    return getattr(args, "metadata_key", None) or "metadata"
+    return args.metadata_key
 
 
 def pop_first(args, rollout_id: int, buffer: list[Group], num_groups: int) -> list[Group]:
@@ -206,12 +206,12 @@ class RolloutDataSource:
 
     def __init__(self, args):
         self.args = args
-        self.n_samples_per_prompt = int(getattr(args, "n_samples_per_prompt", 1) or 1)
-        self.seed = int(getattr(args, "rollout_seed", 42) or 0)
-        self.shuffle = not getattr(args, "no_rollout_shuffle", False)
+        self.n_samples_per_prompt = args.n_samples_per_prompt
+        self.seed = args.rollout_seed
+        self.shuffle = not args.no_rollout_shuffle
         self.rows: list[PromptRow] = []
-        if not getattr(args, "disable_rollout_global_dataset", False):
-            if not getattr(args, "prompt_data", None):
+        if not args.disable_rollout_global_dataset:
+            if not args.prompt_data:
                 raise MilesUserError("--prompt-data is required (or pass --disable-rollout-global-dataset with your own --data-source-path)")
             self.rows = load_prompt_data(args.prompt_data, _input_key(args), _metadata_key(args))
         self.epoch = 0
@@ -290,7 +290,7 @@ class RolloutDataSourceWithBuffer(RolloutDataSource):
         super().__init__(args)
         self.buffer: list[Group] = []
         self._calls = 0
-        path = getattr(args, "buffer_filter_path", None)
+        path = args.buffer_filter_path
         self.buffer_filter: Callable = (
             load_function(path, "--buffer-filter-path", required_params=4) if path else pop_first
         )
@@ -337,7 +337,7 @@ REQUIRED_METHODS = ("get_samples", "add_samples", "state_dict", "load_state_dict
 
 def build_data_source(args) -> Any:
     """`--data-source-path` (a class taking `args`), else `RolloutDataSourceWithBuffer`."""
-    path = getattr(args, "data_source_path", None)
+    path = args.data_source_path
     if not path:
         return RolloutDataSourceWithBuffer(args)
     cls = load_object(path, "--data-source-path")

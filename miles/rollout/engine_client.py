@@ -30,6 +30,7 @@ from typing import Any
 
 import aiohttp
 
+from miles.config.sections import RunConfig
 from miles.engine.protocol import CONTENT_TYPE, GenerateRequest, GenerateResponse, decode_response, encode_request
 from miles.utils.auth import API_KEY_ENV, auth_headers
 from miles.utils.errors import MilesUserError, PartDiedError
@@ -102,20 +103,21 @@ def _post_actors(num_per_node: int) -> list[Any]:
 class EngineClient:
     """One per rollout call: owns the HTTP session, the concurrency cap and the parser pool."""
 
-    def __init__(self, args, max_attempts: int = 5):
-        self.router_url = (getattr(args, "miles_router_url", None) or "").rstrip("/")
+    def __init__(self, config: RunConfig, max_attempts: int = 5):
+        self.router_url = (config.router_url or "").rstrip("/")
         if not self.router_url:
             raise MilesUserError("args.miles_router_url is not set: the rollout needs the router (--use-miles-router)")
-        self.fault_tolerant = bool(getattr(args, "use_fault_tolerance", False))
+        rollout = config.rollout
+        self.fault_tolerant = rollout.use_fault_tolerance
         self.max_attempts = max_attempts if self.fault_tolerant else 1
-        self.timeout = getattr(args, "miles_router_timeout", None)
-        self.per_engine_concurrency = int(getattr(args, "sglang_server_concurrency", 512) or 512)
+        self.timeout = rollout.miles_router_timeout
+        self.per_engine_concurrency = rollout.sglang_server_concurrency
         self.retry_backoff = 0.2
         # how long a request waits for a live engine (the supervisor restarts dead ones every health interval)
-        self.no_engine_wait = max(60.0, 10 * float(getattr(args, "rollout_health_check_interval", 30.0) or 30.0))
-        workers = int(getattr(args, "rollout_parser_num_workers", 1) or 1)
+        self.no_engine_wait = max(60.0, 10 * rollout.rollout_health_check_interval)
+        workers = rollout.rollout_parser_num_workers
         self._parser_pool = ThreadPoolExecutor(workers, thread_name_prefix="miles-parser") if workers > 1 else None
-        self._distributed = bool(getattr(args, "use_distributed_post", False))
+        self._distributed = rollout.use_distributed_post
         self._post_actors: list[Any] = []
         self._actor_cycle = None
         self._session: aiohttp.ClientSession | None = None
@@ -173,7 +175,7 @@ class EngineClient:
 
     async def generate(self, request: GenerateRequest) -> tuple[GenerateResponse, str | None]:
         """POST one microgroup; returns (response, engine URL). Retries per the module docstring."""
-        assert self._semaphore is not None, "use `async with EngineClient(args)`"
+        assert self._semaphore is not None, "use `async with EngineClient(config)`"
         body = encode_request(request)
         errors: list[str] = []
         engine_failures = 0

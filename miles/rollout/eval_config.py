@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+from miles.config.sections import RunConfig
 from miles.rollout.data_source import PromptRow, load_prompt_data
 from miles.utils.errors import MilesUserError
 
@@ -68,16 +69,16 @@ class EvalDataset:
 OPTIONAL_KEYS = {f.name for f in fields(EvalDataset)} - {"name", "path"}
 
 
-def _defaults(args) -> dict[str, Any]:
+def _defaults(config: RunConfig) -> dict[str, Any]:
     return {
-        "input_key": getattr(args, "eval_input_key", None) or getattr(args, "input_key", None) or "input",
-        "metadata_key": getattr(args, "metadata_key", None) or "metadata",
-        "n_samples_per_eval_prompt": int(getattr(args, "n_samples_per_eval_prompt", None) or 1),
+        "input_key": config.evaluation.eval_input_key or config.data.input_key,
+        "metadata_key": config.data.metadata_key,
+        "n_samples_per_eval_prompt": config.evaluation.n_samples_per_eval_prompt,
         "num_steps": int(
-            getattr(args, "diffusion_eval_num_steps", None) or getattr(args, "diffusion_num_steps", None) or 10
+            config.evaluation.diffusion_eval_num_steps or config.sampling.diffusion_num_steps
         ),
-        "reward_key": getattr(args, "eval_reward_key", None) or getattr(args, "reward_key", None),
-        "reward_weights": getattr(args, "reward_weights", None),
+        "reward_key": config.evaluation.eval_reward_key or config.reward.reward_key,
+        "reward_weights": config.reward.reward_weights,
         "rm_type": None,  # None: routed like training (metadata.rm_type, --custom-rm-path, --rm-type)
     }
 
@@ -92,37 +93,37 @@ def _check(dataset: EvalDataset, where: str) -> EvalDataset:
     return dataset
 
 
-def _from_pairs(args, pairs: list[str]) -> list[EvalDataset]:
+def _from_pairs(config: RunConfig, pairs: list[str]) -> list[EvalDataset]:
     if len(pairs) % 2 != 0:
         raise MilesUserError(f"--eval-prompt-data takes NAME PATH pairs, got {len(pairs)} values: {pairs}")
-    defaults = _defaults(args)
+    defaults = _defaults(config)
     return [
         _check(EvalDataset(name=name, path=path, **defaults), "--eval-prompt-data")
         for name, path in zip(pairs[0::2], pairs[1::2])
     ]
 
 
-def _from_config(args, config_path: str) -> list[EvalDataset]:
+def _from_config(run_config: RunConfig, config_path: str) -> list[EvalDataset]:
     from omegaconf import OmegaConf
 
     where = f"--eval-config {config_path}"
     if not os.path.isfile(config_path):
         raise MilesUserError(f"{where}: file does not exist")
     try:
-        config = OmegaConf.to_container(OmegaConf.load(config_path), resolve=True)
+        spec = OmegaConf.to_container(OmegaConf.load(config_path), resolve=True)
     except Exception as err:
         raise MilesUserError(f"{where}: cannot parse: {err}") from err
-    if isinstance(config, dict) and "eval" in config:
-        config = config["eval"]
-    if not isinstance(config, dict) or not isinstance(config.get("datasets"), list) or not config["datasets"]:
+    if isinstance(spec, dict) and "eval" in spec:
+        spec = spec["eval"]
+    if not isinstance(spec, dict) or not isinstance(spec.get("datasets"), list) or not spec["datasets"]:
         raise MilesUserError(f"{where}: expected a non-empty 'datasets' list (optionally under 'eval')")
-    shared = config.get("defaults") or {}
-    unknown_top = set(config) - {"datasets", "defaults"}
+    shared = spec.get("defaults") or {}
+    unknown_top = set(spec) - {"datasets", "defaults"}
     if unknown_top or not isinstance(shared, dict) or set(shared) - OPTIONAL_KEYS:
         raise MilesUserError(f"{where}: unknown keys {sorted(unknown_top | (set(shared) - OPTIONAL_KEYS))}; allowed: datasets, defaults {sorted(OPTIONAL_KEYS)}")
     folder = os.path.dirname(os.path.abspath(config_path))
     datasets = []
-    for position, entry in enumerate(config["datasets"]):
+    for position, entry in enumerate(spec["datasets"]):
         entry_where = f"{where}: datasets[{position}]"
         if not isinstance(entry, dict) or "name" not in entry or "path" not in entry:
             raise MilesUserError(f"{entry_where}: each dataset needs 'name' and 'path'")
@@ -132,12 +133,12 @@ def _from_config(args, config_path: str) -> list[EvalDataset]:
         path = str(entry["path"])
         if not os.path.isabs(path) and not os.path.exists(path):
             path = os.path.join(folder, path)
-        values = {**_defaults(args), **shared, **{k: v for k, v in entry.items() if k not in ("name", "path")}}
+        values = {**_defaults(run_config), **shared, **{k: v for k, v in entry.items() if k not in ("name", "path")}}
         dataset = EvalDataset(name=str(entry["name"]), path=path, **values)
         dataset.n_samples_per_eval_prompt = int(dataset.n_samples_per_eval_prompt)
         dataset.num_steps = int(dataset.num_steps)
         if dataset.reward_weights is not None:
-            from miles.utils.flags import parse_reward_weights
+            from miles.config.flags import parse_reward_weights
 
             try:
                 dataset.reward_weights = parse_reward_weights(dataset.reward_weights)
@@ -150,12 +151,12 @@ def _from_config(args, config_path: str) -> list[EvalDataset]:
     return datasets
 
 
-def build_eval_datasets(args) -> list[EvalDataset]:
+def build_eval_datasets(config: RunConfig) -> list[EvalDataset]:
     """The configured eval datasets ([] when none): `--eval-config` wins over `--eval-prompt-data`."""
-    config_path = getattr(args, "eval_config", None)
+    config_path = config.evaluation.eval_config
     if config_path:
-        return _from_config(args, config_path)
-    pairs = getattr(args, "eval_prompt_data", None)
+        return _from_config(config, config_path)
+    pairs = config.evaluation.eval_prompt_data
     if pairs:
-        return _from_pairs(args, list(pairs))
+        return _from_pairs(config, list(pairs))
     return []

@@ -18,8 +18,6 @@ from miles.types import Sample
 from miles.utils.errors import MilesUserError
 from miles.utils.imports import load_function, load_object
 
-DEFAULT_ROLLOUT_FUNCTION = "miles.rollout.sglang_rollout.generate_rollout"
-
 
 @dataclass(frozen=True)
 class HookSpec:
@@ -89,16 +87,15 @@ def _load(spec: HookSpec, path: str) -> Callable:
 def load_rollout_hooks(args) -> RolloutHooks:
     """Import and check every hook flag that is set (MilesUserError naming the flag otherwise)."""
     loaded: dict[str, Any] = {}
+    values = vars(args)  # every flag is there: the run's read-only args (or a parsed namespace)
     for spec in HOOK_SPECS:
-        path = getattr(args, spec.attribute, None)
-        if spec.field == "rollout_function":
-            path = path or DEFAULT_ROLLOUT_FUNCTION
+        path = values[spec.attribute]  # --rollout-function-path always has one (its declared default)
         if spec.field == "eval_function" and not path:
             continue  # defaults to the rollout function below
         if path:
             loaded[spec.field] = _load(spec, path)
     loaded.setdefault("eval_function", loaded["rollout_function"])
-    data_source_path = getattr(args, "data_source_path", None)
+    data_source_path = values["data_source_path"]
     if data_source_path:
         from miles.rollout.data_source import REQUIRED_METHODS
 

@@ -167,8 +167,8 @@ def _writable(folder: str) -> bool:
 
 def sft_cache_folder(args, data_path: str, family_name: str, encoder_path: str) -> str:
     """`<cache root>/<hash of the data file and the encoding settings>`."""
-    root = getattr(args, "sft_cache_dir", None) or os.path.join(os.path.dirname(os.path.abspath(data_path)), ".miles_sft_cache")
-    if not getattr(args, "sft_cache_dir", None) and not _writable(root):
+    root = args.sft_cache_dir or os.path.join(os.path.dirname(os.path.abspath(data_path)), ".miles_sft_cache")
+    if not args.sft_cache_dir and not _writable(root):
         fallback = os.path.join(os.path.expanduser("~"), ".cache", "miles", "sft_cache")
         logger.warning("SFT cache: %s is not writable; caching under %s instead", root, fallback)
         root = fallback
@@ -179,9 +179,9 @@ def sft_cache_folder(args, data_path: str, family_name: str, encoder_path: str) 
         os.path.abspath(encoder_path) if os.path.exists(encoder_path) else encoder_path,
         args.diffusion_height,
         args.diffusion_width,
-        int(getattr(args, "sft_frame_stride", 1) or 1),
-        int(getattr(args, "diffusion_output_num_frames", 1) or 1),
-        getattr(args, "diffusion_fps", None),
+        args.sft_frame_stride,
+        args.diffusion_output_num_frames,
+        args.diffusion_fps,
     )
     return os.path.join(root, key)
 
@@ -210,14 +210,15 @@ def build_sft_samples(
 ) -> list[Sample]:
     """Every row of `--prompt-data` as a Sample with `clean_latents` and `conditioning`, from the cache when
     possible. `family`/`pipe` default to the run's family and its encoders."""
+    from miles.config.sections import run_config_of
     from miles.models.common import build_train_pipeline_config, conditioning_unbatch
 
-    data_path = getattr(args, "prompt_data", None)
+    data_path = args.prompt_data
     if not data_path:
         raise MilesUserError("--loss-type sft_loss needs --prompt-data (an SFT JSONL of captions and image/video paths)")
-    rows = load_sft_rows(data_path, getattr(args, "input_key", None) or "input")
-    family = family or build_train_pipeline_config(args)
-    encoder_path = getattr(args, "sft_encoder_checkpoint", None) or args.hf_checkpoint
+    rows = load_sft_rows(data_path, args.input_key)
+    family = family or build_train_pipeline_config(**run_config_of(args).model.family_source())
+    encoder_path = args.sft_encoder_checkpoint or args.hf_checkpoint
     folder = sft_cache_folder(args, data_path, getattr(family, "family", type(family).__name__), encoder_path)
     try:
         os.makedirs(folder, exist_ok=True)
@@ -228,14 +229,14 @@ def build_sft_samples(
     if missing:
         logger.info("SFT: encoding %d of %d rows into %s", len(missing), len(rows), folder)
         pipe = pipe or load_encoder_pipeline(family, encoder_path, dtype, device)
-        num_frames = int(getattr(args, "diffusion_output_num_frames", 1) or 1) if getattr(family, "is_video", False) else None
+        num_frames = args.diffusion_output_num_frames if getattr(family, "is_video", False) else None
         shape = GenerationShape(
             height=args.diffusion_height,
             width=args.diffusion_width,
             num_frames=num_frames or 1,
-            fps=getattr(args, "diffusion_fps", None),  # as the trainer's shape: Cosmos 3 writes it into the prompt
+            fps=args.diffusion_fps,  # as the trainer's shape: Cosmos 3 writes it into the prompt
         )
-        stride = int(getattr(args, "sft_frame_stride", 1) or 1)
+        stride = args.sft_frame_stride
         bar = progress_bar(len(missing), "SFT: encoding rows", unit="row")
         for start in range(0, len(missing), batch_size):
             chunk = missing[start : start + batch_size]
@@ -284,10 +285,8 @@ class SftDataSource:
             raise MilesUserError("SFT data: no samples")
         self.samples = list(samples)
         # Samples per rollout, as in RL: --rollout-batch-size × --n-samples-per-prompt (1 for SFT, usually).
-        self.batch_size = int(getattr(args, "rollout_batch_size", None) or 1) * int(
-            getattr(args, "n_samples_per_prompt", None) or 1
-        )
-        self.seed = int(getattr(args, "rollout_seed", 42) or 0)
+        self.batch_size = args.rollout_batch_size * args.n_samples_per_prompt
+        self.seed = args.rollout_seed
         self.epoch = 0
         self.offset = 0
         self._order = self._epoch_order(0)
@@ -331,8 +330,8 @@ def build_sft_dataset(args) -> SftDataSource:
     from miles.models.common import parse_dtype
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = parse_dtype(getattr(args, "diffusion_forward_dtype", None) or "fp32") if device == "cuda" else torch.float32
-    samples = build_sft_samples(args, device=device, dtype=dtype, batch_size=int(getattr(args, "sft_encode_batch_size", None) or 8))
+    dtype = parse_dtype(args.diffusion_forward_dtype) if device == "cuda" else torch.float32
+    samples = build_sft_samples(args, device=device, dtype=dtype, batch_size=args.sft_encode_batch_size)
     if device == "cuda":
         torch.cuda.empty_cache()
     return SftDataSource(args, samples)

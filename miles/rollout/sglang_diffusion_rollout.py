@@ -46,6 +46,7 @@ import time
 import uuid
 from typing import Sequence
 
+from miles.config.sections import RunConfig, run_config_of
 from miles.engine.protocol import GenerateRequest
 from miles.rollout.engine_client import EngineClient, EngineRequestError
 from miles.rollout.hooks import RolloutHooks, apply_dynamic_sampling_filter, load_rollout_hooks
@@ -83,7 +84,7 @@ def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = Fals
 
 
 def build_request(
-    args,
+    config: RunConfig,
     prompt: str,
     num_samples: int,
     seed: int,
@@ -92,29 +93,30 @@ def build_request(
     return_latent_indices: Sequence[int],
     evaluation: bool,
 ) -> GenerateRequest:
-    """A GenerateRequest from the run's `--diffusion-*` flags."""
+    """A GenerateRequest from the run's `--diffusion-*` flags (its sampling section)."""
+    sampling = config.sampling
     return GenerateRequest(
         prompt=prompt,
         num_samples=num_samples,
         seed=seed,
         num_steps=num_steps,
-        negative_prompt=getattr(args, "diffusion_negative_prompt", None),
+        negative_prompt=sampling.diffusion_negative_prompt,
         guidance=GuidanceConfig(
-            guidance_scale=float(getattr(args, "diffusion_guidance_scale", 4.0)),
-            guidance_scale_2=getattr(args, "diffusion_guidance_scale_2", None),
-            true_cfg_scale=getattr(args, "diffusion_true_cfg_scale", None),
+            guidance_scale=sampling.diffusion_guidance_scale,
+            guidance_scale_2=sampling.diffusion_guidance_scale_2,
+            true_cfg_scale=sampling.diffusion_true_cfg_scale,
         ),
-        noise_level=float(getattr(args, "diffusion_noise_level", 0.7)),
-        sde_type=getattr(args, "diffusion_sde_type", "sde"),
-        log_prob_no_const=bool(getattr(args, "diffusion_log_prob_no_const", False)),
+        noise_level=sampling.diffusion_noise_level,
+        sde_type=sampling.diffusion_sde_type,
+        log_prob_no_const=sampling.diffusion_log_prob_no_const,
         sde_step_indices=list(sde_step_indices),
         return_latent_indices=list(return_latent_indices),
-        height=int(getattr(args, "diffusion_height", 512)),
-        width=int(getattr(args, "diffusion_width", 512)),
-        num_frames=int(getattr(args, "diffusion_output_num_frames", 1) or 1),
-        fps=getattr(args, "diffusion_fps", None),
-        flow_shift=getattr(args, "diffusion_flow_shift", None),
-        debug=bool(getattr(args, "diffusion_debug_mode", False)) and not evaluation,
+        height=sampling.diffusion_height,
+        width=sampling.diffusion_width,
+        num_frames=sampling.diffusion_output_num_frames,
+        fps=sampling.diffusion_fps,
+        flow_shift=sampling.diffusion_flow_shift,
+        debug=config.debug.diffusion_debug_mode and not evaluation,
         evaluation=evaluation,
         request_id=uuid.uuid4().hex[:16],
     )
@@ -130,9 +132,9 @@ class _Rollout:
         self.client = client
         self.evaluation = evaluation
         self.strategy = None if evaluation else resolve_step_strategy(args)
-        self.microgroup_size = max(1, int(getattr(args, "rollout_microgroup_size", 1) or 1))
-        self.num_steps = int(getattr(args, "diffusion_num_steps", 10))
-        self.group_rm = bool(getattr(args, "group_rm", False))
+        self.microgroup_size = max(1, args.rollout_microgroup_size)
+        self.num_steps = args.diffusion_num_steps
+        self.group_rm = args.group_rm
         # engine-side seconds of this rollout's requests: where a rollout's time goes (bench/RESULTS.md)
         self.engine_seconds = {"denoise": 0.0, "decode": 0.0, "request": 0.0}
 
@@ -147,12 +149,12 @@ class _Rollout:
     async def generate_microgroup(self, group: list[Sample], offset: int, group_index: int, group_size: int) -> None:
         """Fill `group[offset : offset + microgroup_size]` from one request (or the custom generate hook)."""
         samples = group[offset : offset + self.microgroup_size]
-        seed = request_seed(int(getattr(self.args, "rollout_seed", 42)), group_index, group_size, offset)
+        seed = request_seed(self.args.rollout_seed, group_index, group_size, offset)
         if self.evaluation:
             sde_steps, return_latents = [], []
         else:
             sde_steps, return_latents = self.strategy(self.args, samples[0], self.num_steps, seed)
-        request = build_request(self.args, samples[0].prompt, len(samples), seed, self.num_steps, sde_steps,
+        request = build_request(run_config_of(self.args), samples[0].prompt, len(samples), seed, self.num_steps, sde_steps,
                                 return_latents, self.evaluation)
         if self.hooks.custom_generate is not None:
             params = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}
@@ -232,12 +234,12 @@ async def generate_rollout_async(
     """The rollout as a coroutine; returns (groups, metrics)."""
     hooks = load_rollout_hooks(args)
     began = time.perf_counter()
-    async with EngineClient(args) as client:
+    async with EngineClient(run_config_of(args)) as client:
         rollout = _Rollout(args, rollout_id, hooks, client, evaluation)
         if evaluation:
             groups, num_steps = _eval_groups(args, data_source)
             rollout.num_steps = num_steps or int(
-                getattr(args, "diffusion_eval_num_steps", None) or getattr(args, "diffusion_num_steps", 10)
+                args.diffusion_eval_num_steps or args.diffusion_num_steps
             )
             name = getattr(data_source, "name", None) or "groups"
             with progress_bar(sum(map(len, groups)), f"eval {name}", unit="sample") as bar:
@@ -271,12 +273,12 @@ async def _generate_train_groups(args, rollout_id: int, data_source, rollout: _R
     """(kept groups, generated, dropped, unused): `--over-sampling-batch-size` groups start at once (default
     `--rollout-batch-size`); a dropped group is replaced until `--rollout-batch-size` groups are kept; groups
     beyond that (finished late or cancelled in flight) are unused."""
-    target = int(getattr(args, "rollout_batch_size", 0) or 0)
+    target = args.rollout_batch_size
     if target <= 0:
         raise MilesUserError(f"--rollout-batch-size must be > 0, got {target}")
-    first_wave = max(target, int(getattr(args, "over_sampling_batch_size", None) or target))
+    first_wave = max(target, args.over_sampling_batch_size or target)
     max_groups = max(MAX_GROUPS_FACTOR * target, first_wave)
-    group_size = int(getattr(args, "n_samples_per_prompt", 1) or 1)
+    group_size = args.n_samples_per_prompt
     kept: list[list[Sample]] = []
     in_flight: set[asyncio.Task] = set()
     generated = dropped = 0

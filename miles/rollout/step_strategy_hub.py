@@ -46,7 +46,7 @@ def return_latents_for(sde_step_indices: Sequence[int]) -> list[int]:
 
 
 def _window_range(args, num_steps: int) -> tuple[int, int]:
-    window = getattr(args, "diffusion_sde_window_range", None)
+    window = args.diffusion_sde_window_range
     if window is None:
         return 0, num_steps
     if isinstance(window, str):
@@ -64,7 +64,7 @@ def sde_window(args, sample, num_steps: int, seed: int) -> tuple[list[int], list
     K = `--diffusion-num-sde-steps`, [lo, hi) = `--diffusion-sde-window-range` (default [0, n)).
     """
     lo, hi = _window_range(args, num_steps)
-    count = int(getattr(args, "diffusion_num_sde_steps", 0) or 0)
+    count = args.diffusion_num_sde_steps
     if not 0 <= lo < hi <= num_steps:
         raise MilesUserError(
             f"--diffusion-sde-window-range {lo},{hi}: need 0 <= lo < hi <= {num_steps} (--diffusion-num-steps)"
@@ -79,7 +79,7 @@ def sde_window(args, sample, num_steps: int, seed: int) -> tuple[list[int], list
 
 
 def _candidate_steps(args, num_steps: int) -> list[int]:
-    candidates = getattr(args, "diffusion_sde_candidate_steps", None)
+    candidates = args.diffusion_sde_candidate_steps
     if isinstance(candidates, str):
         candidates = [part for part in candidates.split(",") if part.strip()]
     if not candidates:
@@ -103,14 +103,14 @@ def epoch_global_random_choice(args, sample, num_steps: int, seed: int) -> tuple
     `e + rollout_seed`. K ≥ |C| (or K = 0, "no subset selection") gives all candidates. `seed` is unused.
     """
     candidates = _candidate_steps(args, num_steps)
-    count = int(getattr(args, "diffusion_num_sde_steps", 0) or 0)
+    count = args.diffusion_num_sde_steps
     if count < 0:
         raise MilesUserError(f"--diffusion-num-sde-steps {count}: must be >= 0")
     if count == 0 or count >= len(candidates):
         steps = sorted(candidates)
     else:
-        epoch = sample.group_index // int(args.rollout_batch_size)
-        generator = torch.Generator().manual_seed(epoch + int(args.rollout_seed))
+        epoch = sample.group_index // args.rollout_batch_size
+        generator = torch.Generator().manual_seed(epoch + args.rollout_seed)
         order = torch.randperm(len(candidates), generator=generator)[:count]
         steps = sorted(candidates[p] for p in order.tolist())
     return steps, return_latents_for(steps)
@@ -123,7 +123,7 @@ def ode_and_return_last(args, sample, num_steps: int, seed: int) -> tuple[list[i
 
 def all_steps_or_window(args, sample, num_steps: int, seed: int) -> tuple[list[int], list[int]]:
     """The bare `--diffusion-num-sde-steps` K (§3, SPEC): K = 0 ⇒ every step is an SDE step; K > 0 ⇒ `sde_window`."""
-    count = int(getattr(args, "diffusion_num_sde_steps", 0) or 0)
+    count = args.diffusion_num_sde_steps
     if count < 0:
         raise MilesUserError(f"--diffusion-num-sde-steps {count}: must be >= 0")
     if count == 0:
@@ -166,11 +166,11 @@ def resolve_step_strategy(args) -> StepStrategy:
     """The strategy for this run: `--diffusion-step-strategy-path` if given; `ode_and_return_last` under
     `--loss-type nft` with `--diffusion-sde-type ode`; else the bare count. The result validates its answers;
     the underlying function is `result.__wrapped__`."""
-    path = getattr(args, "diffusion_step_strategy_path", None)
+    path = args.diffusion_step_strategy_path
     if path:
         from miles.utils.imports import load_function
 
         return _checked(load_function(path, STRATEGY_FLAG, required_params=4), f"{STRATEGY_FLAG} {path}")
-    if getattr(args, "loss_type", None) == "nft" and getattr(args, "diffusion_sde_type", None) == "ode":
+    if args.loss_type == "nft" and args.diffusion_sde_type == "ode":
         return _checked(ode_and_return_last, "ode_and_return_last")
     return _checked(all_steps_or_window, "--diffusion-num-sde-steps")

@@ -28,6 +28,7 @@ import re
 import socket
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -41,6 +42,9 @@ from miles.utils.auth import (
     resolve_api_key,
     warn_if_exposed,
 )
+
+if TYPE_CHECKING:
+    from miles.config.sections import RolloutConfig
 
 logger = logging.getLogger(__name__)
 
@@ -59,15 +63,15 @@ class RouterConfig:
     max_request_bytes: int = 16 << 20  # largest request body a client may send (generate bodies are small)
 
     @classmethod
-    def from_args(cls, args) -> "RouterConfig":
+    def from_rollout(cls, rollout: "RolloutConfig") -> "RouterConfig":
         """From the run's flags (`--rollout-health-check-*`, `--miles-router-*`)."""
         return cls(
-            health_check_interval=float(getattr(args, "rollout_health_check_interval", 30.0) or 30.0),
-            health_check_timeout=float(getattr(args, "rollout_health_check_timeout", 30.0) or 30.0),
-            health_check_first_wait=float(getattr(args, "rollout_health_check_first_wait", 0.0) or 0.0),
-            failure_threshold=int(getattr(args, "miles_router_health_check_failure_threshold", 3) or 3),
-            timeout=getattr(args, "miles_router_timeout", None),
-            max_connections=getattr(args, "miles_router_max_connections", None),
+            health_check_interval=rollout.rollout_health_check_interval,
+            health_check_timeout=rollout.rollout_health_check_timeout,
+            health_check_first_wait=rollout.rollout_health_check_first_wait,
+            failure_threshold=rollout.miles_router_health_check_failure_threshold,
+            timeout=rollout.miles_router_timeout,
+            max_connections=rollout.miles_router_max_connections,
         )
 
 

@@ -4,6 +4,7 @@ hooks, determinism, bad settings. DP = 2 against DP = 1 runs with two Ray actors
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 import os
 import re
 
@@ -14,15 +15,10 @@ import torch.distributed as dist
 from miles.backends.fsdp_utils.actor import DiffusionTrainer
 from miles.backends.fsdp_utils.parallel_dims import ParallelDims
 from miles.backends.fsdp_utils.spawn import free_port, init_distributed
-from miles.backends.fsdp_utils.tiny_rollout import (
-    load_tiny_family,
-    make_rollout_samples,
-    tiny_trainer_args,
-    trainer_args,
-    trained_state,
-)
 from miles.backends.fsdp_utils.train_data import TrainBatch
 from miles.diffusion.sde import build_sde_backend
+from miles.testing.config import trainer_config
+from miles.testing.tiny_rollout import load_tiny_family, make_rollout_samples, tiny_trainer_config, trained_state
 from miles.utils.errors import MilesUserError
 
 SDE_STEPS = [1, 2]
@@ -39,7 +35,7 @@ def world():
 
 @pytest.fixture(scope="module")
 def tiny(tiny_checkpoint, world):
-    args = tiny_trainer_args(tiny_checkpoint("sd3"))
+    args = tiny_trainer_config(tiny_checkpoint("sd3"))
     family, pipe = load_tiny_family(args)
     samples = make_rollout_samples(family, pipe, args, ["a red cube", "two cats"], 2, SDE_STEPS, seed=5, debug=True)
     return args, family, pipe, samples
@@ -47,7 +43,7 @@ def tiny(tiny_checkpoint, world):
 
 def make_trainer(tiny, **overrides) -> DiffusionTrainer:
     base_args, family, _, _ = tiny
-    args = tiny_trainer_args(base_args.hf_checkpoint, **overrides)
+    args = tiny_trainer_config(base_args.model.hf_checkpoint, **overrides)
     trainer = DiffusionTrainer(args, family)
     assert trainer.init() == 0
     return trainer
@@ -92,7 +88,7 @@ def test_policy_loss_gradient_matches_closed_form(tiny):
     got = grads(trainer)
 
     # independent reference: a plain (unsharded) transformer with the same LoRA weights, autograd per pair
-    modules = family.load_modules(args.hf_checkpoint, ["transformer"], torch.float32)
+    modules = family.load_modules(args.model.hf_checkpoint, ["transformer"], torch.float32)
     reference = modules["transformer"]
     reference.add_adapter(trainer.lora_config)
     state = trained_state(trainer)
@@ -101,7 +97,7 @@ def test_policy_loss_gradient_matches_closed_form(tiny):
             if f"transformer.{name}" in state:
                 param.copy_(state[f"transformer.{name}"])
     lora_params = {f"transformer.{n}": p for n, p in reference.named_parameters() if "lora_" in n}
-    sde = build_sde_backend("sde", args.diffusion_noise_level, False)
+    sde = build_sde_backend("sde", args.sampling.diffusion_noise_level, False)
     expected = {name: torch.zeros_like(p) for name, p in lora_params.items()}
     num_pairs = 2 * len(SDE_STEPS)
     for sample, clipped_adv in zip(chosen, (5.0, -0.75)):
@@ -247,30 +243,26 @@ def test_deterministic_mode_runs_are_bitwise_equal(tiny):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(diffusion_kl_beta=0.1), "requires --use-lora"),
-        (dict(ref_mode="ema"), "--ref-mode ema requires --use-ema"),
-        (dict(use_ema=True), "--use-ema needs a consumer"),
-        (dict(ema_rollout_policy="ema"), "requires --use-ema"),
-        (dict(loss_type="nft", diffusion_recompute_old_log_prob=True), "policy_loss only"),
-        (dict(loss_type="dpo"), "--loss-type 'dpo'"),
+        (dict(diffusion_kl_beta=0.1), "needs --use-lora"),
+        (dict(ref_mode="ema"), "--ref-mode ema needs --use-ema"),
+        (dict(use_ema=True), "--use-ema has no consumer"),
+        (dict(ema_rollout_policy="ema"), "--ema-rollout-policy ema needs --use-ema"),
+        (dict(loss_type="nft", diffusion_recompute_old_log_prob=True), "only applies to --loss-type policy_loss"),
+        (dict(loss_type="dpo"), "--loss-type must be one of"),
+        (dict(diffusion_sde_type="ode"), "needs a stochastic rollout"),
+        (dict(loss_type="custom_loss"), "--custom-loss-function-path go together"),
     ],
 )
 def test_bad_settings_fail_before_any_work(tiny, overrides, message):
+    """The trainer's settings are checked once, by the validation rules, before a trainer exists."""
     with pytest.raises(MilesUserError, match=message):
-        DiffusionTrainer(tiny_trainer_args(tiny[0].hf_checkpoint, **overrides), tiny[1])
+        tiny_trainer_config(tiny[0].model.hf_checkpoint, **overrides)
 
 
-@pytest.mark.parametrize(
-    "overrides, message",
-    [
-        (dict(diffusion_sde_type="ode"), "needs a stochastic step"),
-        (dict(loss_type="custom_loss"), "requires --custom-loss-function-path"),
-        (dict(sequence_parallel_size=1, use_lora=True, lora_target_modules=["no_such_layer"]), "--use-lora"),
-    ],
-)
-def test_bad_settings_fail_at_init(tiny, overrides, message):
-    trainer = DiffusionTrainer(tiny_trainer_args(tiny[0].hf_checkpoint, **overrides), tiny[1])
-    with pytest.raises(MilesUserError, match=message):
+def test_bad_lora_targets_fail_at_init(tiny):
+    overrides = dict(use_lora=True, lora_target_modules=["no_such_layer"])
+    trainer = DiffusionTrainer(tiny_trainer_config(tiny[0].model.hf_checkpoint, **overrides), tiny[1])
+    with pytest.raises(MilesUserError, match="--use-lora"):
         trainer.init()
 
 
@@ -280,10 +272,10 @@ def test_bad_geometry_errors(tiny):
     with pytest.raises(MilesUserError, match="--micro-batch-size 3 must divide"):
         make_trainer(tiny, micro_batch_size=3).train(0, tiny[3])
     with pytest.raises(MilesUserError, match="not divisible by --dp-replicate-size"):
-        ParallelDims.from_args(trainer_args(dp_replicate_size=3), 4)
+        ParallelDims.from_config(replace(trainer_config().trainer, dp_replicate_size=3), 4)
     with pytest.raises(MilesUserError, match="--ulysses-degree 3 must divide"):
-        ParallelDims.from_args(trainer_args(sequence_parallel_size=4, ulysses_degree=3), 4)
-    dims = ParallelDims.from_args(trainer_args(dp_replicate_size=2, sequence_parallel_size=2), 8)
+        ParallelDims.from_config(replace(trainer_config().trainer, sequence_parallel_size=4, ulysses_degree_resolved=3), 4)
+    dims = ParallelDims.from_config(trainer_config(dp_replicate_size=2, sequence_parallel_size=2).trainer, 8)
     assert (dims.dp_shard, dims.dp_size, dims.ring, dims.ulysses) == (2, 4, 1, 2)
     assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
 

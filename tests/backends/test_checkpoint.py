@@ -22,7 +22,7 @@ from miles.backends.fsdp_utils.checkpoint import (
     should_save,
 )
 from miles.backends.fsdp_utils.spawn import free_port, init_distributed
-from miles.backends.fsdp_utils.tiny_rollout import load_tiny_family, make_rollout_samples, tiny_trainer_args, trained_state
+from miles.testing.tiny_rollout import load_tiny_family, make_rollout_samples, tiny_trainer_config, trained_state
 from miles.types import GuidanceConfig
 from miles.utils.errors import MilesUserError
 
@@ -42,15 +42,15 @@ NFT_SETTINGS = dict(
 def tiny(tiny_checkpoint):
     torch.set_num_threads(1)
     init_distributed(0, 1, "gloo", free_port())
-    args = tiny_trainer_args(tiny_checkpoint("sd3"))
+    args = tiny_trainer_config(tiny_checkpoint("sd3"))
     family, pipe = load_tiny_family(args)
     samples = make_rollout_samples(family, pipe, args, ["a red cube", "two cats"], 2, [1, 2], seed=5)
-    yield args.hf_checkpoint, family, pipe, samples
+    yield args.model.hf_checkpoint, family, pipe, samples
     dist.destroy_process_group()
 
 
 def make_trainer(tiny, **overrides) -> DiffusionTrainer:
-    trainer = DiffusionTrainer(tiny_trainer_args(tiny[0], **overrides), tiny[1])
+    trainer = DiffusionTrainer(tiny_trainer_config(tiny[0], **overrides), tiny[1])
     trainer.start_rollout_id = trainer.init()
     return trainer
 
@@ -176,7 +176,7 @@ def test_full_model_checkpoint_and_load_flags(tiny, tmp_path, caplog):
     trainer.train(0, tiny[3])
     save_checkpoint(trainer, 0)
     trainer.train(1, tiny[3])
-    trainer.args.no_save_optim = True
+    trainer.config = trainer.config.replace(no_save_optim=True)
     save_checkpoint(trainer, 1)
     state = trained_state(trainer)
 
@@ -242,9 +242,9 @@ def test_exported_lora_loads_into_diffusers_and_reproduces_the_trainer(tiny, tmp
 
 
 def test_save_interval_rule():
-    args = tiny_trainer_args("unused", save="/ckpt", save_interval=3, num_rollout=8)
+    args = tiny_trainer_config("unused", save="/ckpt", save_interval=3, num_rollout=8)
     assert [r for r in range(8) if should_save(args, r)] == [2, 5, 7]  # every 3 rollouts and the last one
-    args.save = None
+    args = args.replace(save=None)
     assert not any(should_save(args, r) for r in range(8))
 
 

@@ -26,7 +26,7 @@ from miles.backends.fsdp_utils.model_export import (
     stored_dtype,
 )
 from miles.backends.fsdp_utils.spawn import free_port, init_distributed
-from miles.backends.fsdp_utils.tiny_rollout import load_tiny_family, make_rollout_samples, tiny_trainer_args
+from miles.testing.tiny_rollout import load_tiny_family, make_rollout_samples, tiny_trainer_config
 from miles.export import export_checkpoint
 from miles.types import GuidanceConfig
 from miles.utils.errors import MilesUserError
@@ -39,15 +39,15 @@ TOLERANCE = 1e-5  # fp32: the exported model against the trainer's own forward
 def tiny(tiny_checkpoint):
     torch.set_num_threads(1)
     init_distributed(0, 1, "gloo", free_port())
-    args = tiny_trainer_args(tiny_checkpoint("sd3"))
+    args = tiny_trainer_config(tiny_checkpoint("sd3"))
     family, pipe = load_tiny_family(args)
     samples = make_rollout_samples(family, pipe, args, ["a red cube", "two cats"], 2, [1, 2], seed=5)
-    yield args.hf_checkpoint, family, pipe, samples
+    yield args.model.hf_checkpoint, family, pipe, samples
     dist.destroy_process_group()
 
 
 def train_one_rollout_and_save(tiny, save_dir: str, **settings) -> DiffusionTrainer:
-    trainer = DiffusionTrainer(tiny_trainer_args(tiny[0], save=save_dir, micro_batch_size=4, **settings), tiny[1])
+    trainer = DiffusionTrainer(tiny_trainer_config(tiny[0], save=save_dir, micro_batch_size=4, **settings), tiny[1])
     trainer.init()
     trainer.train(0, tiny[3])
     save_checkpoint(trainer, 0)
@@ -193,11 +193,10 @@ def test_export_mistakes_are_one_line_naming_the_flag_and_file(tiny, tmp_path):
 
 
 def test_export_interval_writes_the_served_policy_during_training(tiny, tmp_path):
-    args = tiny_trainer_args("unused", num_rollout=8)
-    args.export_interval, args.output_dir = 3, str(tmp_path / "out")
+    args = tiny_trainer_config("unused", num_rollout=8, export_interval=3, output_dir=str(tmp_path / "out"))
     assert [r for r in range(8) if should_export(args, r)] == [2, 5, 7]  # every 3 rollouts and the last one
     assert export_dir(args, 5) == str(tmp_path / "out" / "export" / "iter_0000005")
-    args.export_interval = None
+    args = args.replace(export_interval=None)
     assert not any(should_export(args, r) for r in range(8))
 
     from diffusers import StableDiffusion3Pipeline

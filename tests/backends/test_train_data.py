@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from miles.backends.fsdp_utils.tiny_rollout import trainer_args
+from miles.testing.config import trainer_config
 from miles.backends.fsdp_utils.train_data import (
     collate,
     convert_samples_to_train_data,
@@ -56,7 +56,7 @@ def pair(sample_index: int, step: int, sigma: float = 0.5) -> TrainPair:
 # ---- expansion ------------------------------------------------------------------------------------------
 def test_rl_pairs_carry_the_recorded_step(sd3):
     sample = make_sample(1, steps=(0, 5))
-    pairs = expand_sample_to_train_pairs(trainer_args(), sample, sd3)
+    pairs = expand_sample_to_train_pairs(trainer_config(), sample, sd3)
     assert [p.step_index for p in pairs] == [0, 5]
     first, second = pairs
     assert first.latents is sample.latents[0] and first.next_latents is sample.latents[1]
@@ -70,7 +70,7 @@ def test_rl_pairs_carry_the_recorded_step(sd3):
 def test_sigmas_fall_back_to_timesteps_over_n(sd3):
     sample = make_sample(0, steps=(9,))
     sample.sigmas = None
-    (last,) = expand_sample_to_train_pairs(trainer_args(), sample, sd3)
+    (last,) = expand_sample_to_train_pairs(trainer_config(), sample, sd3)
     assert last.sigma == pytest.approx(float(SIGMAS[9]), rel=1e-6) and last.sigma_next == 0.0
 
 
@@ -78,17 +78,17 @@ def test_rl_expansion_errors(sd3):
     sample = make_sample(0, steps=(2, 3))
     del sample.latents[4]
     with pytest.raises(MilesUserError, match="x_4"):
-        expand_sample_to_train_pairs(trainer_args(), sample, sd3)
+        expand_sample_to_train_pairs(trainer_config(), sample, sd3)
     sample = make_sample(0, steps=(2, 3))
     sample.rollout_log_probs = torch.zeros(1)
     with pytest.raises(MilesUserError, match="2 SDE steps but 1 rollout log-probs"):
-        expand_sample_to_train_pairs(trainer_args(), sample, sd3)
-    with pytest.raises(MilesUserError, match="--loss-type 'grpo'"):
-        expand_sample_to_train_pairs(trainer_args(loss_type="grpo"), make_sample(0), sd3)
+        expand_sample_to_train_pairs(trainer_config(), sample, sd3)
+    with pytest.raises(MilesUserError, match="--loss-type must be one of"):  # refused once, by the declared choices
+        trainer_config(loss_type="grpo")
 
 
 def test_nft_pairs_use_the_rollout_grid_and_one_permutation_per_sample(sd3):
-    args = trainer_args(loss_type="nft")
+    args = trainer_config(loss_type="nft", use_ema=True)
     pairs = expand_sample_to_train_pairs(args, make_sample(3), sd3)
     assert len(pairs) == 9  # ⌊10 · 0.99⌋, the smallest σ dropped
     sigmas = sorted((p.sigma for p in pairs), reverse=True)
@@ -97,7 +97,7 @@ def test_nft_pairs_use_the_rollout_grid_and_one_permutation_per_sample(sd3):
     assert [p.sigma for p in expand_sample_to_train_pairs(args, make_sample(3), sd3)] == [p.sigma for p in pairs]
     other = [p.sigma for p in expand_sample_to_train_pairs(args, make_sample(4), sd3)]
     assert other != [p.sigma for p in pairs]  # independent orders per sample
-    ordered = expand_sample_to_train_pairs(trainer_args(loss_type="nft", no_diffusion_nft_shuffle_timesteps=True), make_sample(3), sd3)
+    ordered = expand_sample_to_train_pairs(trainer_config(loss_type="nft", use_ema=True, no_diffusion_nft_shuffle_timesteps=True), make_sample(3), sd3)
     assert [p.sigma for p in ordered] == pytest.approx(SIGMAS[:9].tolist())
     missing = make_sample(3)
     missing.clean_latents = None
@@ -106,7 +106,7 @@ def test_nft_pairs_use_the_rollout_grid_and_one_permutation_per_sample(sd3):
 
 
 def test_sft_pair_sigma_lies_on_the_shifted_grid(sd3):
-    args = trainer_args(loss_type="sft_loss", fsdp_flow_shift=3.0)
+    args = trainer_config(loss_type="sft_loss", fsdp_flow_shift=3.0)
     grid = sft_sigma_grid(3.0, 1000)
     for index in range(5):
         (sft_pair,) = expand_sample_to_train_pairs(args, make_sample(index), sd3)
@@ -117,7 +117,7 @@ def test_sft_pair_sigma_lies_on_the_shifted_grid(sd3):
 def test_removed_samples_give_no_pairs(sd3):
     samples = [make_sample(i) for i in range(3)]
     samples[1].remove_sample = True
-    pairs = convert_samples_to_train_data(trainer_args(), samples, sd3)
+    pairs = convert_samples_to_train_data(trainer_config(), samples, sd3)
     assert sorted({p.sample_index for p in pairs}) == [0, 2] and len(pairs) == 6
 
 
@@ -130,14 +130,14 @@ def reversed_pairs(args, samples):
 
 
 def test_custom_expand_and_convert_hooks(sd3):
-    args = trainer_args(custom_expand_samples_to_train_pairs_path=f"{__name__}.only_last_step")
+    args = trainer_config(custom_expand_samples_to_train_pairs_path=f"{__name__}.only_last_step")
     pairs = convert_samples_to_train_data(args, [make_sample(0), make_sample(1)], sd3)
     assert [(p.sample_index, p.step_index) for p in pairs] == [(0, 99), (1, 99)]
-    args = trainer_args(custom_convert_samples_to_train_data_path=f"{__name__}.reversed_pairs")
+    args = trainer_config(custom_convert_samples_to_train_data_path=f"{__name__}.reversed_pairs")
     assert [p.sample_index for p in convert_samples_to_train_data(args, [make_sample(0), make_sample(1)], sd3)] == [1, 0]
     with pytest.raises(MilesUserError, match="--custom-expand-samples-to-train-pairs-path"):
         convert_samples_to_train_data(
-            trainer_args(custom_expand_samples_to_train_pairs_path=f"{__name__}.no_such_hook"), [make_sample(0)], sd3
+            trainer_config(custom_expand_samples_to_train_pairs_path=f"{__name__}.no_such_hook"), [make_sample(0)], sd3
         )
 
 
@@ -171,7 +171,7 @@ def test_nft_keeps_a_sample_in_one_window():
     with pytest.raises(MilesUserError, match="sample 0 fall into optimizer windows 0 and 1"):
         split_windows(pairs, 3, require_whole_samples=True)
     with pytest.raises(MilesUserError, match="contiguous"):
-        plan_rank_train_data(trainer_args(loss_type="nft", train_dp_split_mode="stride"), pairs, 0, 2)
+        plan_rank_train_data(trainer_config(loss_type="nft", use_ema=True, train_dp_split_mode="stride"), pairs, 0, 2)
 
 
 # ---- micro-batches --------------------------------------------------------------------------------------
@@ -181,45 +181,44 @@ def ids(micro_batches):
 
 def test_flat_micro_batches():
     window = [pair(s, t) for s in range(2) for t in range(2)]
-    assert ids(split_micro_batches(trainer_args(micro_batch_size=2), window)) == [[(0, 0), (0, 1)], [(1, 0), (1, 1)]]
+    assert ids(split_micro_batches(trainer_config(micro_batch_size=2), window)) == [[(0, 0), (0, 1)], [(1, 0), (1, 1)]]
     with pytest.raises(MilesUserError, match="--micro-batch-size 3 must divide the 4"):
-        split_micro_batches(trainer_args(micro_batch_size=3), window)
+        split_micro_batches(trainer_config(micro_batch_size=3), window)
 
 
 def test_tile_orders_and_errors():
     window = [pair(s, t) for s in range(4) for t in range(2)]
-    args = trainer_args(micro_batch_size_sample=2, micro_batch_size_tstep=1)
+    args = trainer_config(micro_batch_size_sample=2, micro_batch_size_tstep=1)
     assert ids(split_micro_batches(args, window)) == [
         [(0, 0), (1, 0)], [(0, 1), (1, 1)], [(2, 0), (3, 0)], [(2, 1), (3, 1)],
     ]
-    args.diffusion_train_iter_order = "timestep_major"
+    args = trainer_config(micro_batch_size_sample=2, micro_batch_size_tstep=1, diffusion_train_iter_order="timestep_major")
     assert ids(split_micro_batches(args, window)) == [
         [(0, 0), (1, 0)], [(2, 0), (3, 0)], [(0, 1), (1, 1)], [(2, 1), (3, 1)],
     ]
-    args.diffusion_train_iter_order = "random"
-    with pytest.raises(MilesUserError, match="--diffusion-train-iter-order 'random'"):
-        split_micro_batches(args, window)
+    with pytest.raises(MilesUserError, match="--diffusion-train-iter-order must be one of"):  # the declared choices
+        trainer_config(diffusion_train_iter_order="random")
     with pytest.raises(MilesUserError, match="does not divide"):
-        split_micro_batches(trainer_args(micro_batch_size_sample=3, micro_batch_size_tstep=1), window)
+        split_micro_batches(trainer_config(micro_batch_size_sample=3, micro_batch_size_tstep=1), window)
     with pytest.raises(MilesUserError, match="set together"):
-        split_micro_batches(trainer_args(micro_batch_size_sample=2), window)
+        split_micro_batches(trainer_config(micro_batch_size_sample=2), window)
     with pytest.raises(MilesUserError, match="same number of train pairs per sample"):
-        split_micro_batches(trainer_args(micro_batch_size_sample=1, micro_batch_size_tstep=1), window[:-1])
+        split_micro_batches(trainer_config(micro_batch_size_sample=1, micro_batch_size_tstep=1), window[:-1])
 
 
 def test_micro_batch_mixing_wan_experts_is_refused():
     wan = Wan22TrainPipelineConfig()
     wan.configure(boundary_ratio=0.875, expand_timesteps=False, has_transformer_2=True)
     high, low = pair(0, 0, sigma=0.95), pair(0, 1, sigma=0.5)
-    split_micro_batches(trainer_args(micro_batch_size=1), [high, low], wan)
+    split_micro_batches(trainer_config(micro_batch_size=1), [high, low], wan)
     with pytest.raises(MilesUserError, match=r"mixes denoising phases .*transformer.*transformer_2"):
-        split_micro_batches(trainer_args(micro_batch_size=2), [high, low], wan)
+        split_micro_batches(trainer_config(micro_batch_size=2), [high, low], wan)
 
 
 def test_plan_and_collate(sd3):
     samples = [make_sample(i, steps=(2, 3)) for i in range(4)]
-    pairs = convert_samples_to_train_data(trainer_args(), samples, sd3)
-    args = trainer_args(num_steps_per_rollout=2, micro_batch_size=2)
+    pairs = convert_samples_to_train_data(trainer_config(), samples, sd3)
+    args = trainer_config(num_steps_per_rollout=2, micro_batch_size=2)
     plan = plan_rank_train_data(args, pairs, dp_rank=1, dp_size=2, family=sd3)
     assert plan.pairs_per_window == 2 and len(plan.windows) == 2
     assert ids(plan.windows[0]) == [[(2, 2), (2, 3)]] and ids(plan.windows[1]) == [[(3, 2), (3, 3)]]
@@ -229,6 +228,6 @@ def test_plan_and_collate(sd3):
     assert batch.old_log_probs.tolist() == [-1.0, -2.0] and batch.loss_mask.tolist() == [1.0, 1.0]
     odd = make_sample(9, steps=(2,))
     odd.conditioning = {"prompt_embeds": torch.zeros(7, 3), "pooled_prompt_embeds": torch.ones(6)}
-    mixed = convert_samples_to_train_data(trainer_args(), [samples[0], odd], sd3)
+    mixed = convert_samples_to_train_data(trainer_config(), [samples[0], odd], sd3)
     with pytest.raises(MilesUserError, match="different shapes"):
         collate(mixed, "cpu")

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from miles.backends.fsdp_utils.actor import DiffusionTrainer
 from miles.backends.fsdp_utils.spawn import free_port, init_distributed
-from miles.backends.fsdp_utils.tiny_rollout import load_tiny_family, make_rollout_samples, tiny_trainer_args, trained_state
+from miles.testing.tiny_rollout import load_tiny_family, make_rollout_samples, tiny_trainer_config, trained_state
 from miles.backends.fsdp_utils.weight_export import (
     iter_buckets,
     iter_named_tensors,
@@ -24,15 +24,15 @@ from miles.utils.errors import MilesUserError
 def tiny(tiny_checkpoint):
     torch.set_num_threads(1)
     init_distributed(0, 1, "gloo", free_port())
-    args = tiny_trainer_args(tiny_checkpoint("sd3"))
+    args = tiny_trainer_config(tiny_checkpoint("sd3"))
     family, pipe = load_tiny_family(args)
     samples = make_rollout_samples(family, pipe, args, ["a red cube", "two cats"], 2, [1, 2], seed=5)
-    yield args.hf_checkpoint, family, pipe, samples
+    yield args.model.hf_checkpoint, family, pipe, samples
     dist.destroy_process_group()
 
 
 def make_trainer(tiny, **overrides) -> DiffusionTrainer:
-    trainer = DiffusionTrainer(tiny_trainer_args(tiny[0], micro_batch_size=4, **overrides), tiny[1])
+    trainer = DiffusionTrainer(tiny_trainer_config(tiny[0], micro_batch_size=4, **overrides), tiny[1])
     trainer.init()
     return trainer
 

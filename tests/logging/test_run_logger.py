@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -12,33 +11,18 @@ import pytest
 import torch
 from PIL import Image
 
+from miles.config.sections import RunConfig
 from miles.logging import run_logger as run_logger_module
 from miles.logging.run_logger import RunLogger
+from miles.testing.config import trainer_config
 from miles.types import Sample
 
 
-def make_args(tmp_path: Path, **overrides) -> argparse.Namespace:
-    """The attributes RunLogger reads, with the flags' defaults (logging to tmp_path)."""
-    values = dict(
-        output_dir=str(tmp_path / "out"),
-        metrics_path=None,
-        use_miles_dashboard=False,
-        miles_dashboard_workspace=str(tmp_path / "dashboard"),
-        use_wandb=False,
-        wandb_project=None,
-        wandb_group=None,
-        wandb_run_id=None,
-        wandb_team=None,
-        wandb_host=None,
-        wandb_key=None,
-        wandb_mode=None,
-        wandb_dir=None,
-        disable_wandb_random_suffix=False,
-        wandb_log_num_images=0,
-        wandb_log_image_interval=1,
-    )
+def make_args(tmp_path: Path, **overrides) -> RunConfig:
+    """A run logging to tmp_path, with the flags' declared defaults otherwise."""
+    values = dict(output_dir=str(tmp_path / "out"), miles_dashboard_workspace=str(tmp_path / "dashboard"))
     values.update(overrides)
-    return argparse.Namespace(**values)
+    return trainer_config(**values)
 
 
 def make_sample(value: int, num_frames: int = 1, size: int = 8) -> Sample:

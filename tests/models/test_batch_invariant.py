@@ -8,7 +8,7 @@ import torch
 
 from miles.backends.fsdp_utils.actor import DiffusionTrainer
 from miles.backends.fsdp_utils.spawn import free_port, init_distributed
-from miles.backends.fsdp_utils.tiny_rollout import load_tiny_family, tiny_trainer_args
+from miles.testing.tiny_rollout import load_tiny_family, tiny_trainer_config
 from miles.backends.fsdp_utils.weight_export import iter_named_tensors
 from miles.engine.model_runner import ModelRunner
 from miles.engine.patches import apply_patch_groups
@@ -25,7 +25,7 @@ GUIDANCE = 4.5
 def tiny(tiny_checkpoint):
     """(args, family, pipeline) of the tiny SD3, with this process as a one-rank gloo group."""
     init_distributed(0, 1, "gloo", free_port())
-    args = tiny_trainer_args(tiny_checkpoint("sd3"))
+    args = tiny_trainer_config(tiny_checkpoint("sd3"))
     yield args, *load_tiny_family(args)
     torch.distributed.destroy_process_group()
 
@@ -62,18 +62,21 @@ def rollout(family, pipe, checkpoint: str, tile: int, weights: dict[str, torch.T
 
 def replay(tiny, samples, tile: int, micro_batch_size: int = 3, **overrides) -> tuple[dict, DiffusionTrainer]:
     args, family, _ = tiny
-    trainer_args = tiny_trainer_args(
-        args.hf_checkpoint, diffusion_debug_mode=True, debug_skip_optimizer_step=True, micro_batch_size=micro_batch_size,
-        parity_forward_tile=tile, diffusion_guidance_scale=GUIDANCE, diffusion_num_steps=STEPS, **overrides,
+    assert tile in (0, micro_batch_size)  # the batch_invariant group forwards in micro-batch tiles
+    config = tiny_trainer_config(
+        args.model.hf_checkpoint, diffusion_debug_mode=True, debug_skip_optimizer_step=True, micro_batch_size=micro_batch_size,
+        rollout_patch_group=["batch_invariant" if tile else "none"], diffusion_guidance_scale=GUIDANCE,
+        diffusion_num_steps=STEPS, **overrides,
     )
-    trainer = DiffusionTrainer(trainer_args, family)
+    assert config.sampling.parity_forward_tile == tile
+    trainer = DiffusionTrainer(config, family)
     trainer.init()
     return trainer.train(0, samples), trainer
 
 
 def test_rollout_and_training_agree_bitwise_with_mixed_requests(tiny):
     args, family, pipe = tiny
-    samples = rollout(family, pipe, args.hf_checkpoint, tile=3)
+    samples = rollout(family, pipe, args.model.hf_checkpoint, tile=3)
     metrics, _ = replay(tiny, samples, tile=3)
     assert metrics["train/model_output_max_abs_diff"] == 0.0
     assert metrics["train/log_prob_mean_abs_diff"] == 0.0
@@ -83,8 +86,8 @@ def test_rollout_and_training_agree_bitwise_with_mixed_requests(tiny):
 def test_bf16_engine_and_bf16_trainer_agree_bitwise(tiny):
     """The engine holds its pipeline in bf16 (buffers included); the trainer casts fp32 masters and its buffers."""
     args, family, _ = tiny
-    pipe = family.load_pipeline(args.hf_checkpoint, torch.bfloat16)
-    samples = rollout(family, pipe, args.hf_checkpoint, tile=3, dtype="bf16")
+    pipe = family.load_pipeline(args.model.hf_checkpoint, torch.bfloat16)
+    samples = rollout(family, pipe, args.model.hf_checkpoint, tile=3, dtype="bf16")
     metrics, _ = replay(tiny, samples, tile=3, diffusion_forward_dtype="bf16")
     assert metrics["train/model_output_max_abs_diff"] == 0.0
     assert metrics["train/log_prob_mean_abs_diff"] == 0.0
@@ -93,14 +96,14 @@ def test_bf16_engine_and_bf16_trainer_agree_bitwise(tiny):
 def test_without_the_group_batching_changes_the_numbers(tiny):
     """The control: engine batches of 5 against trainer micro-batches of 1 do not agree bit for bit."""
     args, family, pipe = tiny
-    samples = rollout(family, pipe, args.hf_checkpoint, tile=0)
+    samples = rollout(family, pipe, args.model.hf_checkpoint, tile=0)
     metrics, _ = replay(tiny, samples, tile=0, micro_batch_size=1)
     assert metrics["train/model_output_max_abs_diff"] > 0.0
 
 
 def test_lora_trainer_matches_an_engine_running_merged_weights(tiny):
     args, family, pipe = tiny
-    _, trainer = replay(tiny, rollout(family, pipe, args.hf_checkpoint, tile=3), tile=3, use_lora=True)
+    _, trainer = replay(tiny, rollout(family, pipe, args.model.hf_checkpoint, tile=3), tile=3, use_lora=True)
     with torch.no_grad():  # a trained adapter: B != 0, so the merged weight differs from the base
         generator = torch.Generator().manual_seed(3)
         for name, param in trainer.model.named_parameters():
@@ -108,7 +111,7 @@ def test_lora_trainer_matches_an_engine_running_merged_weights(tiny):
                 local = param.to_local()
                 local.copy_(torch.randn(local.shape, generator=generator) * 0.05)
     merged = {name: tensor.clone() for name, tensor in iter_named_tensors(trainer)}
-    samples = rollout(family, pipe, args.hf_checkpoint, tile=3, weights=merged)
+    samples = rollout(family, pipe, args.model.hf_checkpoint, tile=3, weights=merged)
     metrics = trainer.train(1, samples)
     assert metrics["train/model_output_max_abs_diff"] == 0.0
     assert metrics["train/log_prob_mean_abs_diff"] == 0.0
@@ -117,10 +120,10 @@ def test_lora_trainer_matches_an_engine_running_merged_weights(tiny):
 def test_bf16_parity_with_parameters_diffusers_keeps_in_fp32(tiny, tiny_checkpoint):
     """Cosmos 3 keeps its time embedder in fp32 when loaded in bf16; the trainer's FSDP casts it to bf16, so the
     group casts it on the engine too (and leaves the fp32 rotary table alone on both sides)."""
-    from miles.backends.fsdp_utils.tiny_rollout import build_tiny_family
+    from miles.testing.tiny_rollout import build_tiny_family
 
     checkpoint = tiny_checkpoint("cosmos3")
-    args = tiny_trainer_args(checkpoint, diffusion_height=64, diffusion_width=64)
+    args = tiny_trainer_config(checkpoint, diffusion_height=64, diffusion_width=64)
     family = build_tiny_family(args)
     pipe = family.load_pipeline(checkpoint, torch.bfloat16)
     assert any(p.dtype == torch.float32 for p in pipe.transformer.parameters())  # what diffusers does

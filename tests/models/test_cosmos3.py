@@ -313,9 +313,9 @@ def test_video_rollout_and_train_step(path):
     import torch.distributed as dist
 
     from miles.backends.fsdp_utils.spawn import free_port, init_distributed
-    from miles.backends.fsdp_utils.tiny_rollout import rollout_and_train_step, tiny_trainer_args
+    from miles.testing.tiny_rollout import rollout_and_train_step, tiny_trainer_config
 
-    args = tiny_trainer_args(
+    args = tiny_trainer_config(
         path, diffusion_height=VIDEO.height, diffusion_width=VIDEO.width, diffusion_output_num_frames=5,
         diffusion_fps=VIDEO.fps, diffusion_num_steps=3, use_lora=True, micro_batch_size=2, diffusion_debug_mode=True,
     )

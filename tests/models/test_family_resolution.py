@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 import textwrap
@@ -33,11 +32,12 @@ from miles.utils.errors import MilesUserError
 MY_FAMILIES = {"sd3": SD3TrainPipelineConfig, "flux": FluxTrainPipelineConfig, "qwen_image": QwenImageTrainPipelineConfig}
 
 
-def make_args(**overrides) -> argparse.Namespace:
+def make_args(**overrides) -> dict:
+    """The keyword arguments of build_train_pipeline_config, unset unless given."""
     values = dict(hf_checkpoint=None, diffusion_model_family=None, train_pipeline_config_path=None,
                   model_backend_path=None)
     values.update(overrides)
-    return argparse.Namespace(**values)
+    return values
 
 
 @pytest.fixture(autouse=True)
@@ -128,9 +128,9 @@ def test_a_local_folder_resolves_by_its_model_index_before_its_name(tmp_path, ti
 
 
 def test_build_train_pipeline_config_resolves_the_family(tiny_checkpoint):
-    config = build_train_pipeline_config(make_args(hf_checkpoint=tiny_checkpoint("sd3")))
+    config = build_train_pipeline_config(**make_args(hf_checkpoint=tiny_checkpoint("sd3")))
     assert isinstance(config, SD3TrainPipelineConfig) and config.model_backend is None
-    config = build_train_pipeline_config(make_args(hf_checkpoint="/x/unnamed", diffusion_model_family="flux"))
+    config = build_train_pipeline_config(**make_args(hf_checkpoint="/x/unnamed", diffusion_model_family="flux"))
     assert isinstance(config, FluxTrainPipelineConfig)
 
 
@@ -176,7 +176,7 @@ def user_module(tmp_path, monkeypatch):
 
 
 def test_train_pipeline_config_path_loads_a_user_class(user_module):
-    config = build_train_pipeline_config(make_args(train_pipeline_config_path=f"{user_module}.MySD3"))
+    config = build_train_pipeline_config(**make_args(train_pipeline_config_path=f"{user_module}.MySD3"))
     assert type(config).__name__ == "MySD3" and config.default_lora_target_modules == ("attn.to_q", "attn.to_v")
 
 
@@ -190,20 +190,20 @@ def test_train_pipeline_config_path_loads_a_user_class(user_module):
 )
 def test_bad_train_pipeline_config_path_is_a_user_error(user_module, attr, message):
     with pytest.raises(MilesUserError, match=message) as err:
-        build_train_pipeline_config(make_args(train_pipeline_config_path=f"{user_module}.{attr}"))
+        build_train_pipeline_config(**make_args(train_pipeline_config_path=f"{user_module}.{attr}"))
     assert "--train-pipeline-config-path" in str(err.value)
 
 
 def test_train_pipeline_config_path_and_family_flag_are_exclusive(user_module):
     with pytest.raises(MilesUserError, match="mutually exclusive"):
         build_train_pipeline_config(
-            make_args(train_pipeline_config_path=f"{user_module}.MySD3", diffusion_model_family="sd3")
+            **make_args(train_pipeline_config_path=f"{user_module}.MySD3", diffusion_model_family="sd3")
         )
 
 
 def test_model_backend_path_replaces_the_loader(user_module, tiny_checkpoint):
     path = tiny_checkpoint("sd3")
-    config = build_train_pipeline_config(make_args(hf_checkpoint=path, model_backend_path=f"{user_module}.backend"))
+    config = build_train_pipeline_config(**make_args(hf_checkpoint=path, model_backend_path=f"{user_module}.backend"))
     pipe = config.load_pipeline(path, "fp32")
     assert pipe.loaded_by_user_backend and sys.modules[user_module].CALLS == [(path, torch.float32)]
     modules = config.load_modules(path, ["transformer"], torch.float32)
@@ -212,9 +212,9 @@ def test_model_backend_path_replaces_the_loader(user_module, tiny_checkpoint):
 
 def test_bad_model_backend_is_a_user_error(user_module, tiny_checkpoint):
     with pytest.raises(MilesUserError, match="--model-backend-path .*must accept 2 positional"):
-        build_train_pipeline_config(make_args(hf_checkpoint="sd3", model_backend_path=f"{user_module}.backend_one_arg"))
+        build_train_pipeline_config(**make_args(hf_checkpoint="sd3", model_backend_path=f"{user_module}.backend_one_arg"))
     config = build_train_pipeline_config(
-        make_args(hf_checkpoint="sd3", model_backend_path=f"{user_module}.backend_returning_none")
+        **make_args(hf_checkpoint="sd3", model_backend_path=f"{user_module}.backend_returning_none")
     )
     with pytest.raises(MilesUserError, match="returned None"):
         config.load_pipeline(tiny_checkpoint("sd3"), torch.float32)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import argparse
 
 import numpy as np
 import pytest
@@ -66,7 +65,7 @@ def test_the_checkpoint_resolves_to_flux2(path, pipe):
     for name in ("black-forest-labs/FLUX.2-dev", "/ckpt/flux2-ft", "my-flux-2"):
         assert resolve_family_name(name, None) == "flux2"
     assert resolve_family_name("black-forest-labs/FLUX.1-dev", None) == "flux"
-    config = build_train_pipeline_config(argparse.Namespace(
+    config = build_train_pipeline_config(**dict(
         hf_checkpoint=path, diffusion_model_family=None, train_pipeline_config_path=None, model_backend_path=None))
     assert isinstance(config, Flux2TrainPipelineConfig)
     trainer_side = get_family_class("flux2")()
@@ -155,9 +154,9 @@ def test_rollout_and_train_step(path):
     import torch.distributed as dist
 
     from miles.backends.fsdp_utils.spawn import free_port, init_distributed
-    from miles.backends.fsdp_utils.tiny_rollout import rollout_and_train_step, tiny_trainer_args
+    from miles.testing.tiny_rollout import rollout_and_train_step, tiny_trainer_config
 
-    args = tiny_trainer_args(
+    args = tiny_trainer_config(
         path, diffusion_num_steps=3, diffusion_guidance_scale=4.0, use_lora=True, micro_batch_size_sample=4,
         micro_batch_size_tstep=1, diffusion_train_iter_order="timestep_major", diffusion_debug_mode=True,
     )

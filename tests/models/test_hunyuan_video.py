@@ -4,7 +4,6 @@ rollout + train step."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 
@@ -70,7 +69,7 @@ def ours(family, pipe, guidance, num_steps, **kwargs):
 def test_the_checkpoint_resolves_to_hunyuan_video(path, pipe):
     assert resolve_family_name(path, None) == "hunyuan_video"  # from model_index.json: the name has no hint
     assert resolve_family_name("hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v", None) == "hunyuan_video"
-    config = build_train_pipeline_config(argparse.Namespace(
+    config = build_train_pipeline_config(**dict(
         hf_checkpoint=path, diffusion_model_family=None, train_pipeline_config_path=None, model_backend_path=None))
     assert isinstance(config, HunyuanVideoTrainPipelineConfig)
     trainer_side = get_family_class("hunyuan_video")()
@@ -171,9 +170,9 @@ def test_rollout_and_train_step(path):
     import torch.distributed as dist
 
     from miles.backends.fsdp_utils.spawn import free_port, init_distributed
-    from miles.backends.fsdp_utils.tiny_rollout import rollout_and_train_step, tiny_trainer_args
+    from miles.testing.tiny_rollout import rollout_and_train_step, tiny_trainer_config
 
-    args = tiny_trainer_args(
+    args = tiny_trainer_config(
         path, diffusion_output_num_frames=5, diffusion_num_steps=2, diffusion_guidance_scale=6.0, use_lora=True,
         micro_batch_size_sample=4, micro_batch_size_tstep=1, diffusion_train_iter_order="timestep_major",
         diffusion_debug_mode=True,

@@ -4,7 +4,6 @@ frozen audio branch, and a CPS rollout + train step."""
 
 from __future__ import annotations
 
-import argparse
 
 import numpy as np
 import pytest
@@ -82,7 +81,7 @@ def ours(family, pipe, num_steps, **kwargs):
 def test_the_checkpoint_resolves_to_ltx_and_reads_as_ltx2(path, family, pipe):
     assert resolve_family_name(path, None) == "ltx"  # from model_index.json: the name has no hint
     assert resolve_family_name("Lightricks/LTX-2", None) == "ltx"
-    config = build_train_pipeline_config(argparse.Namespace(
+    config = build_train_pipeline_config(**dict(
         hf_checkpoint=path, diffusion_model_family=None, train_pipeline_config_path=None, model_backend_path=None))
     assert isinstance(config, LTXTrainPipelineConfig)
     assert type(pipe).__name__ == "LTX2Pipeline" and family.generation == "ltx2"
@@ -197,9 +196,9 @@ def test_cps_rollout_and_full_finetune_step_leave_the_audio_branch_alone(path):
     import torch.distributed as dist
 
     from miles.backends.fsdp_utils.spawn import free_port, init_distributed
-    from miles.backends.fsdp_utils.tiny_rollout import rollout_and_train_step, tiny_trainer_args
+    from miles.testing.tiny_rollout import rollout_and_train_step, tiny_trainer_config
 
-    args = tiny_trainer_args(
+    args = tiny_trainer_config(
         path, diffusion_output_num_frames=5, diffusion_fps=25.0, diffusion_num_steps=3, diffusion_guidance_scale=1.0,
         diffusion_sde_type="cps", micro_batch_size_sample=4, micro_batch_size_tstep=1,
         diffusion_train_iter_order="timestep_major", diffusion_debug_mode=True, lr=1e-3,

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 
@@ -76,7 +75,7 @@ def test_the_checkpoint_resolves_to_wan2_2_and_reads_as_wan2_1(path, loaded):
     assert resolve_family_name(path, None) == "wan2_2"  # from model_index.json: the name has no hint
     for name in ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "Wan-AI/Wan2.1-T2V-14B-Diffusers", "/ckpt/wan2_1-ft"):
         assert resolve_family_name(name, None) == "wan2_2"
-    config = build_train_pipeline_config(argparse.Namespace(
+    config = build_train_pipeline_config(**dict(
         hf_checkpoint=path, diffusion_model_family=None, train_pipeline_config_path=None, model_backend_path=None))
     assert isinstance(config, Wan22TrainPipelineConfig)
 
@@ -178,9 +177,9 @@ def test_rollout_and_train_step(path):
     import torch.distributed as dist
 
     from miles.backends.fsdp_utils.spawn import free_port, init_distributed
-    from miles.backends.fsdp_utils.tiny_rollout import rollout_and_train_step, tiny_trainer_args
+    from miles.testing.tiny_rollout import rollout_and_train_step, tiny_trainer_config
 
-    args = tiny_trainer_args(
+    args = tiny_trainer_config(
         path, diffusion_output_num_frames=5, diffusion_num_steps=3, diffusion_guidance_scale=5.0, use_lora=True,
         micro_batch_size_sample=4, micro_batch_size_tstep=1, diffusion_train_iter_order="timestep_major",
         diffusion_debug_mode=True,

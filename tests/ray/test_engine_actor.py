@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from argparse import Namespace
 
 import pytest
 
@@ -17,6 +16,7 @@ from miles.engine.server_args import ServerArgs  # noqa: E402
 from miles.ray.engine_actor import engine_actor_class  # noqa: E402
 from miles.rollout.sglang_diffusion_rollout import generate_rollout  # noqa: E402
 from miles.router.router import Router, RouterConfig  # noqa: E402
+from miles.testing.config import hook_args  # noqa: E402
 from miles.types import Sample  # noqa: E402
 from miles.utils.auth import auth_headers  # noqa: E402
 
@@ -53,7 +53,7 @@ def test_actor_starts_kills_restarts_and_stops_its_engine(ray_cluster, tiny_chec
     router = Router(RouterConfig(health_check_interval=3600, health_check_first_wait=3600), [url])
     router_url = loop.run(router.start())
     try:
-        args = Namespace(miles_router_url=router_url, use_distributed_post=True, use_fault_tolerance=False,
+        args = hook_args(router_url=router_url, use_distributed_post=True, use_fault_tolerance=False,
                          sglang_server_concurrency=4, rollout_parser_num_workers=1, rollout_seed=1,
                          rollout_microgroup_size=1, diffusion_num_steps=2, diffusion_height=32, diffusion_width=32,
                          diffusion_guidance_scale=1.0, rm_type="brightness", group_rm=False)

@@ -4,22 +4,21 @@ environment inside a submitted Ray job. (Reward workers' placement: tests/rollou
 from __future__ import annotations
 
 import json
-from argparse import Namespace
 
 import pytest
 
+from miles.config.sections import RunConfig
 from miles.ray.placement import Placement, Slots, worker_env_vars
+from miles.testing.config import trainer_config
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def _args(**overrides) -> Namespace:
-    values = dict(actor_num_nodes=1, actor_num_gpus_per_node=2, rollout_num_gpus=None, rollout_num_gpus_per_engine=1,
-                  colocate=False, colocate_reward=False, train_only=False, load_debug_rollout_data=None,
-                  rm_type="pickscore", pickscore_num_workers=1, pickscore_num_gpus_per_worker=1.0,
-                  train_env_vars={})
+def _args(**overrides) -> RunConfig:
+    values = dict(actor_num_gpus_per_node=2, num_gpus_per_node=2, rm_type="pickscore",
+                  pickscore_model_path="unused", pickscore_processor_path="unused")
     values.update(overrides)
-    return Namespace(**values)
+    return trainer_config(**values)
 
 
 def test_spans_nodes():

@@ -21,14 +21,15 @@ import torch.distributed as dist
 from miles.backends.fsdp_utils.actor import DiffusionTrainer
 from miles.backends.fsdp_utils.checkpoint import read_latest_iteration
 from miles.backends.fsdp_utils.spawn import free_port, init_distributed
-from miles.backends.fsdp_utils.tiny_rollout import (
+from miles.testing.tiny_rollout import (
     load_tiny_family,
     make_rollout_samples,
-    tiny_trainer_args,
+    tiny_trainer_config,
     trained_state,
 )
 from miles.backends.fsdp_utils.weight_export import is_lora_param, strip_peft_name
-from miles.ray.train_actor import TrainActorGroup, parse_train_env_vars
+from miles.config.arguments import build_parser
+from miles.ray.train_actor import TrainActorGroup
 from miles.utils.auth import auth_headers
 from miles.utils.errors import MilesUserError, PartDiedError
 
@@ -39,7 +40,7 @@ pytestmark = pytest.mark.timeout(240)
 def setup(tiny_checkpoint, tmp_path_factory):
     torch.set_num_threads(1)
     save_dir = str(tmp_path_factory.mktemp("ckpt"))
-    args = tiny_trainer_args(
+    args = tiny_trainer_config(
         tiny_checkpoint("sd3"),
         use_lora=True,
         num_rollout=2,
@@ -50,7 +51,7 @@ def setup(tiny_checkpoint, tmp_path_factory):
     family, pipe = load_tiny_family(args)
     samples = make_rollout_samples(family, pipe, args, ["a red cube", "two cats"], 2, [1, 2], seed=5)
     ray.init(num_cpus=3, num_gpus=0, include_dashboard=False, log_to_driver=False)
-    group = TrainActorGroup(args, None, "sd3", world_size=2)
+    group = TrainActorGroup(args, None, world_size=2)
     assert group.init() == 0
     init_distributed(0, 1, "gloo", free_port())
     yield args, family, samples, group
@@ -79,8 +80,8 @@ def test_dp2_actor_group_equals_one_rank(setup):
 def test_two_rank_checkpoint_and_lora_export(setup, tmp_path):
     args, family, samples, group = setup
     path = group.save(1, {"data_position": 17})
-    assert path.endswith("iter_0000001") and read_latest_iteration(args.save) == 1
-    resumed_args = tiny_trainer_args(args.hf_checkpoint, use_lora=True, num_rollout=2, load=args.save)
+    assert path.endswith("iter_0000001") and read_latest_iteration(args.checkpoint.save) == 1
+    resumed_args = tiny_trainer_config(args.model.hf_checkpoint, use_lora=True, num_rollout=2, load=args.checkpoint.save)
     resumed = DiffusionTrainer(resumed_args, family)  # one rank loads what two ranks saved
     assert resumed.init() == 2 and resumed.loaded_extra_state == {"data_position": 17}
     group_state = group.named_tensors(lora_only=True)
@@ -90,7 +91,7 @@ def test_two_rank_checkpoint_and_lora_export(setup, tmp_path):
     from diffusers import StableDiffusion3Pipeline
 
     group.export_lora(str(tmp_path / "lora"))
-    pipe = StableDiffusion3Pipeline.from_pretrained(args.hf_checkpoint, dtype=torch.float32)
+    pipe = StableDiffusion3Pipeline.from_pretrained(args.model.hf_checkpoint, dtype=torch.float32)
     pipe.load_lora_weights(str(tmp_path / "lora"))
     pipe.fuse_lora()
     fused = {strip_peft_name(n): p for n, p in pipe.transformer.named_parameters() if not is_lora_param(n)}
@@ -102,8 +103,7 @@ def test_export_interval_writes_the_adapter_of_both_ranks(setup, tmp_path, monke
     from safetensors.torch import load_file
 
     args, _, _, group = setup
-    monkeypatch.setattr(args, "export_interval", 2, raising=False)
-    monkeypatch.setattr(args, "output_dir", str(tmp_path / "out"), raising=False)
+    monkeypatch.setattr(group, "config", args.replace(export_interval=2, output_dir=str(tmp_path / "out")))
     assert group.export_if_due(0) is None  # not due: rollout 1 of 2 is the interval and the last one
     path = group.export_if_due(1)
     assert path == str(tmp_path / "out" / "export" / "iter_0000001")
@@ -121,7 +121,7 @@ def test_weight_push_reaches_a_live_engine(setup, tmp_path):
 
     args, _, _, group = setup
     engine = launch_engine(
-        ServerArgs(model_path=args.hf_checkpoint, model_family="sd3", device="cpu", dtype="fp32", generator_device="cpu"),
+        ServerArgs(model_path=args.model.hf_checkpoint, model_family="sd3", device="cpu", dtype="fp32", generator_device="cpu"),
         log_path=str(tmp_path / "engine.log"),
         startup_timeout=120,
     )
@@ -152,10 +152,10 @@ def test_weight_push_reaches_a_live_engine(setup, tmp_path):
 def test_train_env_vars_reach_the_ranks_and_bad_json_is_refused(setup):
     group = setup[3]
     assert ray.get(group.actors[1].__ray_call__.remote(lambda actor: __import__("os").environ["MILES_TEST_MARKER"])) == "set"
-    with pytest.raises(MilesUserError, match="--train-env-vars"):
-        parse_train_env_vars("{not json")
+    with pytest.raises(MilesUserError, match="--train-env-vars"):  # refused at parse time, by the flag's type
+        build_parser().parse_args(["--train-env-vars", "{not json"])
     with pytest.raises(MilesUserError, match="JSON object"):
-        parse_train_env_vars("[1, 2]")
+        build_parser().parse_args(["--train-env-vars", "[1, 2]"])
 
 
 def test_a_dead_rank_ends_the_group_call_at_once_in_one_line(setup):
@@ -169,5 +169,5 @@ def test_a_dead_rank_ends_the_group_call_at_once_in_one_line(setup):
         group.train(2, samples)
     assert time.monotonic() - started < 60
     assert str(info.value) == (f"trainer rank 1 of 2 died during train() (its process was killed, ran out of memory "
-                               f"or crashed); the run is stopped; rerun with --load {args.save} to resume from its "
+                               f"or crashed); the run is stopped; rerun with --load {args.checkpoint.save} to resume from its "
                                f"last checkpoint")

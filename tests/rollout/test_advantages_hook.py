@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import textwrap
 import uuid
-from argparse import Namespace
 
 import pytest
 import torch
 
+from miles.config.sections import RunConfig
 from miles.diffusion.advantages import compute_grpo_advantages
 from miles.rollout.advantages import assign_advantages
+from miles.testing.config import trainer_config
 from miles.types import Sample
 from miles.utils.errors import MilesUserError
 
@@ -20,11 +21,11 @@ METRIC_NAMES = {
 }
 
 
-def _args(**overrides) -> Namespace:
+def _args(**overrides) -> RunConfig:
     values = dict(n_samples_per_prompt=3, globalize_reward_mean=False, globalize_reward_std=False,
                   disable_grpo_std_normalization=False, custom_reward_post_process_path=None, reward_key=None)
     values.update(overrides)
-    return Namespace(**values)
+    return trainer_config(**values)
 
 
 def _samples(rewards: list, group_size: int = 3) -> list[Sample]:

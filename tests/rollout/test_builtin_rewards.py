@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-from argparse import Namespace
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ from PIL import Image
 
 from miles.rollout.rm_hub import batched_async_rm
 from miles.rollout.rm_hub.builtin import brightness_score, frames_uint8, jpeg_compressibility_score
+from miles.testing.config import hook_args
 from miles.types import Sample
 from miles.utils.errors import MilesUserError
 
@@ -33,7 +33,7 @@ def test_flat_image_compresses_better_than_noise():
     rng = np.random.default_rng(0)
     flat = np.full((1, 32, 32, 3), 128, np.uint8)
     noise = rng.integers(0, 256, size=(1, 32, 32, 3), dtype=np.uint8)
-    args = Namespace(rm_type="jpeg_compressibility")
+    args = hook_args(rm_type="jpeg_compressibility")
     flat_reward, noise_reward = asyncio.run(batched_async_rm(args, [_sample(flat), _sample(noise, index=1)]))
     assert flat_reward > noise_reward
 
@@ -44,7 +44,7 @@ def test_brightness_range_and_video_mean():
     assert brightness_score(black) == 0.0
     assert brightness_score(white) == 1.0
     video = np.concatenate([black, white])  # two frames: mean of 0 and 1
-    args = Namespace(rm_type="brightness")
+    args = hook_args(rm_type="brightness")
     assert asyncio.run(batched_async_rm(args, [_sample(video)])) == [pytest.approx(0.5)]
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 import textwrap
 import uuid
-from argparse import Namespace
 
 import pytest
 
+from miles.config.sections import HookArgs
+from miles.testing.config import hook_args
 from miles.rollout.data_source import (
     RolloutDataSourceWithBuffer,
     build_data_source,
@@ -27,12 +28,12 @@ def _write_prompts(tmp_path, count: int = 5, name: str = "prompts.jsonl") -> str
     return str(path)
 
 
-def _args(prompt_data, **overrides) -> Namespace:
+def _args(prompt_data, **overrides) -> HookArgs:
     values = dict(prompt_data=prompt_data, input_key="input", metadata_key="metadata", n_samples_per_prompt=2,
                   rollout_seed=42, buffer_filter_path=None, data_source_path=None,
                   disable_rollout_global_dataset=False, num_rollout=None, num_epoch=None, rollout_batch_size=2)
     values.update(overrides)
-    return Namespace(**values)
+    return hook_args(**values)
 
 
 def _ids(groups) -> list[int]:

@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import json
-from argparse import Namespace
 
 import pytest
 
+from miles.config.sections import RunConfig
 from miles.rollout.eval_config import EvalDataset, build_eval_datasets
+from miles.testing.config import trainer_config
 from miles.utils.errors import MilesUserError
 
 
-def _args(**overrides) -> Namespace:
+def _args(**overrides) -> RunConfig:
     values = dict(eval_prompt_data=None, eval_config=None, eval_input_key=None, input_key="input",
                   metadata_key="metadata", n_samples_per_eval_prompt=2, diffusion_eval_num_steps=None,
                   diffusion_num_steps=10, eval_reward_key=None, reward_key="ocr", rm_type="ocr")
     values.update(overrides)
-    return Namespace(**values)
+    return trainer_config(**values)
 
 
 @pytest.fixture

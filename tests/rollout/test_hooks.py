@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import textwrap
 import uuid
-from argparse import Namespace
 
 import pytest
 
+from miles.config.sections import HookArgs
+from miles.testing.config import hook_args
 from miles.rollout.hooks import (
     HOOK_SPECS,
     apply_dynamic_sampling_filter,
@@ -113,14 +114,14 @@ def module(tmp_path, monkeypatch):
     return name
 
 
-def _args(module: str | None = None, **overrides) -> Namespace:
-    values = {spec.attribute: None for spec in HOOK_SPECS}
+def _args(module: str | None = None, **overrides) -> HookArgs:
+    values = {spec.attribute: None for spec in HOOK_SPECS if spec.attribute != "rollout_function_path"}
     values["data_source_path"] = None
     if module:
         values.update({flag: f"{module}.{fn}" for flag, fn in FLAG_TO_FUNCTION.items()})
         values["data_source_path"] = f"{module}.Source"
     values.update(overrides)
-    return Namespace(**values)
+    return hook_args(**values)
 
 
 def _group(group_index: int, rewards: list[float]) -> list[Sample]:

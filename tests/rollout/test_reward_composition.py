@@ -6,25 +6,26 @@ from __future__ import annotations
 import asyncio
 import textwrap
 import uuid
-from argparse import Namespace
 
 import pytest
 import torch
 
+from miles.config.arguments import parse_args
+from miles.config.sections import HookArgs, run_config_of
 from miles.rollout.advantages import assign_advantages
 from miles.rollout.eval_config import EvalDataset, build_eval_datasets
 from miles.rollout.rm_hub import batched_async_rm, reward_component_metrics, reward_value
+from miles.testing.config import hook_args
 from miles.types import Sample
 from miles.utils.errors import MilesUserError
-from miles.utils.arguments import parse_args
 
 
-def _args(**overrides) -> Namespace:
+def _args(**overrides) -> HookArgs:
     values = dict(rm_type=None, custom_rm_path=None, group_rm=False, reward_key=None, eval_reward_key=None,
                   reward_weights=None, n_samples_per_prompt=2, custom_reward_post_process_path=None,
                   globalize_reward_mean=False, globalize_reward_std=False, disable_grpo_std_normalization=False)
     values.update(overrides)
-    return Namespace(**values)
+    return hook_args(**values)
 
 
 def _samples(values: list[int], group_size: int = 2) -> list[Sample]:
@@ -46,7 +47,7 @@ def user_module(tmp_path, monkeypatch):
 
 def test_a_list_of_rewards_gives_each_sample_every_component():
     samples = _samples([0, 255])
-    rewards = asyncio.run(batched_async_rm(_args(rm_type="brightness,jpeg_compressibility"), samples))
+    rewards = asyncio.run(batched_async_rm(_args(rm_type="brightness,jpeg_compressibility", reward_key="brightness"), samples))
     assert set(rewards[0]) == {"brightness", "jpeg_compressibility"}
     assert rewards[0]["brightness"] == 0.0 and rewards[1]["brightness"] == 1.0
     alone = asyncio.run(batched_async_rm(_args(rm_type="jpeg_compressibility"), samples))
@@ -106,7 +107,7 @@ def test_rollout_metrics_log_every_component():
     samples = _samples([0, 255, 51, 102])
     for sample, reward in zip(samples, asyncio.run(batched_async_rm(args, samples))):
         sample.reward = reward
-    metrics = assign_advantages(args, samples)
+    metrics = assign_advantages(run_config_of(args), samples)
     assert metrics["rollout/reward/brightness_mean"] == pytest.approx((0 + 1 + 0.2 + 0.4) / 4)
     assert metrics["rollout/reward_mean"] == pytest.approx(metrics["rollout/reward/brightness_mean"])
     assert "rollout/reward/jpeg_compressibility_std" in metrics  # weight 0, logged all the same
@@ -122,9 +123,8 @@ def test_eval_sets_take_the_weights_or_their_own(tmp_path):
     config = tmp_path / "eval.yaml"
     config.write_text(f"datasets:\n  - name: own\n    path: {prompts}\n    reward_weights: {{ocr: 2}}\n"
                       f"  - name: default\n    path: {prompts}\n")
-    args = Namespace(eval_config=str(config), reward_weights={"ocr": 1.0, "pickscore": 1.0}, reward_key=None,
-                     eval_reward_key=None)
-    own, default = build_eval_datasets(args)
+    args = _args(eval_config=str(config), reward_weights={"ocr": 1.0, "pickscore": 1.0})
+    own, default = build_eval_datasets(run_config_of(args))
     assert own.reward_weights == {"ocr": 2.0} and default.reward_weights == {"ocr": 1.0, "pickscore": 1.0}
     assert own.scalar_reward({"ocr": 0.5, "pickscore": 0.25}) == 1.0
     assert default.scalar_reward({"ocr": 0.5, "pickscore": 0.25}) == 0.75
@@ -132,7 +132,7 @@ def test_eval_sets_take_the_weights_or_their_own(tmp_path):
         {"ocr": 0.5, "pickscore": 0.25}) == 0.25
     config.write_text(f"datasets:\n  - name: bad\n    path: {prompts}\n    reward_weights: {{ocr: x}}\n")
     with pytest.raises(MilesUserError, match=r"datasets\[0\]: reward_weights: the weight of 'ocr' is not a number"):
-        build_eval_datasets(args)
+        build_eval_datasets(run_config_of(args))
 
 
 BASE = ["--hf-checkpoint", "org/sd3-tiny", "--prompt-data", "prompts.jsonl", "--rollout-batch-size", "4",

@@ -5,15 +5,16 @@ placement in the slow test)."""
 from __future__ import annotations
 
 import asyncio
-from argparse import Namespace
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from miles.config.sections import HookArgs
 from miles.rollout.rm_hub import batched_async_rm
 from miles.rollout.rm_hub.aesthetic import AestheticScorer, load_aesthetic_head
 from miles.rollout.rm_hub.clipscore import ClipScoreScorer
+from miles.testing.config import hook_args
 from miles.types import Sample
 from miles.utils.errors import MilesUserError
 
@@ -43,13 +44,13 @@ def laion_style_head(tmp_path_factory) -> tuple[str, dict[str, torch.Tensor]]:
     return str(path), tensors
 
 
-def _args(**overrides) -> Namespace:
+def _args(**overrides) -> HookArgs:
     values = dict(rm_type=None, custom_rm_path=None, group_rm=False, reward_weights=None, reward_key=None,
                   clipscore_model_path=None, aesthetic_model_path=None, aesthetic_head_path=None,
                   clip_reward_num_workers=1, clip_reward_num_gpus_per_worker=1.0, clip_reward_batch_size=8,
                   pickscore_num_frames=None)
     values.update(overrides)
-    return Namespace(**values)
+    return hook_args(**values)
 
 
 def _image(seed: int, frames: int = 1) -> torch.Tensor:

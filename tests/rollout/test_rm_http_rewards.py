@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-from argparse import Namespace
 
 import msgpack
 import numpy as np
@@ -16,19 +15,21 @@ import torch
 from aiohttp import web
 from PIL import Image
 
+from miles.config.sections import HookArgs
 from miles.rollout.rm_hub import batched_async_rm
 from miles.rollout.rm_hub.vlm_judge import chat_completions_url, parse_score
+from miles.testing.config import hook_args
 from miles.types import Sample
 from miles.utils.errors import MilesUserError
 
 
-def _args(**overrides) -> Namespace:
+def _args(**overrides) -> HookArgs:
     values = dict(rm_type=None, custom_rm_path=None, group_rm=False, reward_weights=None, rm_timeout=5.0,
                   rm_max_retries=0, vlm_judge_url=None, vlm_judge_model="judge-1",
                   vlm_judge_prompt='Score "{prompt}" from 0 to 10.', vlm_judge_api_key_env="TEST_VLM_JUDGE_KEY",
                   vlm_judge_max_concurrency=2, geneval_url=None)
     values.update(overrides)
-    return Namespace(**values)
+    return hook_args(**values)
 
 
 def _sample(index: int, value: int, frames: int = 1, metadata: dict | None = None) -> Sample:

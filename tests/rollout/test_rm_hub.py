@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import textwrap
 import uuid
-from argparse import Namespace
 
 import msgpack
 import numpy as np
@@ -13,16 +12,18 @@ import pytest
 import torch
 from aiohttp import web
 
+from miles.config.sections import HookArgs
 from miles.rollout.rm_hub import batched_async_rm, reward_value
+from miles.testing.config import hook_args
 from miles.types import Sample
 from miles.utils.errors import MilesUserError
 
 
-def _args(**overrides) -> Namespace:
+def _args(**overrides) -> HookArgs:
     values = dict(rm_type=None, custom_rm_path=None, group_rm=False, reward_key=None, eval_reward_key=None,
                   rm_url=None, rm_timeout=5.0, rm_max_retries=1)
     values.update(overrides)
-    return Namespace(**values)
+    return hook_args(**values)
 
 
 def _samples(num_groups: int, group_size: int, value: int = 100, rm_type: str | None = None) -> list[Sample]:
@@ -144,10 +145,10 @@ def test_configuration_errors(user_module):
         asyncio.run(batched_async_rm(_args(custom_rm_path=f"{module}.nope"), _samples(1, 1)))
     with pytest.raises(MilesUserError, match="set --rm-type or --custom-rm-path"):
         asyncio.run(batched_async_rm(_args(), _samples(1, 1)))
-    with pytest.raises(MilesUserError, match="unknown reward type 'aesthetics'"):
-        asyncio.run(batched_async_rm(_args(rm_type="aesthetics"), _samples(1, 1)))
-    with pytest.raises(MilesUserError, match="needs --rm-url"):
-        asyncio.run(batched_async_rm(_args(rm_type="remote_rm"), _samples(1, 1)))
+    with pytest.raises(MilesUserError, match="--rm-type must be one of"):  # the flag's declared choices
+        _args(rm_type="aesthetics")
+    with pytest.raises(MilesUserError, match="needs --rm-url"):  # the reward rule of validation
+        _args(rm_type="remote_rm")
     assert asyncio.run(batched_async_rm(_args(rm_type="brightness"), [])) == []
 
 
@@ -179,7 +180,7 @@ class RewardServer:
         return web.Response(body=msgpack.packb({"rewards": rewards}), content_type="application/msgpack")
 
 
-async def _run_with_server(server: RewardServer, args: Namespace, samples: list[Sample]):
+async def _run_with_server(server: RewardServer, flags: dict, samples: list[Sample]):
     app = web.Application()
     app.router.add_post("/score", server.handle)
     runner = web.AppRunner(app)
@@ -187,7 +188,7 @@ async def _run_with_server(server: RewardServer, args: Namespace, samples: list[
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
-    args.rm_url = f"http://127.0.0.1:{port}/score"
+    args = _args(rm_url=f"http://127.0.0.1:{port}/score", **flags)
     try:
         return await batched_async_rm(args, samples)
     finally:
@@ -199,7 +200,7 @@ def test_remote_rm_round_trip(mode):
     server = RewardServer(mode=mode)
     samples = _samples(1, 2)
     samples[1].metadata["bonus"] = 1.0
-    rewards = asyncio.run(_run_with_server(server, _args(rm_type="remote_rm"), samples))
+    rewards = asyncio.run(_run_with_server(server, dict(rm_type="remote_rm"), samples))
     assert rewards == pytest.approx([100 / 255.0, 101 / 255.0 + 1.0])
     sent = server.requests[0]["samples"]
     assert [item["prompt"] for item in sent] == ["prompt 0", "prompt 0"]
@@ -208,7 +209,7 @@ def test_remote_rm_round_trip(mode):
 
 def test_remote_rm_retries_server_errors():
     server = RewardServer(failures_before_success=1)
-    rewards = asyncio.run(_run_with_server(server, _args(rm_type="remote_rm", rm_max_retries=1), _samples(1, 1)))
+    rewards = asyncio.run(_run_with_server(server, dict(rm_type="remote_rm", rm_max_retries=1), _samples(1, 1)))
     assert rewards == pytest.approx([100 / 255.0])
     assert len(server.requests) == 2
 
@@ -223,4 +224,4 @@ def test_remote_rm_retries_server_errors():
 )
 def test_remote_rm_errors(server, message):
     with pytest.raises(MilesUserError, match=message):
-        asyncio.run(_run_with_server(server, _args(rm_type="remote_rm", rm_max_retries=0), _samples(1, 1)))
+        asyncio.run(_run_with_server(server, dict(rm_type="remote_rm", rm_max_retries=0), _samples(1, 1)))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from argparse import Namespace
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from miles.rollout.rm_hub import batched_async_rm
 from miles.rollout.rm_hub.ocr import normalize_text, ocr_reward_from_text, ocr_target
+from miles.testing.config import hook_args
 from miles.types import Sample
 
 DEJAVU = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf"
@@ -41,7 +41,7 @@ def test_rules_without_the_engine():
 
 
 def test_ocr_reward_on_rendered_text(caplog):
-    args = Namespace(rm_type="ocr", custom_rm_path=None, group_rm=False, ocr_num_workers=1)
+    args = hook_args(rm_type="ocr", custom_rm_path=None, group_rm=False, ocr_num_workers=1)
     samples = [
         Sample(prompt='a poster that says "miles"', index=0, image=_render("miles")),
         Sample(prompt='a poster that says "planet"', index=1, image=_render("plane")),  # one letter missing

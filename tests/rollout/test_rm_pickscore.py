@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from argparse import Namespace
 
 import numpy as np
 import pytest
 import torch
 
+from miles.config.sections import HookArgs
 from miles.rollout.rm_hub import batched_async_rm
 from miles.rollout.rm_hub.pickscore import PICKSCORE_SCALE, PickScoreScorer, pickscore_frame_indices
+from miles.testing.config import hook_args
 from miles.types import Sample
 from miles.utils.errors import MilesUserError
 
@@ -22,12 +23,12 @@ def tiny_clip(tmp_path_factory) -> str:
     return build_tiny_clip(str(tmp_path_factory.mktemp("tiny-clip")))
 
 
-def _args(path: str, **overrides) -> Namespace:
+def _args(path: str, **overrides) -> HookArgs:
     values = dict(rm_type="pickscore", custom_rm_path=None, group_rm=False, pickscore_model_path=path,
                   pickscore_processor_path=path, pickscore_batch_size=8, pickscore_num_frames=None,
                   pickscore_num_workers=1, pickscore_num_gpus_per_worker=1.0)
     values.update(overrides)
-    return Namespace(**values)
+    return hook_args(**values)
 
 
 def _video(seed: int, frames: int) -> torch.Tensor:

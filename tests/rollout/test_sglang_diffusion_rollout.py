@@ -10,6 +10,7 @@ from argparse import Namespace
 import pytest
 import torch
 
+from miles.config.sections import HookArgs
 from miles.engine.launcher import BackgroundLoop
 from miles.engine.server import EngineServer
 from miles.engine.server_args import ServerArgs
@@ -18,6 +19,7 @@ from miles.rollout.eval_config import EvalDataset
 from miles.rollout.sglang_diffusion_rollout import generate_rollout, generate_rollout_async, run_sync
 from miles.rollout.step_strategy_hub import request_seed
 from miles.router.router import Router, RouterConfig
+from miles.testing.config import hook_args
 from miles.types import Sample
 from miles.utils.errors import MilesUserError
 
@@ -50,9 +52,9 @@ def prompt_file(tmp_path):
     return str(path)
 
 
-def _args(stack, prompt_file, **overrides) -> Namespace:
+def _args(stack, prompt_file, **overrides) -> HookArgs:
     fields = dict(
-        miles_router_url=stack.router_url, prompt_data=prompt_file, no_rollout_shuffle=True, rollout_seed=42,
+        router_url=stack.router_url, prompt_data=prompt_file, no_rollout_shuffle=True, rollout_seed=42,
         rollout_batch_size=2, n_samples_per_prompt=4, rollout_microgroup_size=2, rm_type="brightness",
         diffusion_num_steps=3, diffusion_num_sde_steps=1, diffusion_sde_window_range=None,
         diffusion_step_strategy_path=None, diffusion_height=32, diffusion_width=32, diffusion_output_num_frames=1,
@@ -61,7 +63,7 @@ def _args(stack, prompt_file, **overrides) -> Namespace:
         use_fault_tolerance=False, use_distributed_post=False, group_rm=False, loss_type="policy_loss",
     )
     fields.update(overrides)
-    return Namespace(**fields)
+    return hook_args(**fields)
 
 
 def test_rollout_returns_scored_group_contiguous_samples(stack, prompt_file):
@@ -172,11 +174,11 @@ def test_evaluation_is_plain_generation_from_groups_or_an_eval_dataset(stack, pr
 
 
 def test_engine_rejections_and_missing_router_are_clear_errors(stack, prompt_file):
-    args = _args(stack, prompt_file, diffusion_height=30)
+    args = _args(stack, prompt_file, diffusion_height=4096 + 16)  # valid for miles, above the engine's limit
     with pytest.raises(MilesUserError, match="engine rejected.*height"):
         generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
     with pytest.raises(MilesUserError, match="miles_router_url"):
-        generate_rollout(_args(stack, prompt_file, miles_router_url=None), 0, RolloutDataSourceWithBuffer(args))
+        generate_rollout(_args(stack, prompt_file, router_url=None), 0, RolloutDataSourceWithBuffer(args))
 
 
 def test_over_sampling_starts_the_extra_groups_at_once(stack, prompt_file):

@@ -8,17 +8,18 @@ import asyncio
 import json
 import time
 import urllib.request
-from argparse import Namespace
 
 import aiohttp
 import pytest
 import torch
 
+from miles.config.sections import RunConfig
 from miles.engine.launcher import launch_engines
 from miles.engine.protocol import GenerateRequest, decode_response, encode_request
 from miles.engine.server_args import ServerArgs
 from miles.rollout.engine_client import EngineClient, EngineRequestError
 from miles.router.router import Router, RouterConfig, WorkerUrlError, launch_router_process, normalize_worker_url
+from miles.testing.config import trainer_config
 from miles.types import GuidanceConfig
 from miles.utils.auth import auth_headers
 
@@ -61,11 +62,11 @@ def _workers(router_url: str) -> dict[str, dict]:
         return {w["url"]: w for w in json.loads(response.read())["workers"]}
 
 
-def _client_args(router_url: str, **overrides) -> Namespace:
-    fields = dict(miles_router_url=router_url, use_fault_tolerance=False, miles_router_timeout=60.0,
-                  sglang_server_concurrency=8, rollout_parser_num_workers=1, use_distributed_post=False)
+def _client_args(router_url: str, **overrides) -> RunConfig:
+    fields = dict(use_fault_tolerance=False, miles_router_timeout=60.0, sglang_server_concurrency=8,
+                  rollout_parser_num_workers=1, use_distributed_post=False)
     fields.update(overrides)
-    return Namespace(**fields)
+    return trainer_config(**fields).with_router_url(router_url)
 
 
 async def _generate_all(args, requests):

@@ -29,7 +29,7 @@ RELOAD_AND_SAMPLE = textwrap.dedent(
     for path in sys.argv[1:]:
         args = argparse.Namespace(hf_checkpoint=path, diffusion_model_family=None,
                                   train_pipeline_config_path=None, model_backend_path=None)
-        family = build_train_pipeline_config(args)
+        family = build_train_pipeline_config(**vars(args))
         pipe = family.load_pipeline(path, torch.float32)
         out = sample_reference(family, pipe, ["a cat"], seeds=[0], num_steps=2, shape=GenerationShape(32, 32),
                                guidance=GuidanceConfig(guidance_scale=2.0, true_cfg_scale=2.0))

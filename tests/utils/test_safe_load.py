@@ -74,11 +74,11 @@ def test_samples_round_trip_as_plain_records(tmp_path):
 
 def test_load_debug_rollout_data_refuses_pickled_objects(tmp_path):
     from miles.ray.rollout_manager import RolloutManager
+    from miles.testing.config import trainer_config
 
     marker, template = tmp_path / "ran", str(tmp_path / "rollout_{rollout_id}.pt")
     torch.save({"rollout_id": 0, "samples": [RunsCode(str(marker))]}, template.format(rollout_id=0))
-    manager = argparse.Namespace(args=argparse.Namespace(load_debug_rollout_data=template,
-                                                         load_debug_rollout_data_subsample=None))
+    manager = argparse.Namespace(config=trainer_config(load_debug_rollout_data=template))
     message = error_of(RolloutManager._load_debug_rollout, manager, 0)
     assert message.startswith("--load-debug-rollout-data: refusing to load") and not marker.exists()
     save_plain({"rollout_id": 0, "samples": [Sample(prompt="p").to_record()]}, template.format(rollout_id=0), "t")

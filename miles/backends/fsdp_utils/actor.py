@@ -28,6 +28,7 @@ from miles.backends.fsdp_utils.train_data import (
     convert_samples_to_train_data,
     plan_rank_train_data,
 )
+from miles.config.sections import RunConfig
 from miles.models.base import GenerationShape
 from miles.models.batch_invariant import patch_lora_layers, pin_attention, predict_velocity_in_tiles
 from miles.types import GuidanceConfig, Sample
@@ -36,32 +37,7 @@ from miles.utils.imports import load_function
 
 logger = logging.getLogger(__name__)
 
-LOSS_TYPES = ("policy_loss", "nft", "sft_loss", "custom_loss")
 PEAK_TFLOPS_BY_DEVICE = {"H200": 989.5, "H100": 989.5, "H800": 989.5, "A100": 312.0, "B200": 2250.0}
-
-
-def resolve_ref_mode(args) -> str:
-    """`--ref-mode`, else the auto rule of §5/§6: lora_base when KL > 0, ema under nft, else none."""
-    mode = getattr(args, "ref_mode", None)
-    kl_beta = float(getattr(args, "diffusion_kl_beta", 0.0) or 0.0)
-    use_lora = bool(getattr(args, "use_lora", False))
-    use_ema = bool(getattr(args, "use_ema", False))
-    if mode is None:
-        if args.loss_type == "nft":
-            mode = "ema" if use_ema else ("lora_base" if use_lora else "none")
-        elif kl_beta > 0:
-            mode = "lora_base"
-        else:
-            mode = "none"
-    if mode not in ("none", "lora_base", "ema"):
-        raise MilesUserError(f"--ref-mode {mode!r}: expected none, lora_base or ema")
-    if mode == "lora_base" and not use_lora:
-        raise MilesUserError("--ref-mode lora_base (the default when --diffusion-kl-beta > 0) requires --use-lora")
-    if mode == "ema" and not use_ema:
-        raise MilesUserError("--ref-mode ema requires --use-ema")
-    if kl_beta > 0 and mode == "none" and args.loss_type in ("policy_loss", "custom_loss"):
-        raise MilesUserError("--diffusion-kl-beta > 0 needs a reference: --ref-mode lora_base (with --use-lora) or ema")
-    return mode
 
 
 def peak_tflops(device: torch.device) -> float | None:
@@ -146,45 +122,39 @@ class _FlopCount(TorchDispatchMode):
 class DiffusionTrainer:
     """One trainer rank. Needs torch.distributed initialised (world size 1 works too)."""
 
-    def __init__(self, args, family, device: torch.device | str = "cpu"):
-        if args.loss_type not in LOSS_TYPES:
-            raise MilesUserError(f"--loss-type {args.loss_type!r}: expected one of {', '.join(LOSS_TYPES)}")
-        self.args = args
+    def __init__(self, config: RunConfig, family, device: torch.device | str = "cpu"):
+        """`config` went through `validate_args`: the loss type, the reference policy (`ref_mode`) and the EMA
+        consumers are already checked and resolved there, once."""
+        self.config = config
         self.family = family
         self.device = torch.device(device)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        self.dims = ParallelDims.from_args(args, self.world_size)
+        self.dims = ParallelDims.from_config(config.trainer, self.world_size)
         self.dp_rank = self.dims.dp_rank(self.rank)
-        self.forward_dtype, self.master_dtype, self.reduce_dtype = trainer_dtypes(args)
-        self.ref_mode = resolve_ref_mode(args)
-        if getattr(args, "use_ema", False) and self.ref_mode != "ema" and getattr(args, "ema_rollout_policy", "live") != "ema":
-            raise MilesUserError("--use-ema needs a consumer: --ref-mode ema or --ema-rollout-policy ema")
-        if getattr(args, "ema_rollout_policy", "live") == "ema" and not getattr(args, "use_ema", False):
-            raise MilesUserError("--ema-rollout-policy ema requires --use-ema")
-        if getattr(args, "diffusion_recompute_old_log_prob", False) and args.loss_type != "policy_loss":
-            raise MilesUserError("--diffusion-recompute-old-log-prob applies to --loss-type policy_loss only")
+        self.forward_dtype, self.master_dtype, self.reduce_dtype = trainer_dtypes(config.trainer)
+        self.ref_mode = config.trainer.ref_mode
         self.guidance = GuidanceConfig(
-            guidance_scale=float(getattr(args, "diffusion_guidance_scale", 4.0)),
-            guidance_scale_2=getattr(args, "diffusion_guidance_scale_2", None),
-            true_cfg_scale=getattr(args, "diffusion_true_cfg_scale", None),
+            guidance_scale=config.sampling.diffusion_guidance_scale,
+            guidance_scale_2=config.sampling.diffusion_guidance_scale_2,
+            true_cfg_scale=config.sampling.diffusion_true_cfg_scale,
         )
         self.shape = GenerationShape(
-            height=int(getattr(args, "diffusion_height", 512)),
-            width=int(getattr(args, "diffusion_width", 512)),
-            num_frames=int(getattr(args, "diffusion_output_num_frames", 1) or 1),
-            fps=getattr(args, "diffusion_fps", None),
+            height=config.sampling.diffusion_height,
+            width=config.sampling.diffusion_width,
+            num_frames=config.sampling.diffusion_output_num_frames,
+            fps=config.sampling.diffusion_fps,
         )
         self.module_names = self._module_names()
         # the batch_invariant patch group (miles/models/batch_invariant.py): forwards in the engine's tiles
-        self.forward_tile = int(args.parity_forward_tile)
+        self.forward_tile = config.sampling.parity_forward_tile
         self.model: nn.ModuleDict | None = None
         self.ema = None
         self.flops_per_pair: float | None = None
         self.global_step = 0
 
     def _module_names(self) -> list[str]:
-        value = getattr(self.args, "update_weight_target_module", None)
+        value = self.config.model.update_weight_target_module
         if not value:
             return list(self.family.trainable_modules)
         names = value.split(",") if isinstance(value, str) else list(value)
@@ -195,101 +165,93 @@ class DiffusionTrainer:
     # ------------------------------------------------------------------------------------------------
     def init(self) -> int:
         """Load, LoRA, shard, optimizer, scheduler, EMA, resume. Returns the first rollout id to run."""
-        args = self.args
-        deterministic.apply_deterministic_mode(args)
+        config = self.config
+        deterministic.apply_deterministic_mode(config.trainer.seed, config.trainer.deterministic_mode)
         self.mesh = self.dims.build_mesh(self.device.type)
-        modules = self.family.load_modules(args.hf_checkpoint, self.module_names, self.master_dtype)
+        modules = self.family.load_modules(config.model.hf_checkpoint, self.module_names, self.master_dtype)
         if self.forward_tile:
             pin_attention(modules, self.forward_dtype, self.device.type, family=self.family)
-        deterministic.seed_everything(int(args.seed))  # identical LoRA init on every rank
+        deterministic.seed_everything(config.trainer.seed)  # identical LoRA init on every rank
         for name, module in modules.items():
-            if getattr(args, "use_lora", False):
+            if config.trainer.use_lora:
                 self._add_lora(name, module)
                 if self.forward_tile:
                     patch_lora_layers(module)
             else:
                 module.requires_grad_(True)
                 self.family.freeze_untrained(name, module)
-            parallelize_module(module, self.family, args, self.dims, self.mesh, name, self.device)
+            parallelize_module(module, self.family, config.trainer, self.dims, self.mesh, name, self.device)
         self.model = nn.ModuleDict(modules)
         self.trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         if not self.trainable:
             raise MilesUserError("no trainable parameters: check --lora-target-modules / --update-weight-target-module")
         self.optimizer = torch.optim.AdamW(
             [p for _, p in self.trainable],
-            lr=float(args.lr),
-            betas=(float(getattr(args, "adam_beta1", 0.9)), float(getattr(args, "adam_beta2", 0.999))),
-            eps=float(getattr(args, "adam_eps", 1e-8)),
-            weight_decay=float(getattr(args, "weight_decay", 0.0)),
-            fused=self.device.type == "cuda" and not getattr(args, "fsdp_cpu_offload", False),
+            lr=config.trainer.lr,
+            betas=(config.trainer.adam_beta1, config.trainer.adam_beta2),
+            eps=config.trainer.adam_eps,
+            weight_decay=config.trainer.weight_decay,
+            fused=self.device.type == "cuda" and not config.trainer.fsdp_cpu_offload,
         )
         from miles.diffusion.lr_scheduler import build_lr_scheduler
         from miles.diffusion.sde import build_sde_backend
 
-        num_rollout = int(getattr(args, "num_rollout", None) or 1)
-        steps_per_rollout = int(getattr(args, "num_steps_per_rollout", None) or 1)
-        self.lr_scheduler = build_lr_scheduler(args, self.optimizer, num_rollout * steps_per_rollout)
-        if getattr(args, "use_ema", False):
+        total_steps = config.data.num_rollout * config.data.num_steps_per_rollout
+        self.lr_scheduler = build_lr_scheduler(config.trainer, self.optimizer, total_steps)
+        if config.trainer.use_ema:
             from miles.diffusion.ema import EMA
 
             self.ema = EMA(
                 self.trainable,
-                decay_init=float(getattr(args, "ema_decay_init", 0.001)),
-                decay_ramp=float(getattr(args, "ema_decay_ramp", 0.001)),
-                decay_max=float(getattr(args, "ema_decay_max", 0.5)),
-                flat_steps=int(getattr(args, "ema_decay_flat_steps", 0) or 0),
+                decay_init=config.trainer.ema_decay_init,
+                decay_ramp=config.trainer.ema_decay_ramp,
+                decay_max=config.trainer.ema_decay_max,
+                flat_steps=config.trainer.ema_decay_flat_steps,
             )
         self.sde = build_sde_backend(
-            getattr(args, "diffusion_sde_type", "sde"),
-            float(getattr(args, "diffusion_noise_level", 0.7)),
-            bool(getattr(args, "diffusion_log_prob_no_const", False)),
-            getattr(args, "sde_step_backend_path", None),
+            config.sampling.diffusion_sde_type,
+            config.sampling.diffusion_noise_level,
+            config.sampling.diffusion_log_prob_no_const,
+            config.sampling.sde_step_backend_path,
         )
-        if args.loss_type == "policy_loss" and (self.sde.kind == "ode" or self.sde.noise_level <= 0):
-            raise MilesUserError(
-                "--loss-type policy_loss needs a stochastic step: --diffusion-sde-type sde or cps with "
-                "--diffusion-noise-level > 0"
-            )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.forward_dtype == torch.float16)
         self.custom_loss = None
-        if args.loss_type == "custom_loss":
+        if config.trainer.loss_type == "custom_loss":
             from miles.diffusion.losses import load_custom_loss
 
-            if not getattr(args, "custom_loss_function_path", None):
-                raise MilesUserError("--loss-type custom_loss requires --custom-loss-function-path")
-            self.custom_loss = load_custom_loss(args.custom_loss_function_path)
-        prepare_path = getattr(args, "custom_prepare_train_batch_path", None)
+            self.custom_loss = load_custom_loss(config.trainer.custom_loss_function_path)
+        prepare_path = config.trainer.custom_prepare_train_batch_path
         self.prepare_batch = (
             load_function(prepare_path, "--custom-prepare-train-batch-path", 2) if prepare_path else None
         )
         from miles.backends.fsdp_utils.checkpoint import load_checkpoint
 
         start_rollout_id = load_checkpoint(self)
-        if getattr(args, "start_rollout_id", None) is not None:
-            start_rollout_id = int(args.start_rollout_id)
+        if config.data.start_rollout_id is not None:
+            start_rollout_id = config.data.start_rollout_id
         return start_rollout_id
 
     def _add_lora(self, name: str, module: nn.Module) -> None:
         from peft import LoraConfig
 
-        args = self.args
-        targets = getattr(args, "lora_target_modules", None) or list(self.family.default_lora_target_modules)
+        config = self.config
+        targets = config.trainer.lora_target_modules or list(self.family.default_lora_target_modules)
         if not targets:
             raise MilesUserError("--use-lora: the family names no default LoRA targets; pass --lora-target-modules")
-        init = getattr(args, "lora_init_weights", "gaussian") or "gaussian"
-        init_value = {"kaiming-uniform": True, "true": True, "false": False}.get(str(init).lower(), init)
-        config = LoraConfig(
-            r=int(getattr(args, "lora_rank", 64)),
-            lora_alpha=int(getattr(args, "lora_alpha", 64)),
+        init = config.trainer.lora_init_weights
+        init_value = {"kaiming-uniform": True, "true": True, "false": False}.get(init.lower(), init)
+        lora_config = LoraConfig(
+            r=config.trainer.lora_rank,
+            lora_alpha=config.trainer.lora_alpha,
             target_modules=list(targets),
             init_lora_weights=init_value,
         )
         module.requires_grad_(False)
         try:
-            module.add_adapter(config)
+            module.add_adapter(lora_config)
         except ValueError as err:  # PEFT: no target matched, or an unknown init scheme
             raise MilesUserError(f"--use-lora on {name!r}: {err}") from err
-        self.lora_config = config
+        self.lora_config = lora_config
 
     # ------------------------------------------------------------------------------------------------
     # forwards
@@ -326,7 +288,8 @@ class DiffusionTrainer:
     def _pair_noise(self, batch: TrainBatch, rollout_id: int) -> torch.Tensor:
         noises = []
         for pair in batch.pairs:
-            generator = deterministic.pair_generator(int(self.args.seed), rollout_id, pair.sample_index, pair.step_index)
+            seed = self.config.trainer.seed
+            generator = deterministic.pair_generator(seed, rollout_id, pair.sample_index, pair.step_index)
             noises.append(torch.randn(tuple(pair.latents.shape), generator=generator, dtype=torch.float32))
         return torch.stack(noises).to(self.device)
 
@@ -336,13 +299,13 @@ class DiffusionTrainer:
     def _rl_loss(self, batch: TrainBatch, window_index: int, metrics: _MetricSums):
         from miles.diffusion.losses import LossInputs, call_custom_loss, kl_to_reference, policy_loss
 
-        args = self.args
-        kl_beta = float(getattr(args, "diffusion_kl_beta", 0.0) or 0.0)
+        config = self.config
+        kl_beta = config.trainer.diffusion_kl_beta
         velocity = self.velocity(batch.latents, batch.sigmas, batch.conditioning, self.guidance)
         step = self.sde.log_prob(
             batch.latents, velocity, batch.next_latents, batch.sigmas, batch.sigmas_next, batch.sigmas_1
         )
-        recompute = getattr(args, "diffusion_recompute_old_log_prob", False)
+        recompute = config.trainer.diffusion_recompute_old_log_prob
         old_log_prob = step.log_prob.detach() if (recompute and window_index == 0) else batch.old_log_probs
         ref_mean = ref_velocity = None
         if kl_beta > 0 or (self.custom_loss is not None and self.ref_mode != "none"):
@@ -372,15 +335,15 @@ class DiffusionTrainer:
                 loss_mask=batch.loss_mask,
                 extra=batch.extra,
             )
-            loss, pair_metrics = call_custom_loss(self.custom_loss, args, inputs)
+            loss, pair_metrics = call_custom_loss(self.custom_loss, config.hook_args, inputs)
         else:
             kl = kl_to_reference(step.mean, ref_mean, step.diffusion_coef) if kl_beta > 0 else None
             loss, pair_metrics = policy_loss(
                 step.log_prob,
                 old_log_prob,
                 batch.advantages,
-                float(args.diffusion_clip_range),
-                float(args.diffusion_adv_clip_max),
+                config.trainer.diffusion_clip_range,
+                config.trainer.diffusion_adv_clip_max,
                 kl=kl,
                 kl_beta=kl_beta,
             )
@@ -392,13 +355,13 @@ class DiffusionTrainer:
     def _nft_or_sft_loss(self, batch: TrainBatch, rollout_id: int, metrics: _MetricSums):
         from miles.diffusion.losses import forward_noise, nft_loss, sft_loss
 
-        args = self.args
+        config = self.config
         noise = self._pair_noise(batch, rollout_id)
         clean = batch.latents
         noised = forward_noise(clean, noise, batch.sigmas)
         no_cfg = GuidanceConfig(guidance_scale=1.0)
         v_theta = self.velocity(noised, batch.sigmas, batch.conditioning, no_cfg)
-        if args.loss_type == "sft_loss":
+        if config.trainer.loss_type == "sft_loss":
             return sft_loss(v_theta, clean, noise)
         if self.ref_mode == "none":
             v_old = v_theta.detach()
@@ -412,20 +375,20 @@ class DiffusionTrainer:
             clean,
             batch.sigmas,
             batch.advantages,
-            float(getattr(args, "diffusion_nft_beta", 1.0)),
-            float(args.diffusion_adv_clip_max),
-            adaptive_weight=not getattr(args, "no_diffusion_nft_adaptive_weight", False),
+            config.trainer.diffusion_nft_beta,
+            config.trainer.diffusion_adv_clip_max,
+            adaptive_weight=not config.trainer.no_diffusion_nft_adaptive_weight,
         )
 
     def _debug_metrics(self, batch: TrainBatch, velocity: torch.Tensor, metrics: _MetricSums) -> None:
-        if not getattr(self.args, "diffusion_debug_mode", False) or batch.debug_model_outputs is None:
+        if not self.config.debug.diffusion_debug_mode or batch.debug_model_outputs is None:
             return
         diff = (velocity.detach().float() - batch.debug_model_outputs.to(velocity.device)).abs()
         metrics.add("model_output_mean_abs_diff", diff.reshape(diff.shape[0], -1).mean(dim=1))
         metrics.add_max("model_output_max_abs_diff", diff.max())
 
     def _micro_batch_loss(self, batch: TrainBatch, rollout_id: int, window_index: int, metrics: _MetricSums):
-        if self.args.loss_type in ("policy_loss", "custom_loss"):
+        if self.config.trainer.loss_type in ("policy_loss", "custom_loss"):
             return self._rl_loss(batch, window_index, metrics)
         return self._nft_or_sft_loss(batch, rollout_id, metrics)
 
@@ -448,7 +411,7 @@ class DiffusionTrainer:
     def _batch(self, micro_batch) -> TrainBatch:
         batch = collate(micro_batch, self.device)
         if self.prepare_batch is not None:
-            batch = self.prepare_batch(self.args, batch)
+            batch = self.prepare_batch(self.config.hook_args, batch)
             if not isinstance(batch, TrainBatch):
                 raise MilesUserError(
                     f"--custom-prepare-train-batch-path must return a TrainBatch, got {type(batch).__name__}"
@@ -458,19 +421,19 @@ class DiffusionTrainer:
     def train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
         """Train on one rollout's samples; returns `train/*` and `perf/*` metrics (identical on every rank)."""
         started = time.perf_counter()
-        args = self.args
-        skip_step = bool(getattr(args, "debug_skip_optimizer_step", False))
+        config = self.config
+        skip_step = config.debug.debug_skip_optimizer_step
         _stage_on_device(samples, self.device)
-        pairs = convert_samples_to_train_data(args, samples, self.family)
+        pairs = convert_samples_to_train_data(config, samples, self.family)
         # pairs are views of the samples; copy the scalars we overwrite (recompute) so samples stay untouched
         pairs = [_shallow_copy(p) for p in pairs]
         if not pairs:  # every sample filtered out (--rollout-sample-filter-path): nothing to learn from
             logger.warning("rollout %d: no train pairs (all samples removed); skipping its optimizer steps", rollout_id)
             return {"train/num_pairs": 0.0, "perf/train_time_s": time.perf_counter() - started}
-        plan = plan_rank_train_data(args, pairs, self.dp_rank, self.dims.dp_size, self.family)
-        if getattr(args, "save_debug_train_data", None):
+        plan = plan_rank_train_data(config, pairs, self.dp_rank, self.dims.dp_size, self.family)
+        if config.debug.save_debug_train_data:
             self._save_debug_train_data(rollout_id, plan)
-        if getattr(args, "diffusion_recompute_old_log_prob", False):
+        if config.trainer.diffusion_recompute_old_log_prob:
             self.recompute_old_log_probs(plan.windows)
         metrics = _MetricSums()
         grad_norms: list[torch.Tensor] = []
@@ -483,7 +446,7 @@ class DiffusionTrainer:
             for micro_batch in window:
                 batch = self._batch(micro_batch)
                 # FLOPs are counted once, eagerly; a dispatch mode around compiled blocks would force recompiles
-                measure = self.flops_per_pair is None and not skip_step and not getattr(args, "fsdp_torch_compile", False)
+                measure = self.flops_per_pair is None and not skip_step and not config.trainer.fsdp_torch_compile
                 with self._flop_counter(measure, len(micro_batch)):
                     with torch.set_grad_enabled(not skip_step):
                         per_pair_loss, pair_metrics = self._micro_batch_loss(batch, rollout_id, window_index, metrics)
@@ -518,7 +481,7 @@ class DiffusionTrainer:
 
     def _save_debug_train_data(self, rollout_id: int, plan) -> None:
         """`--save-debug-train-data`: this rank's windows of micro-batches of train pairs, before training."""
-        template = self.args.save_debug_train_data
+        template = self.config.debug.save_debug_train_data
         path = template.format(rollout_id, self.dp_rank, rollout_id=rollout_id, rank=self.dp_rank)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         torch.save({"rollout_id": rollout_id, "dp_rank": self.dp_rank, "windows": plan.windows}, path)
@@ -533,7 +496,7 @@ class DiffusionTrainer:
         """
         self.scaler.unscale_(self.optimizer)
         params = [p for _, p in self.trainable]
-        clip = float(getattr(self.args, "clip_grad", 1.0) or 0.0)
+        clip = self.config.trainer.clip_grad
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"), foreach=True)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
@@ -589,7 +552,7 @@ class DiffusionTrainer:
         self._move(self.device)
 
     def _move(self, device) -> None:
-        if self.device.type == "cpu" or getattr(self.args, "fsdp_cpu_offload", False):
+        if self.device.type == "cpu" or self.config.trainer.fsdp_cpu_offload:
             return
         self.model.to(device)
         for state in self.optimizer.state.values():

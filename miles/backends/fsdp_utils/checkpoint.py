@@ -42,6 +42,7 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from miles.backends.fsdp_utils import deterministic
+from miles.config.sections import ModelConfig, RunConfig
 from miles.utils.errors import MilesUserError
 from miles.utils.safe_load import load_dcp_metadata_pickle, load_plain, refused_global, save_plain
 
@@ -83,17 +84,17 @@ def same_directory(a: str | None, b: str | None) -> bool:
     return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
 
 
-def run_family_label(args) -> str:
+def run_family_label(model: ModelConfig) -> str:
     """The model a checkpoint of this run holds: the family key, or the --train-pipeline-config-path class."""
-    custom = getattr(args, "train_pipeline_config_path", None)
+    custom = model.train_pipeline_config_path
     if custom:
         return custom
-    resolved = getattr(args, "diffusion_model_family_resolved", None)
+    resolved = model.diffusion_model_family_resolved
     if resolved:
         return resolved
     from miles.models import resolve_family_name
 
-    return resolve_family_name(getattr(args, "hf_checkpoint", None), getattr(args, "diffusion_model_family", None))
+    return resolve_family_name(model.hf_checkpoint, model.diffusion_model_family)
 
 
 @dataclass
@@ -102,18 +103,18 @@ class CheckpointToResume:
     meta: dict[str, Any]
 
 
-def checkpoint_to_resume(args) -> CheckpointToResume | None:
+def checkpoint_to_resume(config: RunConfig) -> CheckpointToResume | None:
     """The checkpoint `--load` (and `--ckpt-step`) names, checked (`inspect_checkpoint`); None to start fresh.
 
     Starting fresh is allowed only when `--load` is the `--save` folder and holds no checkpoint yet (a job that
     resumes itself after a restart, the reference's behaviour); any other `--load` without a checkpoint is an
     error, so a typo in the path cannot silently train from scratch.
     """
-    root = getattr(args, "load", None)
+    root = config.checkpoint.load
     if not root:
         return None
-    step = getattr(args, "ckpt_step", None)
-    resumes_itself = same_directory(root, getattr(args, "save", None))
+    step = config.checkpoint.ckpt_step
+    resumes_itself = same_directory(root, config.checkpoint.save)
     if step is None:
         if os.path.exists(root) and not os.path.isdir(root):
             raise MilesUserError(f"--load {root!r} is a file, not a checkpoint folder")
@@ -130,16 +131,16 @@ def checkpoint_to_resume(args) -> CheckpointToResume | None:
                 if found else ""
             raise MilesUserError(f"--load {root!r}: no {POINTER_FILE}, so no checkpoint to resume{hint}")
     directory = iteration_dir(root, int(step))
-    meta = inspect_checkpoint(directory, args)
+    meta = inspect_checkpoint(directory, config)
     return CheckpointToResume(directory, meta)
 
 
-def inspect_checkpoint(directory: str, args=None) -> dict[str, Any]:
+def inspect_checkpoint(directory: str, config: RunConfig | None = None) -> dict[str, Any]:
     """Check one checkpoint folder without loading its weights; returns its meta. Every problem is one line.
 
     Checks: meta.pt loads (weights_only) and has every key; the DCP index loads through the allow-list; every
     shard the index names exists and is at least as long as the index says (a truncated copy fails here, not
-    halfway through loading); with `args`, the model family and --use-lora match the run's.
+    halfway through loading); with `config`, the model family and --use-lora match the run's.
     """
     what = f"--load checkpoint {directory}"
     if not os.path.isdir(directory):
@@ -169,20 +170,20 @@ def inspect_checkpoint(directory: str, args=None) -> dict[str, Any]:
         actual = os.path.getsize(shard)
         if actual < size:
             raise MilesUserError(f"{what}: shard {shard} is truncated ({actual} bytes, the index expects {size})")
-    if args is not None:
-        _check_meta_matches_run(directory, meta, args)
+    if config is not None:
+        _check_meta_matches_run(directory, meta, config)
     return meta
 
 
-def _check_meta_matches_run(directory: str, meta: dict[str, Any], args) -> None:
+def _check_meta_matches_run(directory: str, meta: dict[str, Any], config: RunConfig) -> None:
     saved_family = meta.get("family")  # absent in checkpoints written before the family was recorded
-    run_family = run_family_label(args)
+    run_family = run_family_label(config.model)
     if saved_family is not None and saved_family != run_family:
         raise MilesUserError(
             f"--load {directory!r} holds model family {saved_family!r}, but this run trains {run_family!r} "
             "(--hf-checkpoint / --diffusion-model-family / --train-pipeline-config-path)"
         )
-    use_lora = bool(getattr(args, "use_lora", False))
+    use_lora = config.trainer.use_lora
     if meta["use_lora"] != use_lora:
         raise MilesUserError(
             f"--load {directory!r} was saved with use_lora={meta['use_lora']}; this run has --use-lora={use_lora}"
@@ -265,8 +266,8 @@ def save_checkpoint(trainer, rollout_id: int, extra_state: dict | None = None, r
     A failed write on any rank (disk full, permissions, a state that is not plain values) removes the temp
     folder and raises one `MilesUserError` on every rank; the pointer still names the previous checkpoint.
     """
-    args = trainer.args
-    root = root or args.save
+    config = trainer.config
+    root = root or config.checkpoint.save
     if not root:
         raise MilesUserError("saving a checkpoint needs --save")
     final_dir = iteration_dir(root, rollout_id)
@@ -291,7 +292,7 @@ def save_checkpoint(trainer, rollout_id: int, extra_state: dict | None = None, r
     except OSError as err:
         error = err
     _stop_if_any_rank_failed(root, rollout_id, temp_dir, error)
-    keep = getattr(args, "save_keep_latest", None)
+    keep = config.checkpoint.save_keep_latest
     if keep and _rank() == 0:
         try:
             delete_old_checkpoints(root, int(keep), keep_rollout_id=rollout_id)
@@ -305,9 +306,9 @@ def _write_checkpoint(trainer, rollout_id: int, extra_state: dict | None, temp_d
 
     from miles.backends.fsdp_utils.model_export import lora_settings, recorded_base
 
-    args = trainer.args
+    config = trainer.config
     state: dict = {"model": _model_state(trainer)}
-    save_optim = not getattr(args, "no_save_optim", False)
+    save_optim = not config.checkpoint.no_save_optim
     if save_optim:
         state["optimizer"] = get_optimizer_state_dict(trainer.model, trainer.optimizer)
     if trainer.ema is not None:
@@ -322,12 +323,12 @@ def _write_checkpoint(trainer, rollout_id: int, extra_state: dict | None, temp_d
             "lr_scheduler": trainer.lr_scheduler.state_dict(),
             "grad_scaler": trainer.scaler.state_dict(),
             "ema_num_updates": None if trainer.ema is None else trainer.ema.num_updates,
-            "use_lora": bool(getattr(args, "use_lora", False)),
-            "family": run_family_label(args),
+            "use_lora": config.trainer.use_lora,
+            "family": run_family_label(config.model),
             # what `python -m miles.export` needs besides the shards (absent from older checkpoints)
-            "hf_checkpoint": recorded_base(getattr(args, "hf_checkpoint", None)),
+            "hf_checkpoint": recorded_base(config.model.hf_checkpoint),
             "modules": list(trainer.model.keys()),
-            "lora": lora_settings(trainer.lora_config) if getattr(args, "use_lora", False) else None,
+            "lora": lora_settings(trainer.lora_config) if config.trainer.use_lora else None,
             "world_size": trainer.world_size,
             "extra_state": extra_state or {},
         }
@@ -419,13 +420,13 @@ def load_checkpoint(trainer) -> int:
     """
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    args = trainer.args
+    config = trainer.config
     trainer.loaded_extra_state = None
-    resume = checkpoint_to_resume(args)  # also vets the index DCP unpickles below (allow-list)
+    resume = checkpoint_to_resume(config)  # also vets the index DCP unpickles below (allow-list)
     if resume is None:
         return 0
     directory, meta = resume.directory, resume.meta
-    load_optim = not getattr(args, "no_load_optim", False)
+    load_optim = not config.checkpoint.no_load_optim
     if load_optim and not meta["has_optimizer"]:
         logger.warning("--load %s: saved with --no-save-optim, optimizer and LR scheduler start fresh", directory)
         load_optim = False
@@ -443,9 +444,8 @@ def load_checkpoint(trainer) -> int:
                              f"{_describe_failure(err)}") from None
     if load_optim:
         set_optimizer_state_dict(trainer.model, trainer.optimizer, optim_state_dict=state["optimizer"])
-        use_checkpoint_schedule = getattr(args, "use_checkpoint_lr_scheduler", True) and not getattr(
-            args, "override_lr_scheduler", False
-        )
+        # validation turns use_checkpoint_lr_scheduler off under --override-lr-scheduler
+        use_checkpoint_schedule = config.trainer.use_checkpoint_lr_scheduler
         trainer.lr_scheduler.load_state_dict(meta["lr_scheduler"], use_checkpoint_schedule=use_checkpoint_schedule)
         trainer.scaler.load_state_dict(meta["grad_scaler"])
     if ema_template is not None:
@@ -453,7 +453,7 @@ def load_checkpoint(trainer) -> int:
     elif trainer.ema is not None:
         logger.warning("--load %s holds no EMA: the EMA starts from the loaded weights", directory)
     trainer.global_step = int(meta["global_step"])
-    if not getattr(args, "no_load_rng", False):
+    if not config.checkpoint.no_load_rng:
         _load_rng(directory, meta, trainer.world_size)
     trainer.loaded_extra_state = meta["extra_state"]
     logger.info("loaded checkpoint %s (rollout %d)", directory, meta["rollout_id"])
@@ -484,7 +484,7 @@ def export_lora(trainer, path: str) -> None:
     from miles.backends.fsdp_utils.model_export import write_lora_adapter
     from miles.backends.fsdp_utils.weight_export import lora_adapter_state
 
-    if not getattr(trainer.args, "use_lora", False):
+    if not trainer.config.trainer.use_lora:
         raise MilesUserError("export_lora needs a run with --use-lora")
     adapters = {name: lora_adapter_state(trainer, name) for name in trainer.model.keys()}
     if _rank() == 0:
@@ -493,10 +493,10 @@ def export_lora(trainer, path: str) -> None:
     _barrier()
 
 
-def should_save(args, rollout_id: int) -> bool:
+def should_save(config: RunConfig, rollout_id: int) -> bool:
     """The loop's rule: with `--save`, every `--save-interval` rollouts and after the last one."""
-    if not getattr(args, "save", None):
+    if not config.checkpoint.save:
         return False
-    interval = getattr(args, "save_interval", None)
-    last = int(getattr(args, "num_rollout", 0) or 0) - 1
+    interval = config.checkpoint.save_interval
+    last = config.data.num_rollout - 1
     return bool(interval and (rollout_id + 1) % int(interval) == 0) or rollout_id == last

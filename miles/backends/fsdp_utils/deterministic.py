@@ -29,10 +29,10 @@ def seed_everything(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-def apply_deterministic_mode(args) -> None:
+def apply_deterministic_mode(seed: int, deterministic_mode: bool) -> None:
     """Seed from `--seed`; with `--deterministic-mode` make every kernel deterministic (call before CUDA work)."""
-    seed_everything(int(getattr(args, "seed", 1234)))
-    if not getattr(args, "deterministic_mode", False):
+    seed_everything(seed)
+    if not deterministic_mode:
         return
     # cuBLAS needs a fixed workspace to be deterministic; it reads the variable at handle creation.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)

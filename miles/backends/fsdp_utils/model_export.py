@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from miles.config.sections import RunConfig
 from miles.utils.errors import MilesUserError
 
 logger = logging.getLogger(__name__)
@@ -206,11 +207,11 @@ def trainer_weights(trainer, use_ema: bool = False, source: str = "trainer") -> 
                 trainer.ema.swap_out()
     if rank != 0:
         return None
-    args = trainer.args
-    use_lora = bool(getattr(args, "use_lora", False))
+    config = trainer.config
+    use_lora = config.trainer.use_lora
     return TrainedWeights(tensors=tensors, modules=list(trainer.model.keys()),
                           lora=lora_settings(trainer.lora_config) if use_lora else None,
-                          family=run_family_label(args), base=recorded_base(getattr(args, "hf_checkpoint", None)),
+                          family=run_family_label(config.model), base=recorded_base(config.model.hf_checkpoint),
                           source=source, ema=use_ema)
 
 
@@ -224,15 +225,12 @@ def recorded_base(hf_checkpoint: str | None) -> str | None:
 # ---- the writer ------------------------------------------------------------------------------------------------
 def family_for(weights: TrainedWeights, base: str | None):
     """The family object the weights were trained with (its pipeline class and module loader)."""
-    import argparse
-
     from miles.models import FAMILY_MODULES
     from miles.models.common import build_train_pipeline_config
 
     custom = weights.family if weights.family and weights.family not in FAMILY_MODULES else None
-    args = argparse.Namespace(hf_checkpoint=base, train_pipeline_config_path=custom, model_backend_path=None,
-                              diffusion_model_family=None if custom else weights.family)
-    return build_train_pipeline_config(args)
+    return build_train_pipeline_config(base, train_pipeline_config_path=custom,
+                                       diffusion_model_family=None if custom else weights.family)
 
 
 def _save_lora_parameters(pipeline_class) -> set[str]:
@@ -431,18 +429,18 @@ def export_weights(weights: TrainedWeights, out: str, merge: bool = False, base:
 
 
 # ---- exports during training (--export-interval) -------------------------------------------------------------
-def should_export(args, rollout_id: int) -> bool:
+def should_export(config: RunConfig, rollout_id: int) -> bool:
     """With `--export-interval N`: every N rollouts and after the last one (like `--save-interval`)."""
-    interval = getattr(args, "export_interval", None)
+    interval = config.checkpoint.export_interval
     if not interval:
         return False
-    last = int(getattr(args, "num_rollout", 0) or 0) - 1
+    last = config.data.num_rollout - 1
     return (rollout_id + 1) % int(interval) == 0 or rollout_id == last
 
 
-def export_dir(args, rollout_id: int) -> str:
+def export_dir(config: RunConfig, rollout_id: int) -> str:
     """`<--output-dir>/export/iter_<rollout id>` (absolute: the trainer ranks may run in another folder)."""
-    return os.path.join(os.path.abspath(getattr(args, "output_dir", None) or "outputs/miles"), "export",
+    return os.path.join(os.path.abspath(config.logging.output_dir), "export",
                         f"iter_{rollout_id:07d}")
 
 
@@ -450,7 +448,7 @@ def export_from_trainer(trainer, out: str, rollout_id: int) -> str | None:
     """Every rank calls it: gather the policy the engines serve (θ̄ under `--ema-rollout-policy ema`) and write
     it on rank 0, as a LoRA adapter for a --use-lora run (a merged pipeline where the family's diffusers LoRA
     format cannot hold the adapter), else as a pipeline folder. Returns the kind on rank 0."""
-    use_ema = getattr(trainer.args, "ema_rollout_policy", "live") == "ema"
+    use_ema = trainer.config.trainer.ema_rollout_policy == "ema"
     weights = trainer_weights(trainer, use_ema, source=f"rollout {rollout_id} of the run")
     if weights is None:
         return None

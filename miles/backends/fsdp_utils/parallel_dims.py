@@ -9,10 +9,14 @@ see the same train pairs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from miles.utils.errors import MilesUserError
+
+if TYPE_CHECKING:
+    from miles.config.sections import TrainerConfig
 
 
 @dataclass(frozen=True)
@@ -23,11 +27,11 @@ class ParallelDims:
     ulysses: int = 1
 
     @classmethod
-    def from_args(cls, args, world_size: int) -> "ParallelDims":
-        dp_replicate = int(getattr(args, "dp_replicate_size", 1) or 1)
-        sp = int(getattr(args, "sequence_parallel_size", 1) or 1)
-        ulysses = int(getattr(args, "ulysses_degree", 0) or 0) or sp
-        dims = cls(world_size=world_size, dp_replicate=dp_replicate, sp=sp, ulysses=ulysses)
+    def from_config(cls, trainer: "TrainerConfig", world_size: int) -> "ParallelDims":
+        """The grid of `--dp-replicate-size`, `--sequence-parallel-size` and the resolved Ulysses degree over the
+        ranks that actually joined (`world_size`)."""
+        dims = cls(world_size=world_size, dp_replicate=trainer.dp_replicate_size, sp=trainer.sequence_parallel_size,
+                   ulysses=trainer.ulysses_degree_resolved)
         dims.validate()
         return dims
 

@@ -1,7 +1,7 @@
 """Apply the trainer's parallelism and precision to a family's denoiser modules, in one function.
 
 Order (torchtitan style): attention backend → sequence parallelism (diffusers context-parallel plan) →
-activation checkpointing → (optional `torch.compile` per block, `args.fsdp_torch_compile`) → `fully_shard` on
+activation checkpointing → (optional `torch.compile` per block, `--fsdp-torch-compile`) → `fully_shard` on
 every transformer block the family lists, then on the module root.
 Dtypes: parameters are held in `--fsdp-master-dtype` (sharded master weights, optimizer state), all-gathered
 and computed in `--diffusion-forward-dtype` (MixedPrecisionPolicy.param_dtype), gradients reduce-scattered in
@@ -11,6 +11,7 @@ and computed in `--diffusion-forward-dtype` (MixedPrecisionPolicy.param_dtype), 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,6 +20,9 @@ from miles.backends.fsdp_utils.parallel_dims import ParallelDims
 from miles.models.batch_invariant import engine_holds_in_forward_dtype
 from miles.utils.compile import compile_blocks
 from miles.utils.errors import MilesUserError
+
+if TYPE_CHECKING:
+    from miles.config.sections import TrainerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +37,12 @@ def parse_dtype(name, flag: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def trainer_dtypes(args) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+def trainer_dtypes(trainer: TrainerConfig) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
     """(forward/param dtype, master dtype, reduce dtype) from the three precision flags."""
     return (
-        parse_dtype(getattr(args, "diffusion_forward_dtype", "bf16") or "bf16", "--diffusion-forward-dtype"),
-        parse_dtype(getattr(args, "fsdp_master_dtype", "fp32") or "fp32", "--fsdp-master-dtype"),
-        parse_dtype(getattr(args, "fsdp_reduce_dtype", "fp32") or "fp32", "--fsdp-reduce-dtype"),
+        parse_dtype(trainer.diffusion_forward_dtype, "--diffusion-forward-dtype"),
+        parse_dtype(trainer.fsdp_master_dtype, "--fsdp-master-dtype"),
+        parse_dtype(trainer.fsdp_reduce_dtype, "--fsdp-reduce-dtype"),
     )
 
 
@@ -129,12 +133,14 @@ def enable_gradient_checkpointing(module: nn.Module, blocks: list[nn.ModuleList]
             block_list[index] = checkpoint_wrapper(block)
 
 
-def parallelize_module(module: nn.Module, family, args, dims: ParallelDims, mesh, name: str, device) -> nn.Module:
+def parallelize_module(
+    module: nn.Module, family, trainer: TrainerConfig, dims: ParallelDims, mesh, name: str, device
+) -> nn.Module:
     """Shard one denoiser module in place (per block, then the root); returns it (now an FSDPModule)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    forward_dtype, master_dtype, reduce_dtype = trainer_dtypes(args)
-    backend = getattr(args, "fsdp_attention_backend", None)
+    forward_dtype, master_dtype, reduce_dtype = trainer_dtypes(trainer)
+    backend = trainer.fsdp_attention_backend
     if backend:
         if not hasattr(module, "set_attention_backend"):
             raise MilesUserError(f"--fsdp-attention-backend {backend!r}: module {name!r} has no set_attention_backend")
@@ -148,13 +154,13 @@ def parallelize_module(module: nn.Module, family, args, dims: ParallelDims, mesh
     blocks = family.transformer_block_lists(module)
     if not blocks:
         raise MilesUserError(f"the {family.family!r} family lists no transformer blocks for {name!r}; cannot shard it")
-    if getattr(args, "gradient_checkpointing", False):
+    if trainer.gradient_checkpointing:
         enable_gradient_checkpointing(module, blocks)
 
     if any(param.dtype != master_dtype for param in module.parameters()):
         module.to(dtype=master_dtype)
     cast_buffers_like_the_engine(module, master_dtype, forward_dtype)
-    offload = bool(getattr(args, "fsdp_cpu_offload", False))
+    offload = trainer.fsdp_cpu_offload
     if not offload:
         module.to(device)
     mp_policy = MixedPrecisionPolicy(
@@ -166,7 +172,7 @@ def parallelize_module(module: nn.Module, family, args, dims: ParallelDims, mesh
     fsdp_kwargs = {"mesh": dims.fsdp_mesh(mesh), "mp_policy": mp_policy, "reshard_after_forward": True}
     if offload:
         fsdp_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-    if getattr(args, "fsdp_torch_compile", False):
+    if trainer.fsdp_torch_compile:
         compile_blocks(blocks)  # per block, before sharding (torchtitan order): one graph reused by every layer
     for block_list in blocks:
         for block in block_list:

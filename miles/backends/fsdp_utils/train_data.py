@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from miles.config.sections import RunConfig
 from miles.types import Sample, TrainPair
 from miles.utils.errors import MilesUserError
 from miles.utils.imports import load_function
@@ -31,10 +32,11 @@ RL_LOSSES = ("policy_loss", "custom_loss")
 # ---------------------------------------------------------------------------------------------------------
 # sample -> pairs
 # ---------------------------------------------------------------------------------------------------------
-def _sample_generator(args, sample: Sample, salt: int) -> torch.Generator:
+def _sample_generator(config: RunConfig, sample: Sample, salt: int) -> torch.Generator:
     """Per-sample generator for expansion-time draws (NFT shuffle, SFT σ index): same pairs on every rank."""
     generator = torch.Generator()
-    generator.manual_seed((int(args.seed) * 7919 + sample.group_index * 104_729 + sample.index * 31 + salt) % (2**62))
+    seed = config.trainer.seed * 7919 + sample.group_index * 104_729 + sample.index * 31 + salt
+    generator.manual_seed(seed % (2**62))
     return generator
 
 
@@ -85,11 +87,11 @@ def _rl_pairs(sample: Sample, family) -> list[TrainPair]:
     return pairs
 
 
-def _clean_pairs(args, sample: Sample, family, sigmas: torch.Tensor) -> list[TrainPair]:
+def _clean_pairs(config: RunConfig, sample: Sample, family, sigmas: torch.Tensor) -> list[TrainPair]:
     """NFT / SFT pairs: the clean x0 and the noise level to train at (the noise itself is drawn at train time)."""
     if sample.clean_latents is None:
         raise MilesUserError(
-            f"--loss-type {args.loss_type}: sample {sample.index} has no clean_latents (x0); NFT needs a rollout "
+            f"--loss-type {config.trainer.loss_type}: sample {sample.index} has no clean_latents (x0); NFT needs a rollout "
             "that returns the final latent, SFT the encoded training image"
         )
     timesteps = family.timesteps_from_sigmas(sigmas)
@@ -110,20 +112,20 @@ def _clean_pairs(args, sample: Sample, family, sigmas: torch.Tensor) -> list[Tra
     ]
 
 
-def sft_flow_shift(args) -> float:
+def sft_flow_shift(config: RunConfig) -> float:
     """`--fsdp-flow-shift`, else the checkpoint's scheduler config `shift`, else 1.0 (§7)."""
-    if getattr(args, "fsdp_flow_shift", None) is not None:
-        return float(args.fsdp_flow_shift)
-    config_path = os.path.join(str(getattr(args, "hf_checkpoint", "") or ""), "scheduler", "scheduler_config.json")
+    if config.trainer.fsdp_flow_shift is not None:
+        return config.trainer.fsdp_flow_shift
+    config_path = os.path.join(str(config.model.hf_checkpoint or ""), "scheduler", "scheduler_config.json")
     if os.path.exists(config_path):
         with open(config_path) as handle:
             return float(json.load(handle).get("shift", 1.0))
     return 1.0
 
 
-def expand_sample_to_train_pairs(args, sample: Sample, family) -> list[TrainPair]:
+def expand_sample_to_train_pairs(config: RunConfig, sample: Sample, family) -> list[TrainPair]:
     """The train pairs of one sample (docs/algorithms.md §3, §6, §7), in step order."""
-    loss_type = args.loss_type
+    loss_type = config.trainer.loss_type
     if loss_type in RL_LOSSES:
         return _rl_pairs(sample, family)
     if loss_type == "nft":
@@ -132,32 +134,30 @@ def expand_sample_to_train_pairs(args, sample: Sample, family) -> list[TrainPair
         rollout_sigmas = _rollout_sigmas(sample, family.num_train_timesteps)
         sigmas = nft_train_sigmas(
             rollout_sigmas,
-            float(args.diffusion_nft_timestep_fraction),
-            not getattr(args, "no_diffusion_nft_shuffle_timesteps", False),
-            _sample_generator(args, sample, salt=1),
+            config.trainer.diffusion_nft_timestep_fraction,
+            not config.trainer.no_diffusion_nft_shuffle_timesteps,
+            _sample_generator(config, sample, salt=1),
         )
-        return _clean_pairs(args, sample, family, sigmas.to(torch.float32))
-    if loss_type == "sft_loss":
-        from miles.diffusion.schedules import sft_sigma_grid
+        return _clean_pairs(config, sample, family, sigmas.to(torch.float32))
+    from miles.diffusion.schedules import sft_sigma_grid  # sft_loss, the last of the flag's choices
 
-        grid = sft_sigma_grid(sft_flow_shift(args), family.num_train_timesteps)
-        index = torch.randint(0, len(grid), (1,), generator=_sample_generator(args, sample, salt=2))
-        return _clean_pairs(args, sample, family, grid[index].to(torch.float32))
-    raise MilesUserError(f"--loss-type {loss_type!r}: expected policy_loss, nft, sft_loss or custom_loss")
+    grid = sft_sigma_grid(sft_flow_shift(config), family.num_train_timesteps)
+    index = torch.randint(0, len(grid), (1,), generator=_sample_generator(config, sample, salt=2))
+    return _clean_pairs(config, sample, family, grid[index].to(torch.float32))
 
 
-def convert_samples_to_train_data(args, samples: list[Sample], family=None) -> list[TrainPair]:
+def convert_samples_to_train_data(config: RunConfig, samples: list[Sample], family=None) -> list[TrainPair]:
     """All pairs of a rollout, sample-major; `remove_sample` samples give none (`--rollout-sample-filter-path`)."""
-    if getattr(args, "custom_convert_samples_to_train_data_path", None):
-        convert = load_function(args.custom_convert_samples_to_train_data_path, "--custom-convert-samples-to-train-data-path", 2)
-        return list(convert(args, samples))
-    expand_path = getattr(args, "custom_expand_samples_to_train_pairs_path", None)
+    if config.trainer.custom_convert_samples_to_train_data_path:
+        convert = load_function(config.trainer.custom_convert_samples_to_train_data_path, "--custom-convert-samples-to-train-data-path", 2)
+        return list(convert(config.hook_args, samples))
+    expand_path = config.trainer.custom_expand_samples_to_train_pairs_path
     expand = load_function(expand_path, "--custom-expand-samples-to-train-pairs-path", 2) if expand_path else None
     pairs: list[TrainPair] = []
     for sample in samples:
         if sample.remove_sample:
             continue
-        pairs.extend(expand(args, sample) if expand else expand_sample_to_train_pairs(args, sample, family))
+        pairs.extend(expand(config.hook_args, sample) if expand else expand_sample_to_train_pairs(config, sample, family))
     return pairs
 
 
@@ -217,21 +217,21 @@ def _tile_index(window: list[TrainPair]) -> tuple[list[int], dict[int, list[Trai
     return order, by_sample
 
 
-def split_micro_batches(args, window: list[TrainPair], family=None) -> list[list[TrainPair]]:
+def split_micro_batches(config: RunConfig, window: list[TrainPair], family=None) -> list[list[TrainPair]]:
     """Flat `--micro-batch-size` cuts, or the 2-D `--micro-batch-size-sample` × `-tstep` tile (§5)."""
-    per_sample = getattr(args, "micro_batch_size_sample", None)
-    per_tstep = getattr(args, "micro_batch_size_tstep", None)
+    per_sample = config.data.micro_batch_size_sample
+    per_tstep = config.data.micro_batch_size_tstep
     if (per_sample is None) != (per_tstep is None):
         raise MilesUserError("--micro-batch-size-sample and --micro-batch-size-tstep must be set together")
     if per_sample is None:
-        size = int(getattr(args, "micro_batch_size", 1) or 1)
+        size = config.data.micro_batch_size
         if size < 1 or len(window) % size:
             raise MilesUserError(
                 f"--micro-batch-size {size} must divide the {len(window)} train pairs of an optimizer window"
             )
         micro_batches = [window[i : i + size] for i in range(0, len(window), size)]
     else:
-        micro_batches = _tile_micro_batches(args, window, int(per_sample), int(per_tstep))
+        micro_batches = _tile_micro_batches(config, window, int(per_sample), int(per_tstep))
     if family is not None:
         for index, micro_batch in enumerate(micro_batches):
             experts = {family.expert_for(pair.sigma) for pair in micro_batch}
@@ -244,7 +244,7 @@ def split_micro_batches(args, window: list[TrainPair], family=None) -> list[list
     return micro_batches
 
 
-def _tile_micro_batches(args, window: list[TrainPair], per_sample: int, per_tstep: int) -> list[list[TrainPair]]:
+def _tile_micro_batches(config: RunConfig, window: list[TrainPair], per_sample: int, per_tstep: int) -> list[list[TrainPair]]:
     if per_sample < 1 or per_tstep < 1:
         raise MilesUserError("--micro-batch-size-sample and --micro-batch-size-tstep must be >= 1")
     order, by_sample = _tile_index(window)
@@ -261,13 +261,10 @@ def _tile_micro_batches(args, window: list[TrainPair], per_sample: int, per_tste
         )
     sample_chunks = [order[i : i + per_sample] for i in range(0, len(order), per_sample)]
     tstep_chunks = [range(i, i + per_tstep) for i in range(0, steps_per_sample, per_tstep)]
-    iter_order = getattr(args, "diffusion_train_iter_order", "sample_major") or "sample_major"
-    if iter_order == "sample_major":
+    if config.data.diffusion_train_iter_order == "sample_major":
         tiles = [(s, t) for s in sample_chunks for t in tstep_chunks]
-    elif iter_order == "timestep_major":
+    else:  # timestep_major, the flag's other choice
         tiles = [(s, t) for t in tstep_chunks for s in sample_chunks]
-    else:
-        raise MilesUserError(f"--diffusion-train-iter-order {iter_order!r}: expected sample_major or timestep_major")
     return [[by_sample[s][t] for s in samples for t in tsteps] for samples, tsteps in tiles]
 
 
@@ -281,16 +278,16 @@ class RankTrainPlan:
     num_pairs_dropped: int = 0
 
 
-def plan_rank_train_data(args, pairs: list[TrainPair], dp_rank: int, dp_size: int, family=None) -> RankTrainPlan:
+def plan_rank_train_data(config: RunConfig, pairs: list[TrainPair], dp_rank: int, dp_size: int, family=None) -> RankTrainPlan:
     """Deal, window and cut the rollout's pairs for one DP rank."""
-    mode = getattr(args, "train_dp_split_mode", "contiguous") or "contiguous"
-    is_nft = getattr(args, "loss_type", None) == "nft"
+    mode = config.data.train_dp_split_mode
+    is_nft = config.trainer.loss_type == "nft"
     if is_nft and mode != "contiguous" and dp_size > 1:
         raise MilesUserError("--loss-type nft keeps a sample's pairs in one window: use --train-dp-split-mode contiguous")
     rank_pairs = deal_to_dp_rank(pairs, dp_rank, dp_size, mode)
-    num_windows = int(getattr(args, "num_steps_per_rollout", None) or 1)
+    num_windows = config.data.num_steps_per_rollout
     windows = split_windows(rank_pairs, num_windows, require_whole_samples=is_nft)
-    micro = [split_micro_batches(args, window, family) for window in windows]
+    micro = [split_micro_batches(config, window, family) for window in windows]
     return RankTrainPlan(
         windows=micro,
         pairs_per_window=len(windows[0]),

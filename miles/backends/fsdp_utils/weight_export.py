@@ -102,7 +102,7 @@ def _policy_weights(trainer, use_ema: bool):
 
 def iter_named_tensors(trainer, lora_only: bool = False, use_ema: bool = False, fold_lora_scale: bool = False):
     """(engine name, full tensor) for every synced tensor; a collective on every rank (see module doc)."""
-    if lora_only and not getattr(trainer.args, "use_lora", False):
+    if lora_only and not trainer.config.trainer.use_lora:
         raise MilesUserError("--lora-ipc-weight-sync requires --use-lora")
     with _policy_weights(trainer, use_ema):
         for prefix, module in trainer.model.items():
@@ -114,11 +114,11 @@ def iter_named_tensors(trainer, lora_only: bool = False, use_ema: bool = False, 
 
 def iter_sync_tensors(trainer):
     """The tensors `--lora-ipc-weight-sync` / `--ema-rollout-policy` ask to push to the engines."""
-    args = trainer.args
+    config = trainer.config
     return iter_named_tensors(
         trainer,
-        lora_only=bool(getattr(args, "lora_ipc_weight_sync", False)),
-        use_ema=getattr(args, "ema_rollout_policy", "live") == "ema",
+        lora_only=config.trainer.lora_ipc_weight_sync,
+        use_ema=config.trainer.ema_rollout_policy == "ema",
         fold_lora_scale=False,
     )
 

@@ -92,7 +92,7 @@ def split_reward_spec(spec: str) -> list[str]:
 def configured_reward_types(args, eval_specs: Sequence[str | None] = ()) -> list[str]:
     """The built-in rewards the flags name: `--rm-type` (unless `--custom-rm-path` takes its place) and the eval
     sets' `rm_type`s. Rewards named only in prompt metadata are found at their first use."""
-    specs = [] if getattr(args, "custom_rm_path", None) else [getattr(args, "rm_type", None)]
+    specs = [] if args.custom_rm_path else [args.rm_type]
     specs += list(eval_specs)
     return list(dict.fromkeys(rm_type for spec in specs if spec for rm_type in split_reward_spec(spec)))
 
@@ -101,7 +101,7 @@ def model_reward_workers(args, reward_types: Sequence[str]) -> int:
     """How many Ray workers the model rewards among `reward_types` start (for --colocate-reward)."""
     from miles.rollout.rm_hub.clipscore import clip_reward_workers
 
-    counts = {"pickscore": int(getattr(args, "pickscore_num_workers", 1) or 1)}
+    counts = {"pickscore": args.pickscore_num_workers}
     counts["clipscore"] = counts["aesthetic"] = clip_reward_workers(args)[0]
     return sum(counts[rm_type] for rm_type in set(reward_types) if rm_type in counts)
 
@@ -126,9 +126,9 @@ def _reward_type(args, sample: Sample) -> str:
     rm_type = sample.metadata.get("rm_type") if isinstance(sample.metadata, dict) else None
     if rm_type:
         return str(rm_type)
-    if getattr(args, "custom_rm_path", None):
+    if args.custom_rm_path:
         return CUSTOM_RM_TYPE
-    if getattr(args, "rm_type", None):
+    if args.rm_type:
         return args.rm_type
     raise MilesUserError(
         f"no reward for sample {sample.index} (prompt {sample.prompt[:60]!r}): set --rm-type or --custom-rm-path "
@@ -138,7 +138,7 @@ def _reward_type(args, sample: Sample) -> str:
 
 def _reward_fn(args, rm_type: str) -> RewardFn:
     if rm_type == CUSTOM_RM_TYPE:
-        if not getattr(args, "custom_rm_path", None):
+        if not args.custom_rm_path:
             raise MilesUserError("metadata rm_type 'custom' needs --custom-rm-path")
         return load_custom_rm(args.custom_rm_path)
     if rm_type not in BUILTIN_REWARDS:
@@ -192,7 +192,7 @@ async def _score(args, spec: str, samples: list[Sample]) -> list[Any]:
     rm_types = split_reward_spec(spec)
     if not rm_types:
         raise MilesUserError(f"reward spec {spec!r} names no reward (for {_describe(samples[0])})")
-    named = bool(getattr(args, "reward_weights", None))  # weights need every component under its name
+    named = bool(args.reward_weights)  # weights need every component under its name
     if len(rm_types) == 1 and not named:
         return await _score_one(args, rm_types[0], samples)
     results = await asyncio.gather(*(_score_one(args, rm_type, samples) for rm_type in rm_types))
@@ -220,7 +220,7 @@ async def batched_async_rm(args, samples: Sequence[Sample], evaluation: bool = F
     batches: dict[tuple, list[int]] = {}
     for position, sample in enumerate(samples):
         key: tuple = (_reward_type(args, sample),)
-        if getattr(args, "group_rm", False):
+        if args.group_rm:
             key += (sample.group_index,)
         batches.setdefault(key, []).append(position)
     keys = list(batches)
@@ -251,10 +251,10 @@ def reward_value(args, reward: float | dict | None, evaluation: bool = False) ->
     `--eval-reward-key`, defaulting to `--reward-key`), or with `--reward-weights` the weighted sum."""
     if reward is None:
         raise MilesUserError("a sample reached advantage computation without a reward")
-    key, flag = getattr(args, "reward_key", None), "--reward-key"
-    if evaluation and getattr(args, "eval_reward_key", None):
+    key, flag = args.reward_key, "--reward-key"
+    if evaluation and args.eval_reward_key:
         key, flag = args.eval_reward_key, "--eval-reward-key"  # an eval key wins over the training weights
-    elif getattr(args, "reward_weights", None):
+    elif args.reward_weights:
         return weighted_reward(args.reward_weights, reward)
     if not isinstance(reward, dict):
         return float(reward)

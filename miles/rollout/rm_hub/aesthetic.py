@@ -103,8 +103,8 @@ class AestheticScorer:
 
 
 def get_aesthetic_pool(args) -> ScorerPool:
-    model_path = getattr(args, "aesthetic_model_path", None)
-    head_path = getattr(args, "aesthetic_head_path", None)
+    model_path = args.aesthetic_model_path
+    head_path = args.aesthetic_head_path
     if not model_path or not head_path:
         raise MilesUserError("--rm-type aesthetic needs --aesthetic-model-path (a CLIP folder) and "
                              "--aesthetic-head-path (the head as safetensors)")
@@ -113,4 +113,4 @@ def get_aesthetic_pool(args) -> ScorerPool:
 
 async def aesthetic_rm(args, samples: Sequence[Sample]) -> list[float]:
     pool = get_aesthetic_pool(args)
-    return await mean_over_frames(samples, getattr(args, "pickscore_num_frames", None), pool.score)
+    return await mean_over_frames(samples, args.pickscore_num_frames, pool.score)

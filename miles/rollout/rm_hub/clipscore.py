@@ -56,14 +56,14 @@ class ClipScoreScorer:
 def clip_reward_workers(args) -> tuple[int, float, int]:
     """(workers, GPUs per worker, batch size) of the CLIP-based rewards clipscore and aesthetic."""
     return (
-        int(getattr(args, "clip_reward_num_workers", 1) or 1),
-        float(getattr(args, "clip_reward_num_gpus_per_worker", 1.0)),
-        int(getattr(args, "clip_reward_batch_size", 8) or 8),
+        args.clip_reward_num_workers,
+        args.clip_reward_num_gpus_per_worker,
+        args.clip_reward_batch_size,
     )
 
 
 def get_clipscore_pool(args) -> ScorerPool:
-    model_path = getattr(args, "clipscore_model_path", None)
+    model_path = args.clipscore_model_path
     if not model_path:
         raise MilesUserError("--rm-type clipscore needs --clipscore-model-path (a CLIP model folder)")
     return get_scorer_pool("clipscore", ClipScoreScorer, (model_path,), *clip_reward_workers(args))
@@ -71,4 +71,4 @@ def get_clipscore_pool(args) -> ScorerPool:
 
 async def clipscore_rm(args, samples: Sequence[Sample]) -> list[float]:
     pool = get_clipscore_pool(args)
-    return await mean_over_frames(samples, getattr(args, "pickscore_num_frames", None), pool.score)
+    return await mean_over_frames(samples, args.pickscore_num_frames, pool.score)

@@ -47,7 +47,7 @@ def geneval_score(value: Any, sample: Sample, url: str) -> Any:
 
 
 async def geneval_rm(args, samples: Sequence[Sample]) -> list[Any]:
-    url = getattr(args, "geneval_url", None)
+    url = args.geneval_url
     if not url:
         raise MilesUserError("--rm-type geneval needs --geneval-url")
     for sample in samples:

@@ -97,7 +97,7 @@ class OcrPool:
         self.actors: list[Any] = []
         self.local: OcrReader | None = None
         if ray.is_initialized():
-            num_workers = int(getattr(args, "ocr_num_workers", 4) or 1)
+            num_workers = args.ocr_num_workers
             actor_class = ray.remote(OcrReader)
             options = restartable(num_cpus=1, num_gpus=0)  # a killed worker comes back (workers.py)
             self.actors = [actor_class.options(**options).remote() for _ in range(num_workers)]
@@ -131,7 +131,7 @@ _POOLS: dict[tuple, OcrPool] = {}
 def get_ocr_pool(args) -> OcrPool:
     import ray
 
-    key = (getattr(args, "ocr_num_workers", 4), ray.is_initialized())
+    key = (args.ocr_num_workers, ray.is_initialized())
     if key not in _POOLS:
         _POOLS[key] = OcrPool(args)
     return _POOLS[key]

@@ -60,17 +60,17 @@ class PickScoreScorer:
 
 def get_pickscore_pool(args) -> ScorerPool:
     """The PickScore workers for these flags, created (and loaded) on first use."""
-    processor_path = getattr(args, "pickscore_processor_path", None)
-    model_path = getattr(args, "pickscore_model_path", None)
+    processor_path = args.pickscore_processor_path
+    model_path = args.pickscore_model_path
     if not processor_path or not model_path:
         raise MilesUserError("--rm-type pickscore needs --pickscore-model-path and --pickscore-processor-path")
     return get_scorer_pool(
         "pickscore",
         PickScoreScorer,
         (processor_path, model_path),
-        int(getattr(args, "pickscore_num_workers", 1) or 1),
-        float(getattr(args, "pickscore_num_gpus_per_worker", 1.0)),
-        int(getattr(args, "pickscore_batch_size", 8) or 8),
+        args.pickscore_num_workers,
+        args.pickscore_num_gpus_per_worker,
+        args.pickscore_batch_size,
     )
 
 
@@ -82,4 +82,4 @@ def shutdown_pickscore_pools() -> None:
 async def pickscore_rm(args, samples: Sequence[Sample]) -> list[float]:
     """Mean PickScore over each sample's selected frames (§10)."""
     pool = get_pickscore_pool(args)
-    return await mean_over_frames(samples, getattr(args, "pickscore_num_frames", None), pool.score)
+    return await mean_over_frames(samples, args.pickscore_num_frames, pool.score)

@@ -35,8 +35,6 @@ from miles.utils.errors import MilesUserError
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 300.0
-DEFAULT_MAX_RETRIES = 3
 MSGPACK_CONTENT_TYPE = "application/msgpack"
 RM_API_KEY_ENV = "MILES_RM_API_KEY"
 
@@ -114,12 +112,11 @@ async def post_samples(url: str, samples: Sequence[Sample], timeout_s: float, ma
 
 def request_limits(args) -> tuple[float, int]:
     """(timeout in seconds, retries) of one HTTP reward request: --rm-timeout, --rm-max-retries."""
-    return (float(getattr(args, "rm_timeout", None) or DEFAULT_TIMEOUT_S),
-            int(getattr(args, "rm_max_retries", DEFAULT_MAX_RETRIES) or 0))
+    return args.rm_timeout, args.rm_max_retries
 
 
 async def remote_rm(args, samples: Sequence[Sample]) -> list[Any]:
-    url = getattr(args, "rm_url", None)
+    url = args.rm_url
     if not url:
         raise MilesUserError("--rm-type remote_rm needs --rm-url")
     return await post_samples(url, samples, *request_limits(args), flag="--rm-url")

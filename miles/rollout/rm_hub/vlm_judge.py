@@ -38,11 +38,9 @@ from miles.rollout.rm_hub.builtin import frames_uint8
 from miles.rollout.rm_hub.remote import request_limits
 from miles.types import Sample
 from miles.utils.errors import MilesUserError
-from miles.utils.flags import DEFAULT_VLM_JUDGE_PROMPT
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_API_KEY_ENV = "MILES_VLM_JUDGE_API_KEY"
 _NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
 _THINKING = re.compile(r"<think>.*?</think>", re.DOTALL)
 
@@ -96,18 +94,18 @@ class VlmJudge:
     """One judging session: the endpoint, the key, the limits and a semaphore for the concurrency cap."""
 
     def __init__(self, args):
-        base_url = getattr(args, "vlm_judge_url", None)
-        self.model = getattr(args, "vlm_judge_model", None)
+        base_url = args.vlm_judge_url
+        self.model = args.vlm_judge_model
         if not base_url or not self.model:
             raise MilesUserError("--rm-type vlm_judge needs --vlm-judge-url and --vlm-judge-model")
         self.url = chat_completions_url(base_url)
-        self.template = getattr(args, "vlm_judge_prompt", None) or DEFAULT_VLM_JUDGE_PROMPT
+        self.template = args.vlm_judge_prompt
         self.timeout_s, self.max_retries = request_limits(args)
         self.headers = {"Content-Type": "application/json"}
-        key = os.environ.get(getattr(args, "vlm_judge_api_key_env", None) or DEFAULT_API_KEY_ENV)
+        key = os.environ.get(args.vlm_judge_api_key_env)
         if key:
             self.headers["Authorization"] = f"Bearer {key}"
-        self.semaphore = asyncio.Semaphore(int(getattr(args, "vlm_judge_max_concurrency", 8) or 8))
+        self.semaphore = asyncio.Semaphore(args.vlm_judge_max_concurrency)
 
     def question(self, prompt: str) -> str:
         return self.template.replace("{prompt}", prompt)  # no str.format: prompts may hold braces

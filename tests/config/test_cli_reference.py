@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.utils.arguments import build_parser
+from miles.config.arguments import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = REPO.parent / "shared" / "spec" / "cli-reference.md"

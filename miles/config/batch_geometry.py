@@ -1,6 +1,6 @@
 """Batch geometry of one rollout: prompts -> trajectories -> train pairs -> micro-batches (docs/algorithms.md §3, §5).
 
-Read by the micro-batch rule of `miles.utils.validation` and by the `--dry-run` report; it needs the values that
+Read by the micro-batch rule of `miles.config.validation` and by the `--dry-run` report; it needs the values that
 `validate_args` resolves (global_batch_size, num_steps_per_rollout, dp_size, micro_batch_size).
 """
 

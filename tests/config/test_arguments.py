@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from miles.utils import arguments, validation
-from miles.utils.arguments import (
+from miles.config import arguments, validation
+from miles.config.arguments import (
     build_parser,
     check_user_paths,
     format_dry_run,
@@ -139,13 +139,14 @@ def test_argparse_errors_become_one_line_user_errors(argv, needle):
 def test_every_fsdp_args_field_is_a_flag():
     import dataclasses
 
-    from miles.backends.fsdp_utils.arguments import FSDPArgs, fsdp_args_from_namespace
+    from miles.config.backend_flags import FSDPArgs
+    from miles.config.sections import RunConfig
 
     options = build_parser()._option_string_actions
     for fld in dataclasses.fields(FSDPArgs):
         assert "--" + fld.name.replace("_", "-") in options, fld.name
-    typed = fsdp_args_from_namespace(parse("--lr", "3e-5", "--use-lora"))
-    assert isinstance(typed, FSDPArgs) and typed.lr == 3e-5 and typed.use_lora is True
+    typed = RunConfig.from_args(parse("--lr", "3e-5", "--use-lora")).trainer  # the typed view the trainer gets
+    assert typed.lr == 3e-5 and typed.use_lora is True
 
 
 def test_sglang_passthrough_skips_what_miles_sets():

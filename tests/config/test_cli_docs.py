@@ -6,12 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from miles.utils.arguments import all_flags, flag_groups
-from miles.utils.cli_docs import flag_cell, render_markdown
+from miles.config.arguments import all_flags, flag_groups
+from miles.config.cli_docs import flag_cell, render_markdown
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs" / "cli-reference.md"
-REGENERATE = "python -m miles.utils.cli_docs > docs/cli-reference.md"
+REGENERATE = "python -m miles.config.cli_docs > docs/cli-reference.md"
 
 
 def test_committed_docs_are_current():
@@ -39,7 +39,7 @@ def test_docs_mark_extensions_and_show_derived_defaults():
 
 
 def test_module_entry_point_prints_the_docs():
-    result = subprocess.run([sys.executable, "-m", "miles.utils.cli_docs"], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "miles.config.cli_docs"], capture_output=True, text=True,
                             cwd=REPO, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout == render_markdown()

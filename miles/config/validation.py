@@ -14,9 +14,9 @@ import logging
 import os
 from typing import Callable
 
-from miles.utils.batch_geometry import batch_geometry, step_strategy
+from miles.config.batch_geometry import batch_geometry, step_strategy
 from miles.utils.errors import MilesUserError
-from miles.utils.flags import REWARD_TYPE_NAMES, all_flags
+from miles.config.flags import REWARD_TYPE_NAMES, all_flags
 
 # The command line's logger: these warnings keep the name users (and tests) filter on.
 logger = logging.getLogger(__name__)
@@ -340,7 +340,7 @@ def _flag(dest: str) -> str:
 
 def _rule_reward(args: argparse.Namespace) -> None:
     """Each reward's inputs; several rewards per sample need --reward-weights or --reward-key to become one scalar."""
-    from miles.utils.flags import parse_reward_weights
+    from miles.config.flags import parse_reward_weights
 
     rm_types = [part.strip() for part in args.rm_type.split(",")] if args.rm_type else []
     if rm_types:
@@ -453,3 +453,12 @@ def validate_args(args: argparse.Namespace) -> None:
     for rule in RULES:
         rule(args)
 
+
+
+def validation_rules(names: tuple[str, ...]) -> tuple[Callable[[argparse.Namespace], None], ...]:
+    """The rules `_rule_<name>` for each name, in `RULES` order (test scaffolding runs a subset)."""
+    by_name = {rule.__name__.removeprefix("_rule_"): rule for rule in RULES}
+    unknown = sorted(set(names) - set(by_name))
+    if unknown:
+        raise KeyError(f"no such rules: {unknown}")
+    return tuple(rule for name, rule in by_name.items() if name in names)

@@ -1,15 +1,16 @@
-"""Training-backend flags: every `FSDPArgs` field becomes `--field-name` on `train_diffusion.py`.
+"""Training-backend flag declarations: every `FSDPArgs` field becomes `--field-name` on `train_diffusion.py`.
 
-`miles.utils.arguments` turns each field into one argparse option (a bool becomes a flag, a `True` default
+`FSDPArgs` is a declaration table, not a runtime object: after parsing and validation the trainer reads these
+values from `miles.config.sections.TrainerConfig`. `miles.config.flags.flag_groups` turns each field into one
+`Flag`, and `miles.config.arguments` into one argparse option (a bool becomes a flag, a `True` default
 gets a `--no-` form); the field's metadata carries the help text, the `--help` group (a table of
 docs/cli-reference.md), choices, a value parser (`type`) and simple bounds (`ge`, `gt`, `le`, `lt`) that the
-parser checks. Cross-flag rules live in `miles.utils.validation`.
+parser checks. Cross-flag rules live in `miles.config.validation`.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -215,8 +216,3 @@ class FSDPArgs:
     )
     ema_decay_max: float = field(default=0.5, metadata=_opt("Decay ceiling.", EMA_GROUP, ge=0, le=1))
     ema_decay_flat_steps: int = field(default=0, metadata=_opt("EMA updates at --ema-decay-init.", EMA_GROUP, ge=0))
-
-
-def fsdp_args_from_namespace(args: argparse.Namespace) -> FSDPArgs:
-    """The training-backend view of a parsed namespace (for code that wants a typed object)."""
-    return FSDPArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(FSDPArgs)})

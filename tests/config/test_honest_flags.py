@@ -5,13 +5,12 @@ at validation with one line (--num-gpus-per-node, --distributed-backend, --over-
 from __future__ import annotations
 
 import logging
-from argparse import Namespace
-
 import pytest
 
 from miles.logging.ci_check import check_ci_metric
+from miles.config.arguments import parse_args
+from miles.config.sections import RunConfig
 from miles.ray.train_actor import process_group_backend
-from miles.utils.arguments import parse_args
 from miles.utils.errors import MilesUserError
 
 BASE = ["--hf-checkpoint", "org/sd3-tiny", "--prompt-data", "prompts.jsonl", "--rollout-batch-size", "4",
@@ -38,13 +37,14 @@ def test_num_gpus_per_node_bounds_the_per_node_flags():
 
 def test_distributed_backend_is_checked_and_used_on_gpu_only(caplog):
     assert "invalid choice: 'mpi'" in error("--distributed-backend", "mpi")
-    args = parse("--distributed-backend", "gloo")
-    assert process_group_backend(args, on_gpu=True) == "gloo"
-    assert process_group_backend(parse(), on_gpu=True) == "nccl"
-    offload = Namespace(distributed_backend="nccl", fsdp_cpu_offload=True, fsdp_cpu_backend="gloo")
-    assert process_group_backend(offload, on_gpu=True) == "cpu:gloo,cuda:nccl"
+    def config(*extra: str) -> RunConfig:
+        return RunConfig.from_args(parse(*extra))
+
+    assert process_group_backend(config("--distributed-backend", "gloo"), on_gpu=True) == "gloo"
+    assert process_group_backend(config(), on_gpu=True) == "nccl"
+    assert process_group_backend(config("--fsdp-cpu-offload"), on_gpu=True) == "cpu:gloo,cuda:nccl"
     with caplog.at_level(logging.INFO, logger="miles.ray.train_actor"):
-        assert process_group_backend(parse(), on_gpu=False) == "gloo"
+        assert process_group_backend(config(), on_gpu=False) == "gloo"
     assert "--distributed-backend nccl: no GPU, the trainer's process group uses gloo" in caplog.text
 
 
@@ -54,11 +54,11 @@ def test_over_sampling_batch_size_must_cover_the_batch():
 
 
 def test_use_miles_router_is_implied_and_said_so(caplog):
-    with caplog.at_level(logging.INFO, logger="miles.utils.validation"):
+    with caplog.at_level(logging.INFO, logger="miles.config.validation"):
         assert parse().use_miles_router is True
     assert "--use-miles-router is implied" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="miles.utils.validation"):
+    with caplog.at_level(logging.INFO, logger="miles.config.validation"):
         assert parse("--use-miles-router").use_miles_router is True
     assert "implied" not in caplog.text
 
@@ -76,7 +76,8 @@ def test_ci_flags_go_together():
 
 
 def test_ci_metric_checker_passes_on_any_value_at_the_threshold():
-    args = Namespace(ci_test=True, ci_metric_checker_key="eval/a/reward_mean", ci_metric_checker_threshold=0.5)
+    args = RunConfig.from_args(parse("--ci-test", "--ci-metric-checker-key", "eval/a/reward_mean",
+                                     "--ci-metric-checker-threshold", "0.5")).logging
     history = [{"rollout_id": 0, "eval/a/reward_mean": 0.2}, {"rollout_id": 1}, {"rollout_id": 2,
                                                                                "eval/a/reward_mean": 0.5}]
     check_ci_metric(args, history)
@@ -84,7 +85,7 @@ def test_ci_metric_checker_passes_on_any_value_at_the_threshold():
         check_ci_metric(args, history[:2])
     with pytest.raises(MilesUserError, match="no metrics record holds --ci-metric-checker-key"):
         check_ci_metric(args, [{"rollout_id": 0}])
-    check_ci_metric(Namespace(ci_test=False), [])  # not a CI run: nothing to check
+    check_ci_metric(RunConfig.from_args(parse()).logging, [])  # not a CI run: nothing to check
 
 
 def test_single_choice_flags_refuse_other_values(tmp_path):

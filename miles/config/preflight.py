@@ -31,8 +31,9 @@ def check_run_inputs(args: argparse.Namespace) -> None:
             check_writable_folder(path, flag)
     if args.load:
         from miles.backends.fsdp_utils.checkpoint import checkpoint_to_resume
+        from miles.config.sections import RunConfig
 
-        checkpoint_to_resume(args)
+        checkpoint_to_resume(RunConfig.from_args(args))
 
 
 def _check_prompt_files(args: argparse.Namespace) -> None:
@@ -49,7 +50,7 @@ def _check_prompt_files(args: argparse.Namespace) -> None:
                                      f"caption and an image or video; this {file_format} file holds prompts only")
             check_prompt_file(args.prompt_data, input_key, metadata_key, "--prompt-data", PROMPT_ROWS_CHECKED)
     eval_key = args.eval_input_key or input_key
-    for name, path in getattr(args, "eval_prompt_data_pairs", None) or []:
+    for name, path in args.eval_prompt_data_pairs:
         if not os.path.isfile(path):
             raise MilesUserError(f"--eval-prompt-data {name} {path!r}: no such file")
         check_prompt_file(path, eval_key, metadata_key, f"--eval-prompt-data {name}", PROMPT_ROWS_CHECKED)

@@ -2,12 +2,12 @@
 
 Three sources make up the command line, all assembled by `flag_groups()` (the one source of truth that
 `--help`, `docs/cli-reference.md`, the YAML override and the per-value checks read):
-- `FSDPArgs` (miles/backends/fsdp_utils/arguments.py): every field becomes `--field-name`;
+- `FSDPArgs` (miles/config/backend_flags.py): every field becomes `--field-name`;
 - the miles flags declared below in `MILES_GROUPS`;
 - the rollout engine's `ServerArgs` minus `SET_BY_MILES`, re-registered as `--sglang-<field-name>`.
 
 Per-value bounds and choices sit on each `Flag` (`Flag.problem`); the cross-flag rules are in
-`miles.utils.validation`, in the same table order.
+`miles.config.validation`, in the same table order.
 """
 
 from __future__ import annotations
@@ -601,7 +601,7 @@ def flag_groups() -> list[tuple[str, list[Flag]]]:
     """Every flag of `train_diffusion.py`, grouped like the reference's tables (the one source of truth)."""
     global _GROUPS_CACHE
     if _GROUPS_CACHE is None:
-        from miles.backends.fsdp_utils.arguments import FSDPArgs
+        from miles.config.backend_flags import FSDPArgs
         from miles.engine.server_args import SET_BY_MILES, ServerArgs
 
         groups = {title: list(flags) for title, flags in MILES_GROUPS}

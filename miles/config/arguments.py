@@ -1,11 +1,11 @@
 """The `train_diffusion.py` command line: parser assembly, YAML override, parsing and the user-path check.
 
 The command line is split along its concepts; this module is its public face and re-exports the rest:
-- `miles.utils.flags`: every flag, declared once (`Flag`), grouped like docs/cli-reference.md's tables, from
+- `miles.config.flags`: every flag, declared once (`Flag`), grouped like docs/cli-reference.md's tables, from
   three sources (`FSDPArgs`, the miles flags, the engine's `ServerArgs` as `--sglang-*` passthrough);
-- `miles.utils.validation`: the cross-flag rules and derived values (`validate_args`, `DERIVED_ATTRIBUTES`);
-- `miles.utils.batch_geometry`: prompts -> train pairs -> micro-batches of one rollout (docs/algorithms.md §3, §5);
-- `miles.utils.cli_docs`: docs/cli-reference.md and the `--dry-run` report, rendered from the declarations.
+- `miles.config.validation`: the cross-flag rules and derived values (`validate_args`, `DERIVED_ATTRIBUTES`);
+- `miles.config.batch_geometry`: prompts -> train pairs -> micro-batches of one rollout (docs/algorithms.md §3, §5);
+- `miles.config.cli_docs`: docs/cli-reference.md and the `--dry-run` report, rendered from the declarations.
 
 `parse_args` parses, applies `--custom-config-path` (the YAML wins, one warning per collision), then runs
 `validate_args` on the final values, so a YAML file cannot bypass a rule. Every user mistake is one
@@ -20,15 +20,14 @@ import logging
 import re
 from typing import Any
 
-from miles.utils.batch_geometry import (  # noqa: F401 - re-exported
+from miles.config.batch_geometry import (  # noqa: F401 - re-exported
     STEP_STRATEGY_HUB,
     BatchGeometry,
     batch_geometry,
     step_strategy,
     trained_steps_per_trajectory,
 )
-from miles.utils.errors import MilesUserError
-from miles.utils.flags import (  # noqa: F401 - re-exported
+from miles.config.flags import (  # noqa: F401 - re-exported
     MIB,
     MILES_GROUPS,
     SGLANG_GROUP,
@@ -44,13 +43,16 @@ from miles.utils.flags import (  # noqa: F401 - re-exported
     flag_groups,
     int_list,
     int_pair,
+    parse_reward_weights,
+    reward_weights,
 )
-from miles.utils.validation import (  # noqa: F401 - re-exported
+from miles.config.validation import (  # noqa: F401 - re-exported
     DERIVED_ATTRIBUTES,
     RULES,
     _torch_version,
     validate_args,
 )
+from miles.utils.errors import MilesUserError
 
 logger = logging.getLogger(__name__)
 
@@ -125,8 +127,8 @@ ALIAS_DESTS = {"debug_train_only": "train_only"}
 YAML_TYPO_CUTOFF = 0.8
 
 
-def _coerce_yaml_value(flag: Flag, value: Any) -> Any:
-    """A YAML value in the flag's parsed form (YAML reads `1e-4` as a string; "0,5" and [0, 5] both work)."""
+def coerce_flag_value(flag: Flag, value: Any) -> Any:
+    """A YAML (or Python) value in the flag's parsed form (YAML reads `1e-4` as a string; "0,5" and [0, 5] both work)."""
     if value is None:
         return None
     if flag.kind in ("switch", "tri", "toggle"):
@@ -140,6 +142,8 @@ def _coerce_yaml_value(flag: Flag, value: Any) -> Any:
         value = ",".join(str(item) for item in value)
     if isinstance(value, dict) and getattr(flag.type, "__name__", "") == "json_object":
         return {str(k): str(v) for k, v in value.items()}
+    if isinstance(value, dict) and flag.type is reward_weights:  # a YAML mapping {ocr: 1, pickscore: 0.5}
+        return parse_reward_weights(value)
     if isinstance(value, (bool, list, dict)):
         raise ValueError(f"expected a single {flag.type_name or flag.type.__name__} value, got {value!r}")
     if flag.type is int and isinstance(value, float):
@@ -187,7 +191,7 @@ def apply_config_file(args: argparse.Namespace) -> None:
             setattr(args, key, value)
             continue
         try:
-            new_value = _coerce_yaml_value(flag, value)
+            new_value = coerce_flag_value(flag, value)
         except (ValueError, TypeError, argparse.ArgumentTypeError) as err:
             raise MilesUserError(f"{where}: key {raw_key!r} ({flag.name}): {err}") from None
         logger.warning("%s: key %r overrides %s (%r -> %r)", where, raw_key, flag.name, getattr(args, key), new_value)
@@ -199,13 +203,13 @@ def apply_config_file(args: argparse.Namespace) -> None:
 # ---- parsing ------------------------------------------------------------------------------------------------
 def check_user_paths(args: argparse.Namespace) -> None:
     """Import every user-given dotted path (defaults are the project's own), then check the files and folders the
-    run will use (`miles.utils.preflight`: prompt files, --save/--output-dir writable, the --load checkpoint).
+    run will use (`miles.config.preflight`: prompt files, --save/--output-dir writable, the --load checkpoint).
 
     Separate from `validate_args` because it imports user code and reads files; the entry point calls it right
     after parsing, before Ray starts, and `--dry-run` runs it too.
     """
     from miles.utils.imports import load_object
-    from miles.utils.preflight import check_run_inputs
+    from miles.config.preflight import check_run_inputs
 
     for dest, flag in all_flags().items():
         value = getattr(args, dest, None)
@@ -228,6 +232,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def format_dry_run(args: argparse.Namespace) -> str:
     """The resolved configuration and the batch geometry, as `--dry-run` prints them."""
-    from miles.utils.cli_docs import render_dry_run
+    from miles.config.cli_docs import render_dry_run
 
     return render_dry_run(args)

@@ -1,4 +1,4 @@
-"""Checks before Ray starts (miles.utils.preflight via check_user_paths): every mistake is one line naming the
+"""Checks before Ray starts (miles.config.preflight via check_user_paths): every mistake is one line naming the
 flag and the file, and --dry-run runs the same checks."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from miles.backends.fsdp_utils.checkpoint import POINTER_FILE
-from miles.utils import preflight
-from miles.utils.arguments import check_user_paths, parse_args
+from miles.config import preflight
+from miles.config.arguments import check_user_paths, parse_args
 from miles.utils.errors import MilesUserError
 
 REPO = Path(__file__).resolve().parents[2]
