@@ -17,6 +17,8 @@ import math
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Callable, get_args, get_origin, get_type_hints
 
+from miles.diffusion.defaults import DEFAULT_NOISE_LEVEL
+
 MIB = 1024 * 1024
 DEFAULT_VLM_JUDGE_PROMPT = (
     'Rate how well this image matches the description "{prompt}" on a scale from 0 to 10, where 10 is a perfect '
@@ -286,7 +288,7 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
         F("--diffusion-true-cfg-scale", finite_float, None, "True-CFG scale (Qwen-Image); replaces the guidance "
           "scale when set.", ge=0),
         F("--diffusion-negative-prompt", str, None, "Negative prompt; the engine uses \" \" when CFG is on."),
-        F("--diffusion-noise-level", finite_float, 0.7, "SDE noise eta injected during rollout (docs/algorithms.md §2).",
+        F("--diffusion-noise-level", finite_float, DEFAULT_NOISE_LEVEL, "SDE noise eta injected during rollout (docs/algorithms.md §2).",
           ge=0),
         F("--diffusion-height", int, 512, "Rollout output height; SFT center-crop size. A multiple of 16.", ge=16,
           multiple_of=16),

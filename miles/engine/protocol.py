@@ -23,6 +23,7 @@ from typing import Any
 import msgpack
 import torch
 
+from miles.diffusion.defaults import DEFAULT_NOISE_LEVEL
 from miles.types import GuidanceConfig, Sample
 
 PROTOCOL_VERSION = 2  # 2: a request's conditioning travels once per response
@@ -133,7 +134,7 @@ class GenerateRequest:
     num_steps: int = 10
     negative_prompt: str | None = None
     guidance: GuidanceConfig = field(default_factory=GuidanceConfig)
-    noise_level: float = 0.7
+    noise_level: float = DEFAULT_NOISE_LEVEL
     sde_type: str = "sde"
     log_prob_no_const: bool = False
     sde_step_indices: list[int] = field(default_factory=list)
