@@ -17,7 +17,7 @@ import math
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Callable, get_args, get_origin, get_type_hints
 
-from miles.diffusion.defaults import DEFAULT_NOISE_LEVEL
+from miles.utils.defaults import DEFAULT_NOISE_LEVEL
 
 MIB = 1024 * 1024
 DEFAULT_VLM_JUDGE_PROMPT = (

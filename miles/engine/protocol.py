@@ -23,7 +23,7 @@ from typing import Any
 import msgpack
 import torch
 
-from miles.diffusion.defaults import DEFAULT_NOISE_LEVEL
+from miles.utils.defaults import DEFAULT_NOISE_LEVEL
 from miles.types import GuidanceConfig, Sample
 
 PROTOCOL_VERSION = 2  # 2: a request's conditioning travels once per response
