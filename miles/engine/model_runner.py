@@ -39,7 +39,7 @@ from miles.engine.sequence_parallel import (
     sequence_parallel_layouts,
 )
 from miles.engine.server_args import ServerArgs
-from miles.models.base import GenerationShape, SequenceParallelLayout, TrainPipelineConfig
+from miles.models.base import GenerationShape, SequenceParallelLayout, TrainPipelineConfig, condition_image_mismatch
 from miles.models.batch_invariant import predict_velocity_in_tiles
 from miles.models.common import build_train_pipeline_config, combine_cfg, generators_from_seeds, parse_dtype
 from miles.utils.compile import compile_blocks
@@ -264,7 +264,12 @@ class ModelRunner:
         negative = request.negative_prompt
         if negative is None and request.guidance.do_cfg:
             negative = DEFAULT_NEGATIVE_PROMPT
+        mismatch = condition_image_mismatch(self.family.family, self.family.condition_image, request.image is not None)
+        if mismatch is not None:
+            raise ProtocolError(mismatch)
         encoded = self.family.encode_prompt(self.pipe, [request.prompt], negative, request.guidance, shape=shape)
+        if request.image is not None:  # once per request: its samples share the encoded image like the prompt
+            encoded.update(self.family.encode_condition_image(self.pipe, request.image.to_tensor(), shape))
         m = request.num_samples
         conditioning = {key: value.expand(m, *value.shape[1:]).contiguous() for key, value in encoded.items()}
         sigmas = self.family.sigmas(self.pipe, request.num_steps, shape, request.flow_shift)

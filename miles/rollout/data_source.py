@@ -2,7 +2,8 @@
 
 Prompt files come in three formats (`prompt_file_format` tells which; docs/data.md):
 - JSONL: one JSON object per line, the prompt under `--input-key` (default "input"), optional metadata (a
-  JSON object) under `--metadata-key` (default "metadata");
+  JSON object) under `--metadata-key` (default "metadata") and an optional input image under `image` (a path,
+  relative to the prompt file's folder, for image-conditioned families: image editing, image-to-video);
 - text (`.txt`): one prompt per line, as flow_grpo's `train.txt` / `test.txt`;
 - GenEval metadata JSONL (`*_metadata.jsonl`, or rows with `prompt`, `tag` and `include` but no
   `--input-key`): the prompt under `prompt`, every other key of the row (`tag`, `include`, `exclude`, ...)
@@ -40,11 +41,13 @@ class PromptRow:
     prompt: str
     metadata: dict[str, Any] = field(default_factory=dict)
     line: int = 0  # 1-based line number in the file
+    image: str | None = None  # the row's input image, an absolute path (JSONL rows only)
 
 
 TEXT_SUFFIX = ".txt"
 GENEVAL_SUFFIX = "_metadata.jsonl"
 GENEVAL_KEYS = ("prompt", "tag", "include")  # what every GenEval metadata row holds
+IMAGE_KEY = "image"  # a JSONL row's input image
 
 
 def _decoded_lines(path: str, flag: str) -> Iterator[tuple[int, str, str]]:
@@ -137,16 +140,42 @@ def iter_prompt_rows(path: str, input_key: str = "input", metadata_key: str = "m
             raise MilesUserError(
                 f"{where}: {metadata_key!r} (--metadata-key) must be a JSON object, got {type(metadata).__name__}"
             )
-        yield PromptRow(prompt=prompt, metadata=metadata, line=line_number)
+        image = _checked_image(where, record, os.path.dirname(os.path.abspath(path)))
+        yield PromptRow(prompt=prompt, metadata=metadata, line=line_number, image=image)
 
 
-def check_prompt_file(path: str, input_key: str, metadata_key: str, flag: str, max_rows: int) -> int:
+def _checked_image(where: str, record: dict[str, Any], folder: str) -> str | None:
+    """The row's input image as an absolute path (relative ones are read from the prompt file's folder)."""
+    image = record.get(IMAGE_KEY)
+    if image is None:
+        return None
+    if not isinstance(image, str) or not image.strip():
+        raise MilesUserError(f"{where}: {IMAGE_KEY!r} must be the path of an image file, got {image!r}")
+    resolved = os.path.join(folder, os.path.expanduser(image))
+    if not os.path.isfile(resolved):
+        raise MilesUserError(f"{where}: input image {image!r} does not exist (looked for {resolved}; relative "
+                             "paths are read from the prompt file's folder)")
+    return resolved
+
+
+def check_prompt_file(path: str, input_key: str, metadata_key: str, flag: str, max_rows: int,
+                      condition_image: Callable[[bool], str | None] | None = None) -> int:
     """Check the first `max_rows` rows of a prompt file (cheap for any file size); returns how many it read.
 
-    The entry point calls it before Ray starts, so an empty file or a wrong --input-key fails in a second.
+    The entry point calls it before Ray starts, so an empty file or a wrong --input-key fails in a second. A row's
+    input image must decode (PIL); `condition_image(has_image)` says why a row with (or without) one does not fit
+    the run's family, or None (`miles.models.base.condition_image_mismatch`).
     """
+    from miles.rollout.condition_image import check_image_file
+
     count = 0
-    for _ in iter_prompt_rows(path, input_key, metadata_key, flag):
+    for row in iter_prompt_rows(path, input_key, metadata_key, flag):
+        where = f"{flag} {path}:{row.line}"
+        mismatch = condition_image(row.image is not None) if condition_image is not None else None
+        if mismatch is not None:
+            raise MilesUserError(f"{where}: {mismatch}")
+        if row.image is not None:
+            check_image_file(row.image, where)
         count += 1
         if count >= max_rows:
             break
@@ -241,7 +270,8 @@ class RolloutDataSource:
         group_index = self.group_counter
         self.group_counter += 1
         return [
-            Sample(prompt=row.prompt, group_index=group_index, metadata=copy.deepcopy(row.metadata))
+            Sample(prompt=row.prompt, group_index=group_index, metadata=copy.deepcopy(row.metadata),
+                   input_image=row.image)
             for _ in range(self.n_samples_per_prompt)
         ]
 
