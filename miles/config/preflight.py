@@ -50,8 +50,9 @@ def _check_prompt_files(args: argparse.Namespace) -> None:
             if args.loss_type == "sft_loss" and file_format != "jsonl":
                 raise MilesUserError(f"--prompt-data {args.prompt_data!r}: --loss-type sft_loss reads JSONL rows of a "
                                      f"caption and an image or video; this {file_format} file holds prompts only")
-            fits = None if args.loss_type == "sft_loss" else _condition_image_check(args)  # SFT: "image" is a target
-            check_prompt_file(args.prompt_data, input_key, metadata_key, "--prompt-data", PROMPT_ROWS_CHECKED, fits)
+            rl = args.loss_type != "sft_loss"  # SFT rows' "image" is the training target, not an input image
+            check_prompt_file(args.prompt_data, input_key, metadata_key, "--prompt-data", PROMPT_ROWS_CHECKED,
+                              _condition_image_check(args) if rl else None, input_images=rl)
     eval_key = args.eval_input_key or input_key
     for name, path in args.eval_prompt_data_pairs:
         if not os.path.isfile(path):
@@ -71,7 +72,7 @@ def _condition_image_check(args: argparse.Namespace):
     from miles.models import get_family_class
     from miles.models.base import condition_image_mismatch
 
-    policy = get_family_class(family_name).condition_image
+    policy = get_family_class(family_name).condition_image_policy(args.hf_checkpoint)
     return lambda has_image: condition_image_mismatch(family_name, policy, has_image)
 
 

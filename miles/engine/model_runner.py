@@ -416,11 +416,13 @@ class ModelRunner:
         """Decode the final latents and pack every sample's result (tensors moved to the host)."""
         request = t.request
         began = time.perf_counter()
+        final_latents = self.family.final_latents(t.latents, t.conditioning)
         images: torch.Tensor | None = None
         if request.return_images:
             chunk = max(1, self.server_args.vae_decode_batch_size)
             images = torch.cat(
-                [self.family.decode(self.pipe, t.latents[lo : lo + chunk], t.shape) for lo in range(0, t.num_samples, chunk)]
+                [self.family.decode(self.pipe, final_latents[lo : lo + chunk], t.shape)
+                 for lo in range(0, t.num_samples, chunk)]
             ).cpu()
         decode_seconds = time.perf_counter() - began
         training = not request.evaluation
@@ -434,7 +436,7 @@ class ModelRunner:
         )
         # One prompt per request: every sample's conditioning is the same row, sent (and kept) once.
         conditioning = {key: value[0].to("cpu", copy=True) for key, value in t.conditioning.items()} if training else {}
-        final = t.latents.cpu()
+        final = final_latents.cpu()
         debug = {k: v.cpu() for k, v in t.debug_velocities.items()} if request.debug else None
         samples = []
         for b in range(t.num_samples):

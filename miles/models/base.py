@@ -113,6 +113,17 @@ class TrainPipelineConfig(ABC):
         Families whose `condition_image` is "none" never get here (the engine refuses the request first)."""
         raise MilesUserError(condition_image_mismatch(self.family or type(self).__name__, CONDITION_IMAGE_NONE, True))
 
+    @classmethod
+    def condition_image_policy(cls, hf_checkpoint: str | None) -> str:
+        """`condition_image` for a checkpoint, read without loading weights (the preflight's question). A family
+        whose layouts differ (Wan: only the TI2V 5B takes an image) reads the checkpoint's model_index.json."""
+        return cls.condition_image
+
+    def final_latents(self, latents: torch.Tensor, conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The clean latents x_n after the last step, as decoded and returned as `clean_latents`: the state itself,
+        except where the family pins part of it to a condition (Wan TI2V image-to-video: the first latent frame)."""
+        return latents
+
     # ---- schedule and latents -----------------------------------------------------------------------
     @abstractmethod
     def sigmas(self, pipe: Any, num_steps: int, shape: GenerationShape, flow_shift: float | None) -> torch.Tensor:

@@ -111,12 +111,33 @@ def prompt_file_format(path: str, input_key: str = "input", flag: str = "--promp
 
 
 def iter_prompt_rows(path: str, input_key: str = "input", metadata_key: str = "metadata",
-                     flag: str = "--prompt-data") -> Iterator[PromptRow]:
+                     flag: str = "--prompt-data", condition_image: Callable[[bool], str | None] | None = None,
+                     input_images: bool = True) -> Iterator[PromptRow]:
     """Read and check a prompt file row by row (lazily: a caller may stop after the first rows), in the
     format `prompt_file_format` detects.
 
     Errors name the flag, the file and the line: `--prompt-data data.jsonl:7: no key 'input' (--input-key) ...`.
+    Input images: `condition_image(has_image)` says why a row with (or without) one does not fit the run's family,
+    or None (`miles.models.base.condition_image_mismatch`); and either every row of a file carries one or none
+    does (the trainer batches samples of one conditioning layout). `input_images=False` reads no `image` key (SFT
+    rows, where it is the training target: miles/rollout/sft_data.py checks those).
     """
+    first_image_row: PromptRow | None = None
+    for row, where in _iter_rows(path, input_key, metadata_key, flag, input_images):
+        mismatch = condition_image(row.image is not None) if condition_image is not None else None
+        if mismatch is not None:
+            raise MilesUserError(f"{where}: {mismatch}")
+        if first_image_row is None:
+            first_image_row = row
+        elif (row.image is None) != (first_image_row.image is None):
+            has, lacks = (first_image_row, row) if row.image is None else (row, first_image_row)
+            raise MilesUserError(f"{where}: line {has.line} has an input image (\"image\") and line {lacks.line} has "
+                                 "none; every row of a prompt file carries one, or none does")
+        yield row
+
+
+def _iter_rows(path: str, input_key: str, metadata_key: str, flag: str,
+               input_images: bool) -> Iterator[tuple[PromptRow, str]]:
     if not os.path.isfile(path):
         raise MilesUserError(f"{flag} {path!r}: prompt file does not exist")
     file_format = prompt_file_format(path, input_key, flag)
@@ -124,13 +145,13 @@ def iter_prompt_rows(path: str, input_key: str = "input", metadata_key: str = "m
                       else "GenEval metadata, as the first row has prompt/tag/include")
     for line_number, where, text in _decoded_lines(path, flag):
         if file_format == "txt":
-            yield PromptRow(prompt=text.strip(), metadata={}, line=line_number)
+            yield PromptRow(prompt=text.strip(), metadata={}, line=line_number), where
             continue
         record = _json_object(where, text)
         if file_format == "geneval":
             prompt = _checked_prompt(where, record, "prompt", f"read as {geneval_reason}")
             metadata = {key: value for key, value in record.items() if key != "prompt"}
-            yield PromptRow(prompt=prompt, metadata=metadata, line=line_number)
+            yield PromptRow(prompt=prompt, metadata=metadata, line=line_number), where
             continue
         prompt = _checked_prompt(where, record, input_key, "--input-key")
         metadata = record.get(metadata_key, {})
@@ -140,8 +161,8 @@ def iter_prompt_rows(path: str, input_key: str = "input", metadata_key: str = "m
             raise MilesUserError(
                 f"{where}: {metadata_key!r} (--metadata-key) must be a JSON object, got {type(metadata).__name__}"
             )
-        image = _checked_image(where, record, os.path.dirname(os.path.abspath(path)))
-        yield PromptRow(prompt=prompt, metadata=metadata, line=line_number, image=image)
+        image = _checked_image(where, record, os.path.dirname(os.path.abspath(path))) if input_images else None
+        yield PromptRow(prompt=prompt, metadata=metadata, line=line_number, image=image), where
 
 
 def _checked_image(where: str, record: dict[str, Any], folder: str) -> str | None:
@@ -159,7 +180,7 @@ def _checked_image(where: str, record: dict[str, Any], folder: str) -> str | Non
 
 
 def check_prompt_file(path: str, input_key: str, metadata_key: str, flag: str, max_rows: int,
-                      condition_image: Callable[[bool], str | None] | None = None) -> int:
+                      condition_image: Callable[[bool], str | None] | None = None, input_images: bool = True) -> int:
     """Check the first `max_rows` rows of a prompt file (cheap for any file size); returns how many it read.
 
     The entry point calls it before Ray starts, so an empty file or a wrong --input-key fails in a second. A row's
@@ -169,13 +190,9 @@ def check_prompt_file(path: str, input_key: str, metadata_key: str, flag: str, m
     from miles.rollout.condition_image import check_image_file
 
     count = 0
-    for row in iter_prompt_rows(path, input_key, metadata_key, flag):
-        where = f"{flag} {path}:{row.line}"
-        mismatch = condition_image(row.image is not None) if condition_image is not None else None
-        if mismatch is not None:
-            raise MilesUserError(f"{where}: {mismatch}")
+    for row in iter_prompt_rows(path, input_key, metadata_key, flag, condition_image, input_images):
         if row.image is not None:
-            check_image_file(row.image, where)
+            check_image_file(row.image, f"{flag} {path}:{row.line}")
         count += 1
         if count >= max_rows:
             break

@@ -83,6 +83,7 @@ def sample_reference(
         else:
             latents = ode_step(latents, velocity, sigma, sigma_next)
         trajectory.append(latents)
+    latents = family.final_latents(latents, conditioning)
     images = family.decode(pipe, latents, shape) if decode else None
     return ReferenceOutput(
         images=images,

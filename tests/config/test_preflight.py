@@ -210,6 +210,12 @@ def test_input_images_must_decode_and_fit_the_family(tmp_path):
         f"--prompt-data {edits}:1: input image 'gone.png' does not exist")
 
 
+def test_sft_rows_image_is_a_training_target_not_an_input_image(tmp_path):
+    rows = tmp_path / "sft.jsonl"
+    rows.write_text('{"input": "a fox", "image": "fox.png"}\n{"input": "a clip", "video": "clip"}\n')
+    check(str(rows), tmp_path, "--loss-type", "sft_loss")  # SFT data checks its media itself, when it loads
+
+
 # ---- --custom-config-path -----------------------------------------------------------------------------------
 def test_yaml_typo_of_a_flag_is_an_error_with_a_suggestion(prompts, tmp_path, caplog):
     config = tmp_path / "config.yaml"

@@ -302,9 +302,9 @@ def test_rows_carry_an_input_image_relative_to_the_prompt_file(tmp_path):
     _png(absolute)
     path = tmp_path / "edits.jsonl"
     path.write_text('{"input": "make it red", "image": "images/cat.png"}\n'
-                    f'{{"input": "add a hat", "image": "{absolute}"}}\n{{"input": "no image"}}\n')
+                    f'{{"input": "add a hat", "image": "{absolute}"}}\n')
     rows = load_prompt_data(str(path))
-    assert [row.image for row in rows] == [str(tmp_path / "images" / "cat.png"), str(absolute), None]
+    assert [row.image for row in rows] == [str(tmp_path / "images" / "cat.png"), str(absolute)]
     groups = RolloutDataSourceWithBuffer(_args(str(path), no_rollout_shuffle=True)).get_samples(2)
     assert [sample.input_image for sample in groups[0]] == [rows[0].image] * 2
 
@@ -337,3 +337,14 @@ def test_condition_images_are_read_as_rgb_at_the_output_size(tmp_path):
     (tmp_path / "broken.png").write_bytes(b"\x89PNG not really")
     with pytest.raises(MilesUserError, match="p.jsonl:3: input image .*broken.png' cannot be read as an image"):
         check_image_file(str(tmp_path / "broken.png"), "--prompt-data p.jsonl:3")
+
+
+def test_a_file_mixing_rows_with_and_without_an_input_image_is_refused(tmp_path):
+    _png(tmp_path / "ok.png")
+    path = tmp_path / "mixed.jsonl"
+    path.write_text('{"input": "a"}\n\n{"input": "b", "image": "ok.png"}\n')
+    with pytest.raises(MilesUserError, match="mixed.jsonl:3: line 3 has an input image .* and line 1 has none"):
+        load_prompt_data(str(path))
+    path.write_text('{"input": "b", "image": "ok.png"}\n{"input": "a"}\n')
+    with pytest.raises(MilesUserError, match="mixed.jsonl:2: line 1 has an input image .* and line 2 has none"):
+        load_prompt_data(str(path))
