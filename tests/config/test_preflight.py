@@ -210,6 +210,20 @@ def test_input_images_must_decode_and_fit_the_family(tmp_path):
         f"--prompt-data {edits}:1: input image 'gone.png' does not exist")
 
 
+def test_whether_a_wan_checkpoint_takes_an_image_is_read_from_its_folder(tmp_path, tiny_checkpoint):
+    from PIL import Image
+
+    from miles.testing.tiny import wan2_2 as tiny_wan
+
+    Image.new("RGB", (16, 16)).save(tmp_path / "first_frame.png")
+    rows = tmp_path / "i2v.jsonl"
+    rows.write_text('{"input": "the cat runs", "image": "first_frame.png"}\n')
+    ti2v = tiny_wan.build(str(tmp_path / "tiny-ti2v"), seed=0, variant="ti2v_5b")
+    check(str(rows), tmp_path, "--hf-checkpoint", ti2v)
+    assert error(str(rows), tmp_path, "--hf-checkpoint", tiny_checkpoint("wan2_2")).startswith(
+        f"--prompt-data {rows}:1: family 'wan2_2' takes no input image")
+
+
 def test_sft_rows_image_is_a_training_target_not_an_input_image(tmp_path):
     rows = tmp_path / "sft.jsonl"
     rows.write_text('{"input": "a fox", "image": "fox.png"}\n{"input": "a clip", "video": "clip"}\n')
