@@ -89,8 +89,8 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="output folder (diffusers format)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--variant", default=None,
-                        help="a published layout of the family (flux: flux (default), kontext; wan2_2: a14b (default), ti2v_5b, wan2_1; "
-                             "ltx: ltx-video (default), ltx2)")
+                        help="a published layout of the family (flux: flux (default), kontext; wan2_2: a14b "
+                             "(default), ti2v_5b, wan2_1; ltx: ltx-video (default), ltx2)")
     real = parser.add_argument_group("real size (--real-size only)")
     real.add_argument(
         "--real-size", action="store_true",
