@@ -44,6 +44,7 @@ class Sample:
     index: int = 0  # position in the rollout batch (group-contiguous)
     group_index: int = 0  # monotone prompt-group counter across the run
     metadata: dict[str, Any] = field(default_factory=dict)
+    input_image: str | None = None  # the prompt row's input image (an absolute path), for image-conditioned families
     seed: int = 0
     image: torch.Tensor | None = None  # uint8 [F, H, W, 3]
     sde_step_indices: list[int] = field(default_factory=list)

@@ -5,7 +5,9 @@ would otherwise surface minutes later, after engines loaded their models (or nev
 train from scratch) is one `MilesUserError` naming the flag and the file, printed as one line with exit code 2:
 - prompt files (`--prompt-data`, `--eval-prompt-data`): present, not empty, and their first rows are prompts in
   the file's format (JSONL objects with the prompt under `--input-key` / `--eval-input-key`, text lines, or GenEval
-  metadata rows; `data_source.prompt_file_format`); the first bad line is named as file:line.
+  metadata rows; `data_source.prompt_file_format`); the first bad line is named as file:line. A row's input image
+  (`"image"`) must decode, and rows with or without one must fit the family (`TrainPipelineConfig.condition_image`:
+  a text-to-image family refuses an image, an editing or image-to-video family needs one).
   Only the first `PROMPT_ROWS_CHECKED` rows are read, so a huge file costs nothing; the data source checks the
   rest when it loads the file.
 - `--save` and `--output-dir`: a folder (or creatable under one) in which a probe file can be created and removed.
@@ -48,14 +50,30 @@ def _check_prompt_files(args: argparse.Namespace) -> None:
             if args.loss_type == "sft_loss" and file_format != "jsonl":
                 raise MilesUserError(f"--prompt-data {args.prompt_data!r}: --loss-type sft_loss reads JSONL rows of a "
                                      f"caption and an image or video; this {file_format} file holds prompts only")
-            check_prompt_file(args.prompt_data, input_key, metadata_key, "--prompt-data", PROMPT_ROWS_CHECKED)
+            rl = args.loss_type != "sft_loss"  # SFT rows' "image" is the training target, not an input image
+            check_prompt_file(args.prompt_data, input_key, metadata_key, "--prompt-data", PROMPT_ROWS_CHECKED,
+                              _condition_image_check(args) if rl else None, input_images=rl)
     eval_key = args.eval_input_key or input_key
     for name, path in args.eval_prompt_data_pairs:
         if not os.path.isfile(path):
             raise MilesUserError(f"--eval-prompt-data {name} {path!r}: no such file")
-        check_prompt_file(path, eval_key, metadata_key, f"--eval-prompt-data {name}", PROMPT_ROWS_CHECKED)
+        check_prompt_file(path, eval_key, metadata_key, f"--eval-prompt-data {name}", PROMPT_ROWS_CHECKED,
+                          _condition_image_check(args))
     if args.eval_config and not os.path.isfile(args.eval_config):
         raise MilesUserError(f"--eval-config {args.eval_config!r}: no such file")
+
+
+def _condition_image_check(args: argparse.Namespace):
+    """`has_image -> reason or None` for the run's registered family; None (no check here) for a
+    `--train-pipeline-config-path` family, which the engine checks when a request arrives."""
+    family_name = args.diffusion_model_family_resolved
+    if not family_name:
+        return None
+    from miles.models import get_family_class
+    from miles.models.base import condition_image_mismatch
+
+    policy = get_family_class(family_name).condition_image_policy(args.hf_checkpoint)
+    return lambda has_image: condition_image_mismatch(family_name, policy, has_image)
 
 
 def check_writable_folder(path: str, flag: str) -> None:

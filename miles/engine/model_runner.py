@@ -39,7 +39,7 @@ from miles.engine.sequence_parallel import (
     sequence_parallel_layouts,
 )
 from miles.engine.server_args import ServerArgs
-from miles.models.base import GenerationShape, SequenceParallelLayout, TrainPipelineConfig
+from miles.models.base import GenerationShape, SequenceParallelLayout, TrainPipelineConfig, condition_image_mismatch
 from miles.models.batch_invariant import predict_velocity_in_tiles
 from miles.models.common import build_train_pipeline_config, combine_cfg, generators_from_seeds, parse_dtype
 from miles.utils.compile import compile_blocks
@@ -264,7 +264,12 @@ class ModelRunner:
         negative = request.negative_prompt
         if negative is None and request.guidance.do_cfg:
             negative = DEFAULT_NEGATIVE_PROMPT
+        mismatch = condition_image_mismatch(self.family.family, self.family.condition_image, request.image is not None)
+        if mismatch is not None:
+            raise ProtocolError(mismatch)
         encoded = self.family.encode_prompt(self.pipe, [request.prompt], negative, request.guidance, shape=shape)
+        if request.image is not None:  # once per request: its samples share the encoded image like the prompt
+            encoded.update(self.family.encode_condition_image(self.pipe, request.image.to_tensor(), shape))
         m = request.num_samples
         conditioning = {key: value.expand(m, *value.shape[1:]).contiguous() for key, value in encoded.items()}
         sigmas = self.family.sigmas(self.pipe, request.num_steps, shape, request.flow_shift)
@@ -411,11 +416,13 @@ class ModelRunner:
         """Decode the final latents and pack every sample's result (tensors moved to the host)."""
         request = t.request
         began = time.perf_counter()
+        final_latents = self.family.final_latents(t.latents, t.conditioning)
         images: torch.Tensor | None = None
         if request.return_images:
             chunk = max(1, self.server_args.vae_decode_batch_size)
             images = torch.cat(
-                [self.family.decode(self.pipe, t.latents[lo : lo + chunk], t.shape) for lo in range(0, t.num_samples, chunk)]
+                [self.family.decode(self.pipe, final_latents[lo : lo + chunk], t.shape)
+                 for lo in range(0, t.num_samples, chunk)]
             ).cpu()
         decode_seconds = time.perf_counter() - began
         training = not request.evaluation
@@ -429,7 +436,7 @@ class ModelRunner:
         )
         # One prompt per request: every sample's conditioning is the same row, sent (and kept) once.
         conditioning = {key: value[0].to("cpu", copy=True) for key, value in t.conditioning.items()} if training else {}
-        final = t.latents.cpu()
+        final = final_latents.cpu()
         debug = {k: v.cpu() for k, v in t.debug_velocities.items()} if request.debug else None
         samples = []
         for b in range(t.num_samples):

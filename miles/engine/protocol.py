@@ -26,7 +26,7 @@ import torch
 from miles.utils.defaults import DEFAULT_NOISE_LEVEL
 from miles.types import GuidanceConfig, Sample
 
-PROTOCOL_VERSION = 2  # 2: a request's conditioning travels once per response
+PROTOCOL_VERSION = 3  # 2: a request's conditioning travels once per response; 3: a request may carry an image
 CONTENT_TYPE = "application/x-msgpack"
 _TENSOR_EXT = 42  # msgpack extension code of a tensor
 
@@ -120,6 +120,36 @@ def unpackb(data: bytes) -> Any:
 
 
 @dataclass
+class ConditionImage:
+    """A request's input image (image editing, image-to-video): raw RGB bytes, row-major uint8 [H, W, 3].
+
+    It travels as a msgpack bin with its size beside it, never as an encoded file (the engine runs no image
+    decoder on what a client sends) and never pickled; `height` and `width` are under the engine's
+    `--max-image-size`, so the payload is at most that squared × 3 bytes."""
+
+    height: int
+    width: int
+    pixels: bytes
+
+    def validate(self) -> None:
+        if self.height <= 0 or self.width <= 0:
+            raise ProtocolError(f"bad image size {self.height}x{self.width}")
+        if len(self.pixels) != self.height * self.width * 3:
+            raise ProtocolError(f"image pixels hold {len(self.pixels)} bytes, not {self.height}x{self.width}x3")
+
+    def to_tensor(self) -> torch.Tensor:
+        """uint8 [H, W, 3] (a copy the tensor owns)."""
+        return torch.frombuffer(bytearray(self.pixels), dtype=torch.uint8).reshape(self.height, self.width, 3)
+
+    @classmethod
+    def from_tensor(cls, pixels: torch.Tensor) -> "ConditionImage":
+        if pixels.dtype != torch.uint8 or pixels.ndim != 3 or pixels.shape[-1] != 3:
+            raise ValueError(f"expected uint8 pixels [H, W, 3], got {pixels.dtype} {tuple(pixels.shape)}")
+        height, width = pixels.shape[:2]
+        return cls(height=int(height), width=int(width), pixels=pixels.contiguous().numpy().tobytes())
+
+
+@dataclass
 class GenerateRequest:
     """One microgroup: `num_samples` samples of `prompt`, sample b seeded with `seed + b`.
 
@@ -148,6 +178,7 @@ class GenerateRequest:
     evaluation: bool = False
     return_images: bool = True
     request_id: str = ""
+    image: ConditionImage | None = None  # the prompt row's input image, shared by the request's samples
 
     def validate(self) -> None:
         """Reject requests the denoise loop cannot serve; the message names the field."""
@@ -167,6 +198,8 @@ class GenerateRequest:
                 raise ProtocolError(f"{name} {values} has duplicates")
         if self.height <= 0 or self.width <= 0 or self.num_frames <= 0:
             raise ProtocolError(f"bad output size {self.height}x{self.width}x{self.num_frames}")
+        if self.image is not None:
+            self.image.validate()
 
     def check_limits(self, limits: RequestLimits) -> None:
         """Reject requests larger than this engine serves (each limit is a server flag)."""
@@ -180,6 +213,10 @@ class GenerateRequest:
             if value > limit:
                 raise ProtocolError(f"{name} {value} exceeds this engine's limit {limit} (engine flag --{flag}, "
                                     f"--sglang-{flag} in train_diffusion.py)")
+        if self.image is not None and max(self.image.height, self.image.width) > limits.max_image_size:
+            raise ProtocolError(f"image size {self.image.height}x{self.image.width} exceeds this engine's limit "
+                                f"{limits.max_image_size} (engine flag --max-image-size, --sglang-max-image-size in "
+                                "train_diffusion.py)")
         for name in ("prompt", "negative_prompt", "sde_type", "request_id"):
             text = getattr(self, name)
             if text is not None and len(text) > limits.max_text_chars:
@@ -228,6 +265,7 @@ class GenerateResponse:
 def encode_request(request: GenerateRequest) -> bytes:
     body = asdict(request)
     body["guidance"] = asdict(request.guidance)
+    body["image"] = None if request.image is None else asdict(request.image)
     body["protocol_version"] = PROTOCOL_VERSION
     return packb(body)
 
@@ -280,6 +318,15 @@ def _as_index_list(name: str, value: Any) -> list[int]:
     return [_as_int(f"{name} entry", k) for k in value]
 
 
+def _as_condition_image(name: str, value: Any) -> ConditionImage:
+    if type(value) is not dict or set(value) != {"height", "width", "pixels"}:
+        raise ProtocolError(f"{name} must be a map of height, width and pixels, got {_short(value)}")
+    if type(value["pixels"]) is not bytes:
+        raise ProtocolError(f"{name}.pixels must be binary (msgpack bin), got {type(value['pixels']).__name__}")
+    return ConditionImage(height=_as_int(f"{name}.height", value["height"]),
+                          width=_as_int(f"{name}.width", value["width"]), pixels=value["pixels"])
+
+
 def _optional(convert):
     return lambda name, value: None if value is None else convert(name, value)
 
@@ -305,6 +352,7 @@ _REQUEST_FIELDS = {
     "evaluation": _as_bool,
     "return_images": _as_bool,
     "request_id": _as_str,
+    "image": _optional(_as_condition_image),
 }
 _GUIDANCE_FIELDS = {
     "guidance_scale": _as_float,

@@ -18,6 +18,7 @@ from miles.utils.errors import MilesUserError
 FAMILY_MODULES: dict[str, str] = {
     "sd3": "miles.models.sd3",
     "flux": "miles.models.flux",
+    "flux_kontext": "miles.models.flux_kontext",
     "flux2": "miles.models.flux2",
     "qwen_image": "miles.models.qwen_image",
     "wan2_2": "miles.models.wan2_2",
@@ -32,6 +33,7 @@ FAMILY_MODULES: dict[str, str] = {
 FAMILY_PIPELINE_CLASSES: dict[str, str] = {
     "StableDiffusion3Pipeline": "sd3",
     "FluxPipeline": "flux",
+    "FluxKontextPipeline": "flux_kontext",  # FLUX.1-Kontext image editing: every prompt row carries an image
     "Flux2Pipeline": "flux2",
     "QwenImagePipeline": "qwen_image",
     "WanPipeline": "wan2_2",  # Wan 2.1 T2V and Wan 2.2: one pipeline class, one family
@@ -61,6 +63,7 @@ FAMILY_NAME_HINTS: tuple[tuple[str, str], ...] = (
     ("hunyuanvideo", "hunyuan_video"),  # HunyuanVideo-1.5 (the family refuses other Hunyuan pipelines)
     ("hunyuan_video", "hunyuan_video"),
     ("hunyuan-video", "hunyuan_video"),
+    ("kontext", "flux_kontext"),  # before "flux": FLUX.1-Kontext names contain it
     ("flux.2", "flux2"),  # before "flux": FLUX.2 names contain it
     ("flux2", "flux2"),
     ("flux-2", "flux2"),

@@ -49,6 +49,20 @@ class SequenceParallelLayout:
     self_attention: tuple[nn.Module, ...] = ()
 
 
+CONDITION_IMAGE_NONE, CONDITION_IMAGE_REQUIRED, CONDITION_IMAGE_OPTIONAL = "none", "required", "optional"
+
+
+def condition_image_mismatch(family: str, policy: str, has_image: bool) -> str | None:
+    """Why a prompt row with (or without) an input image does not fit a family's `condition_image` policy, or
+    None when it fits. The preflight, the engine and the data source all ask this one function."""
+    if has_image and policy == CONDITION_IMAGE_NONE:
+        return (f"family {family!r} takes no input image; remove the row's \"image\" or use an image-conditioned "
+                "checkpoint (docs/models.md, Image-conditioned families)")
+    if not has_image and policy == CONDITION_IMAGE_REQUIRED:
+        return f"family {family!r} needs an input image in every prompt row (\"image\": path, docs/data.md)"
+    return None
+
+
 class TrainPipelineConfig(ABC):
     """One model family. Subclasses set the class attributes and implement the methods below."""
 
@@ -63,6 +77,9 @@ class TrainPipelineConfig(ABC):
     attention_uses_mask: ClassVar[bool] = False
     attention_uses_gqa: ClassVar[bool] = False
     num_train_timesteps: ClassVar[int] = 1000
+    # Whether prompt rows carry an input image (`"image"` in the prompt file, docs/data.md): "none" (text only),
+    # "required" (every row: image editing, image-to-video) or "optional" (rows with and without).
+    condition_image: ClassVar[str] = CONDITION_IMAGE_NONE
 
     # ---- loading ------------------------------------------------------------------------------------
     @abstractmethod
@@ -88,6 +105,24 @@ class TrainPipelineConfig(ABC):
 
         `shape` is the output size of the request; most families ignore it (Cosmos 3 writes the resolution
         into its prompt)."""
+
+    def encode_condition_image(self, pipe: Any, pixels: torch.Tensor, shape: GenerationShape) -> dict[str, torch.Tensor]:
+        """Encode a request's input image (uint8 [H, W, 3], on the host) into conditioning tensors with a batch
+        axis of 1, merged with the prompt's conditioning. Called once per request, under no_grad: the trainer
+        receives the tensors in `Sample.conditioning` as data, so no gradient ever reaches the encoder.
+        Families whose `condition_image` is "none" never get here (the engine refuses the request first)."""
+        raise MilesUserError(condition_image_mismatch(self.family or type(self).__name__, CONDITION_IMAGE_NONE, True))
+
+    @classmethod
+    def condition_image_policy(cls, hf_checkpoint: str | None) -> str:
+        """`condition_image` for a checkpoint, read without loading weights (the preflight's question). A family
+        whose layouts differ (Wan: only the TI2V 5B takes an image) reads the checkpoint's model_index.json."""
+        return cls.condition_image
+
+    def final_latents(self, latents: torch.Tensor, conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The clean latents x_n after the last step, as decoded and returned as `clean_latents`: the state itself,
+        except where the family pins part of it to a condition (Wan TI2V image-to-video: the first latent frame)."""
+        return latents
 
     # ---- schedule and latents -----------------------------------------------------------------------
     @abstractmethod

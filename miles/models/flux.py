@@ -149,17 +149,28 @@ class FluxTrainPipelineConfig(Packed2x2TrainPipelineConfig):
         prompt_embeds, pooled = text["prompt_embeds"], text["pooled_prompt_embeds"]
         grid_h, grid_w = (size // 2 for size in self.latent_grid(shape))
         ids_dtype = prompt_embeds.dtype
+        num_tokens = latents.shape[1]
+        hidden_states, img_ids = self.with_condition_tokens(
+            latents.to(dtype), image_position_ids(grid_h, grid_w, device, ids_dtype), conditioning, cfg
+        )
         output = transformer(
-            hidden_states=latents.to(dtype),
+            hidden_states=hidden_states,
             timestep=timesteps,
             guidance=self.distilled_guidance(transformer, latents.shape[0], guidance, device),
             pooled_projections=pooled.to(dtype),
             encoder_hidden_states=prompt_embeds.to(dtype),
             txt_ids=torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=ids_dtype),
-            img_ids=image_position_ids(grid_h, grid_w, device, ids_dtype),
+            img_ids=img_ids,
             return_dict=False,
-        )[0]
+        )[0][:, :num_tokens]  # the generated image's tokens; condition tokens (Kontext) come after them
         return combine_cfg(output, guidance.true_cfg_scale) if cfg else output.float()
+
+    def with_condition_tokens(
+        self, hidden_states: torch.Tensor, img_ids: torch.Tensor, conditioning: Mapping[str, torch.Tensor], cfg: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The DiT's image-stream tokens and their position ids: the generated image's alone for FLUX.1
+        (FLUX.1-Kontext appends its input image's tokens)."""
+        return hidden_states, img_ids
 
     # ---- output -------------------------------------------------------------------------------------
     def decode(self, pipe: Any, latents: torch.Tensor, shape: GenerationShape) -> torch.Tensor:

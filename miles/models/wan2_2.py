@@ -29,13 +29,21 @@ we apply CFG in the low-noise phase, since that is what `--diffusion-guidance-sc
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from miles.models.base import GenerationShape, SequenceParallelLayout, register_family
+from miles.models.base import (
+    CONDITION_IMAGE_NONE,
+    CONDITION_IMAGE_OPTIONAL,
+    GenerationShape,
+    SequenceParallelLayout,
+    condition_image_mismatch,
+    register_family,
+)
 from miles.models.common import (
     DiffusersTrainPipelineConfig,
     cfg_batch_inputs,
@@ -54,6 +62,7 @@ from miles.utils.errors import MilesUserError
 logger = logging.getLogger(__name__)
 
 WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # self- and cross-attention of every block
+IMAGE_LATENTS = "image_latents"  # TI2V 5B image-to-video: the encoded input image, the first latent frame [C, 1, h, w]
 HIGH_NOISE_EXPERT = "transformer"
 LOW_NOISE_EXPERT = "transformer_2"
 
@@ -127,6 +136,8 @@ class Wan22TrainPipelineConfig(DiffusersTrainPipelineConfig):
     required_components: ClassVar[tuple[str, ...]] = ("transformer", "vae", "scheduler", "text_encoder", "tokenizer")
     is_video: ClassVar[bool] = True
     max_sequence_length: ClassVar[int] = 512  # WanPipeline.__call__'s default UMT5 length
+    # Image-to-video: the TI2V 5B only (`configure` narrows it to "none" for the other layouts).
+    condition_image: ClassVar[str] = CONDITION_IMAGE_OPTIONAL
 
     def __init__(self, model_backend: Any = None) -> None:
         super().__init__(model_backend)
@@ -154,6 +165,17 @@ class Wan22TrainPipelineConfig(DiffusersTrainPipelineConfig):
         # with a transformer_2 but no boundary, which the pipeline never switches to).
         dual = self.boundary_ratio is not None
         self.trainable_modules = (HIGH_NOISE_EXPERT, LOW_NOISE_EXPERT) if dual else (HIGH_NOISE_EXPERT,)
+        self.condition_image = CONDITION_IMAGE_OPTIONAL if self.layout == "ti2v_5b" else CONDITION_IMAGE_NONE
+
+    @classmethod
+    def condition_image_policy(cls, hf_checkpoint: str | None) -> str:
+        """A local folder's model_index.json tells the TI2V 5B (`expand_timesteps`, no expert boundary), the one
+        layout that takes an input image; a hub id is left to the engine, which knows the layout once loaded."""
+        index = read_model_index(hf_checkpoint) if hf_checkpoint and os.path.isdir(hf_checkpoint) else None
+        if index is None:
+            return cls.condition_image
+        ti2v = bool(index.get("expand_timesteps")) and index.get("boundary_ratio") is None
+        return CONDITION_IMAGE_OPTIONAL if ti2v else CONDITION_IMAGE_NONE
 
     def check_pipeline_class(self, path: str) -> None:
         """Refuse a Wan folder of another pipeline (image-to-video, VACE, animate) before loading it."""
@@ -214,6 +236,29 @@ class Wan22TrainPipelineConfig(DiffusersTrainPipelineConfig):
             return {"prompt_embeds": prompt_embeds}
 
         return encode_with_negative(encode, prompts, negative_prompt, guidance.do_cfg)
+
+    def encode_condition_image(self, pipe: Any, pixels: torch.Tensor, shape: GenerationShape) -> dict[str, torch.Tensor]:
+        """TI2V 5B image-to-video (`WanImageToVideoPipeline` with `expand_timesteps`): the image resized to the
+        output size (Lanczos, the pipeline's video processor), pixels to [-1, 1], one frame through the VAE
+        (posterior mode), normalised `(z − mean)·(1/std)`: `image_latents` [1, C, 1, h, w], fp32."""
+        from PIL import Image
+
+        if self.condition_image == CONDITION_IMAGE_NONE:
+            raise MilesUserError(condition_image_mismatch(self.family, self.condition_image, True))
+        if tuple(pixels.shape[:2]) != (shape.height, shape.width):
+            resized = Image.fromarray(pixels.numpy()).resize((shape.width, shape.height), resample=Image.LANCZOS)
+            pixels = torch.from_numpy(np.asarray(resized, dtype=np.uint8).copy())
+        image = (pixels.float() / 255.0 * 2.0 - 1.0).permute(2, 0, 1)[None, :, None]  # [1, 3, 1, H, W]
+        vae = pipe.vae
+        with torch.no_grad():
+            latents = vae.encode(image.to(device=vae.device, dtype=vae.dtype)).latent_dist.mode()
+        return {IMAGE_LATENTS: normalize_latent_stats(vae, latents.float())}
+
+    def final_latents(self, latents: torch.Tensor, conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Image-to-video: the first latent frame is the encoded input image (the pipeline's last replacement)."""
+        if IMAGE_LATENTS not in conditioning:
+            return latents
+        return torch.cat([conditioning[IMAGE_LATENTS].to(latents), latents[:, :, 1:]], dim=2)
 
     # ---- schedule and latents -----------------------------------------------------------------------
     @staticmethod
@@ -291,11 +336,19 @@ class Wan22TrainPipelineConfig(DiffusersTrainPipelineConfig):
         transformer = modules[expert]
         scale = self.guidance_scale_for(expert, guidance)
         timesteps = self.timesteps_from_sigmas(sigmas)
+        image_to_video = IMAGE_LATENTS in conditioning
+        if image_to_video and not self.expand_timesteps:
+            raise MilesUserError(condition_image_mismatch(self.family, CONDITION_IMAGE_NONE, True))
         if self.expand_timesteps:
             # TI2V 5B: one timestep per patch token (the pipeline's mask[:, ::2, ::2]·t with an all-ones mask).
             _, _, frames, height, width = latents.shape
-            tokens = frames * ((height + 1) // 2) * ((width + 1) // 2)
-            timesteps = timesteps[:, None].expand(-1, tokens)
+            tokens_per_frame = ((height + 1) // 2) * ((width + 1) // 2)
+            timesteps = timesteps[:, None].expand(-1, frames * tokens_per_frame)
+            if image_to_video:  # the first frame is the clean input image: its tokens at t = 0
+                mask = torch.ones(frames * tokens_per_frame, device=timesteps.device, dtype=timesteps.dtype)
+                mask[:tokens_per_frame] = 0
+                timesteps = timesteps * mask
+                latents = torch.cat([conditioning[IMAGE_LATENTS].to(latents), latents[:, :, 1:]], dim=2)
         cfg = scale > 1.0
         latents, timesteps, text = cfg_batch_inputs(latents, timesteps, conditioning, ("prompt_embeds",), cfg)
         output = transformer(
@@ -304,7 +357,12 @@ class Wan22TrainPipelineConfig(DiffusersTrainPipelineConfig):
             encoder_hidden_states=text["prompt_embeds"].to(dtype),
             return_dict=False,
         )[0]
-        return combine_cfg(output, scale) if cfg else output.float()
+        velocity = combine_cfg(output, scale) if cfg else output.float()
+        if image_to_video:
+            # The first frame is pinned to the input image (`final_latents`): no velocity, so it contributes no
+            # gradient and the same (θ-free) term to the rollout's and the trainer's log-probs.
+            velocity = torch.cat([torch.zeros_like(velocity[:, :, :1]), velocity[:, :, 1:]], dim=2)
+        return velocity
 
     # ---- sequence-parallel engines ------------------------------------------------------------------------
     def sequence_parallel_layout(self, module: nn.Module) -> SequenceParallelLayout | None:

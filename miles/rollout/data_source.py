@@ -2,7 +2,8 @@
 
 Prompt files come in three formats (`prompt_file_format` tells which; docs/data.md):
 - JSONL: one JSON object per line, the prompt under `--input-key` (default "input"), optional metadata (a
-  JSON object) under `--metadata-key` (default "metadata");
+  JSON object) under `--metadata-key` (default "metadata") and an optional input image under `image` (a path,
+  relative to the prompt file's folder, for image-conditioned families: image editing, image-to-video);
 - text (`.txt`): one prompt per line, as flow_grpo's `train.txt` / `test.txt`;
 - GenEval metadata JSONL (`*_metadata.jsonl`, or rows with `prompt`, `tag` and `include` but no
   `--input-key`): the prompt under `prompt`, every other key of the row (`tag`, `include`, `exclude`, ...)
@@ -40,11 +41,13 @@ class PromptRow:
     prompt: str
     metadata: dict[str, Any] = field(default_factory=dict)
     line: int = 0  # 1-based line number in the file
+    image: str | None = None  # the row's input image, an absolute path (JSONL rows only)
 
 
 TEXT_SUFFIX = ".txt"
 GENEVAL_SUFFIX = "_metadata.jsonl"
 GENEVAL_KEYS = ("prompt", "tag", "include")  # what every GenEval metadata row holds
+IMAGE_KEY = "image"  # a JSONL row's input image
 
 
 def _decoded_lines(path: str, flag: str) -> Iterator[tuple[int, str, str]]:
@@ -108,12 +111,33 @@ def prompt_file_format(path: str, input_key: str = "input", flag: str = "--promp
 
 
 def iter_prompt_rows(path: str, input_key: str = "input", metadata_key: str = "metadata",
-                     flag: str = "--prompt-data") -> Iterator[PromptRow]:
+                     flag: str = "--prompt-data", condition_image: Callable[[bool], str | None] | None = None,
+                     input_images: bool = True) -> Iterator[PromptRow]:
     """Read and check a prompt file row by row (lazily: a caller may stop after the first rows), in the
     format `prompt_file_format` detects.
 
     Errors name the flag, the file and the line: `--prompt-data data.jsonl:7: no key 'input' (--input-key) ...`.
+    Input images: `condition_image(has_image)` says why a row with (or without) one does not fit the run's family,
+    or None (`miles.models.base.condition_image_mismatch`); and either every row of a file carries one or none
+    does (the trainer batches samples of one conditioning layout). `input_images=False` reads no `image` key (SFT
+    rows, where it is the training target: miles/rollout/sft_data.py checks those).
     """
+    first_image_row: PromptRow | None = None
+    for row, where in _iter_rows(path, input_key, metadata_key, flag, input_images):
+        mismatch = condition_image(row.image is not None) if condition_image is not None else None
+        if mismatch is not None:
+            raise MilesUserError(f"{where}: {mismatch}")
+        if first_image_row is None:
+            first_image_row = row
+        elif (row.image is None) != (first_image_row.image is None):
+            has, lacks = (first_image_row, row) if row.image is None else (row, first_image_row)
+            raise MilesUserError(f"{where}: line {has.line} has an input image (\"image\") and line {lacks.line} has "
+                                 "none; every row of a prompt file carries one, or none does")
+        yield row
+
+
+def _iter_rows(path: str, input_key: str, metadata_key: str, flag: str,
+               input_images: bool) -> Iterator[tuple[PromptRow, str]]:
     if not os.path.isfile(path):
         raise MilesUserError(f"{flag} {path!r}: prompt file does not exist")
     file_format = prompt_file_format(path, input_key, flag)
@@ -121,13 +145,13 @@ def iter_prompt_rows(path: str, input_key: str = "input", metadata_key: str = "m
                       else "GenEval metadata, as the first row has prompt/tag/include")
     for line_number, where, text in _decoded_lines(path, flag):
         if file_format == "txt":
-            yield PromptRow(prompt=text.strip(), metadata={}, line=line_number)
+            yield PromptRow(prompt=text.strip(), metadata={}, line=line_number), where
             continue
         record = _json_object(where, text)
         if file_format == "geneval":
             prompt = _checked_prompt(where, record, "prompt", f"read as {geneval_reason}")
             metadata = {key: value for key, value in record.items() if key != "prompt"}
-            yield PromptRow(prompt=prompt, metadata=metadata, line=line_number)
+            yield PromptRow(prompt=prompt, metadata=metadata, line=line_number), where
             continue
         prompt = _checked_prompt(where, record, input_key, "--input-key")
         metadata = record.get(metadata_key, {})
@@ -137,16 +161,38 @@ def iter_prompt_rows(path: str, input_key: str = "input", metadata_key: str = "m
             raise MilesUserError(
                 f"{where}: {metadata_key!r} (--metadata-key) must be a JSON object, got {type(metadata).__name__}"
             )
-        yield PromptRow(prompt=prompt, metadata=metadata, line=line_number)
+        image = _checked_image(where, record, os.path.dirname(os.path.abspath(path))) if input_images else None
+        yield PromptRow(prompt=prompt, metadata=metadata, line=line_number, image=image), where
 
 
-def check_prompt_file(path: str, input_key: str, metadata_key: str, flag: str, max_rows: int) -> int:
+def _checked_image(where: str, record: dict[str, Any], folder: str) -> str | None:
+    """The row's input image as an absolute path (relative ones are read from the prompt file's folder)."""
+    image = record.get(IMAGE_KEY)
+    if image is None:
+        return None
+    if not isinstance(image, str) or not image.strip():
+        raise MilesUserError(f"{where}: {IMAGE_KEY!r} must be the path of an image file, got {image!r}")
+    resolved = os.path.join(folder, os.path.expanduser(image))
+    if not os.path.isfile(resolved):
+        raise MilesUserError(f"{where}: input image {image!r} does not exist (looked for {resolved}; relative "
+                             "paths are read from the prompt file's folder)")
+    return resolved
+
+
+def check_prompt_file(path: str, input_key: str, metadata_key: str, flag: str, max_rows: int,
+                      condition_image: Callable[[bool], str | None] | None = None, input_images: bool = True) -> int:
     """Check the first `max_rows` rows of a prompt file (cheap for any file size); returns how many it read.
 
-    The entry point calls it before Ray starts, so an empty file or a wrong --input-key fails in a second.
+    The entry point calls it before Ray starts, so an empty file or a wrong --input-key fails in a second. A row's
+    input image must decode (PIL); `condition_image(has_image)` says why a row with (or without) one does not fit
+    the run's family, or None (`miles.models.base.condition_image_mismatch`).
     """
+    from miles.rollout.condition_image import check_image_file
+
     count = 0
-    for _ in iter_prompt_rows(path, input_key, metadata_key, flag):
+    for row in iter_prompt_rows(path, input_key, metadata_key, flag, condition_image, input_images):
+        if row.image is not None:
+            check_image_file(row.image, f"{flag} {path}:{row.line}")
         count += 1
         if count >= max_rows:
             break
@@ -241,7 +287,8 @@ class RolloutDataSource:
         group_index = self.group_counter
         self.group_counter += 1
         return [
-            Sample(prompt=row.prompt, group_index=group_index, metadata=copy.deepcopy(row.metadata))
+            Sample(prompt=row.prompt, group_index=group_index, metadata=copy.deepcopy(row.metadata),
+                   input_image=row.image)
             for _ in range(self.n_samples_per_prompt)
         ]
 

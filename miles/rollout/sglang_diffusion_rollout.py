@@ -3,7 +3,8 @@
 `generate_rollout(args, rollout_id, data_source, evaluation=False) -> list[list[Sample]]`
 
 Training (`evaluation=False`): `data_source` is a RolloutDataSource (`get_samples(num_groups)`). The rollout
-takes `--rollout-batch-size` groups, splits each group of `--n-samples-per-prompt` samples into microgroups of
+takes `--rollout-batch-size` groups, reads each group's input image once (a row's `"image"`, resized to the output
+size; `condition_image.py`), splits each group of `--n-samples-per-prompt` samples into microgroups of
 `--rollout-microgroup-size` (the last one may be smaller), and sends every microgroup as one request:
 - seed: `request_seed(--rollout-seed, group_index, G, offset)` (docs/algorithms.md §3); sample b of the
   microgroup gets seed + b on the engine;
@@ -47,7 +48,8 @@ import uuid
 from typing import Sequence
 
 from miles.config.sections import RunConfig, run_config_of
-from miles.engine.protocol import GenerateRequest
+from miles.engine.protocol import ConditionImage, GenerateRequest
+from miles.rollout.condition_image import load_condition_image
 from miles.rollout.engine_client import EngineClient, EngineRequestError
 from miles.rollout.hooks import RolloutHooks, apply_dynamic_sampling_filter, load_rollout_hooks
 from miles.rollout.rm_hub import batched_async_rm
@@ -92,8 +94,10 @@ def build_request(
     sde_step_indices: Sequence[int],
     return_latent_indices: Sequence[int],
     evaluation: bool,
+    image: ConditionImage | None = None,
 ) -> GenerateRequest:
-    """A GenerateRequest from the run's `--diffusion-*` flags (its sampling section)."""
+    """A GenerateRequest from the run's `--diffusion-*` flags (its sampling section); `image`: the prompt row's
+    input image, read by `condition_image.load_condition_image`."""
     sampling = config.sampling
     return GenerateRequest(
         prompt=prompt,
@@ -119,6 +123,7 @@ def build_request(
         debug=config.debug.diffusion_debug_mode and not evaluation,
         evaluation=evaluation,
         request_id=uuid.uuid4().hex[:16],
+        image=image,
     )
 
 
@@ -141,12 +146,23 @@ class _Rollout:
     async def generate_group(self, group: list[Sample], group_index: int, group_size: int) -> list[Sample]:
         """Generate and score one prompt group (its microgroups run concurrently)."""
         offsets = range(0, len(group), self.microgroup_size)
-        await asyncio.gather(*(self.generate_microgroup(group, offset, group_index, group_size) for offset in offsets))
+        image = await self.condition_image(group[0])
+        await asyncio.gather(*(self.generate_microgroup(group, offset, group_index, group_size, image)
+                               for offset in offsets))
         if self.group_rm:
             await self.score(group)
         return group
 
-    async def generate_microgroup(self, group: list[Sample], offset: int, group_index: int, group_size: int) -> None:
+    async def condition_image(self, sample: Sample) -> ConditionImage | None:
+        """The group's input image, read once (off the event loop) at the output size; None for a text prompt."""
+        if sample.input_image is None:
+            return None
+        sampling = run_config_of(self.args).sampling
+        return await asyncio.to_thread(load_condition_image, sample.input_image, sampling.diffusion_height,
+                                       sampling.diffusion_width, f"prompt group {sample.group_index}")
+
+    async def generate_microgroup(self, group: list[Sample], offset: int, group_index: int, group_size: int,
+                                  image: ConditionImage | None = None) -> None:
         """Fill `group[offset : offset + microgroup_size]` from one request (or the custom generate hook)."""
         samples = group[offset : offset + self.microgroup_size]
         seed = request_seed(self.args.rollout_seed, group_index, group_size, offset)
@@ -155,7 +171,7 @@ class _Rollout:
         else:
             sde_steps, return_latents = self.strategy(self.args, samples[0], self.num_steps, seed)
         request = build_request(run_config_of(self.args), samples[0].prompt, len(samples), seed, self.num_steps, sde_steps,
-                                return_latents, self.evaluation)
+                                return_latents, self.evaluation, image)
         if self.hooks.custom_generate is not None:
             params = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}
             params["router_url"] = self.client.router_url
@@ -212,7 +228,8 @@ def _eval_groups(args, data_source) -> tuple[list[list[Sample]], int | None]:
             metadata = dict(row.metadata or {})
             if rm_type:
                 metadata.setdefault("rm_type", rm_type)
-            groups.append([Sample(prompt=row.prompt, group_index=group_index, metadata=dict(metadata)) for _ in range(n)])
+            groups.append([Sample(prompt=row.prompt, group_index=group_index, metadata=dict(metadata),
+                                  input_image=row.image) for _ in range(n)])
         return groups, int(getattr(data_source, "num_steps", 0) or 0) or None
     groups = list(data_source)
     if not all(isinstance(g, list) and g and all(isinstance(s, Sample) for s in g) for g in groups):

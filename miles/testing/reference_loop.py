@@ -50,16 +50,21 @@ def sample_reference(
     sde_step_indices: Sequence[int] | None = None,
     decode: bool = True,
     generator_device: str = "cpu",
+    condition_image: torch.Tensor | None = None,
 ) -> ReferenceOutput:
     """Generate one image (or video) per prompt; sample b starts from the noise of `seeds[b]`.
 
     With `sde_backend`, steps in `sde_step_indices` (all steps when None) are stochastic; their noise comes
     from a second per-sample generator stream (the same generators, continued after the initial noise).
+    `condition_image` (uint8 [H, W, 3]): the input image of an image-conditioned family, shared by every prompt.
     """
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
     generators = generators_from_seeds(seeds, device=generator_device)
     conditioning = family.encode_prompt(pipe, list(prompts), negative_prompt, guidance, shape=shape)
+    if condition_image is not None:
+        encoded = family.encode_condition_image(pipe, condition_image, shape)
+        conditioning.update({key: value.expand(len(prompts), *value.shape[1:]) for key, value in encoded.items()})
     sigmas = family.sigmas(pipe, num_steps, shape, flow_shift).to(torch.float32)
     latents = family.prepare_latents(pipe, shape, generators, dtype)
     modules = {name: getattr(pipe, name) for name in family.trainable_modules}
@@ -78,6 +83,7 @@ def sample_reference(
         else:
             latents = ode_step(latents, velocity, sigma, sigma_next)
         trajectory.append(latents)
+    latents = family.final_latents(latents, conditioning)
     images = family.decode(pipe, latents, shape) if decode else None
     return ReferenceOutput(
         images=images,

@@ -186,6 +186,50 @@ def test_sft_refuses_a_prompt_only_file(tmp_path):
                        "or video; this txt file holds prompts only")
 
 
+def test_input_images_must_decode_and_fit_the_family(tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (16, 16), (10, 20, 30)).save(tmp_path / "cat.png")
+    (tmp_path / "broken.png").write_bytes(b"not an image")
+    edits = tmp_path / "edits.jsonl"
+    edits.write_text('{"input": "make it red", "image": "cat.png"}\n')
+    kontext = ("--diffusion-model-family", "flux_kontext")
+    check(str(edits), tmp_path, *kontext)
+    assert error(str(edits), tmp_path) == (  # org/sd3-tiny: a text-to-image family
+        f"--prompt-data {edits}:1: family 'sd3' takes no input image; remove the row's \"image\" or use an "
+        "image-conditioned checkpoint (docs/models.md, Image-conditioned families)")
+    edits.write_text('{"input": "make it red", "image": "cat.png"}\n{"input": "add a hat"}\n')
+    assert error(str(edits), tmp_path, *kontext) == (
+        f"--prompt-data {edits}:2: family 'flux_kontext' needs an input image in every prompt row "
+        "(\"image\": path, docs/data.md)")
+    edits.write_text('{"input": "make it red", "image": "broken.png"}\n')
+    assert error(str(edits), tmp_path, *kontext).startswith(
+        f"--prompt-data {edits}:1: input image {str(tmp_path / 'broken.png')!r} cannot be read as an image")
+    edits.write_text('{"input": "make it red", "image": "gone.png"}\n')
+    assert error(str(edits), tmp_path, *kontext).startswith(
+        f"--prompt-data {edits}:1: input image 'gone.png' does not exist")
+
+
+def test_whether_a_wan_checkpoint_takes_an_image_is_read_from_its_folder(tmp_path, tiny_checkpoint):
+    from PIL import Image
+
+    from miles.testing.tiny import wan2_2 as tiny_wan
+
+    Image.new("RGB", (16, 16)).save(tmp_path / "first_frame.png")
+    rows = tmp_path / "i2v.jsonl"
+    rows.write_text('{"input": "the cat runs", "image": "first_frame.png"}\n')
+    ti2v = tiny_wan.build(str(tmp_path / "tiny-ti2v"), seed=0, variant="ti2v_5b")
+    check(str(rows), tmp_path, "--hf-checkpoint", ti2v)
+    assert error(str(rows), tmp_path, "--hf-checkpoint", tiny_checkpoint("wan2_2")).startswith(
+        f"--prompt-data {rows}:1: family 'wan2_2' takes no input image")
+
+
+def test_sft_rows_image_is_a_training_target_not_an_input_image(tmp_path):
+    rows = tmp_path / "sft.jsonl"
+    rows.write_text('{"input": "a fox", "image": "fox.png"}\n{"input": "a clip", "video": "clip"}\n')
+    check(str(rows), tmp_path, "--loss-type", "sft_loss")  # SFT data checks its media itself, when it loads
+
+
 # ---- --custom-config-path -----------------------------------------------------------------------------------
 def test_yaml_typo_of_a_flag_is_an_error_with_a_suggestion(prompts, tmp_path, caplog):
     config = tmp_path / "config.yaml"

@@ -241,3 +241,43 @@ def test_limits_bound_every_size_and_are_configurable():
 def test_request_bodies_carry_no_msgpack_extensions():
     with pytest.raises(ProtocolError, match="no msgpack extensions"):
         decode_request(_body(prompt=torch.zeros(2)))
+
+
+def _image(height: int = 4, width: int = 6):
+    from miles.engine.protocol import ConditionImage
+
+    return ConditionImage.from_tensor(torch.arange(height * width * 3, dtype=torch.uint8).reshape(height, width, 3))
+
+
+def test_an_input_image_travels_as_raw_bytes_with_its_size():
+    request = _request(image=_image())
+    decoded = decode_request(encode_request(request))
+    assert decoded == request and type(decoded.image.pixels) is bytes
+    assert torch.equal(decoded.image.to_tensor(), request.image.to_tensor())
+    assert msgpack.unpackb(encode_request(request), raw=False)["image"]["height"] == 4  # a plain map, no extension
+
+
+@pytest.mark.parametrize(
+    "image, message",
+    [
+        ({"height": 4, "width": 6, "pixels": b"\0" * 71}, "image pixels hold 71 bytes, not 4x6x3"),
+        ({"height": 4, "width": 6, "pixels": "x" * 72}, "image.pixels must be binary"),
+        ({"height": 4, "width": 6}, "image must be a map of height, width and pixels"),
+        ({"height": 4, "width": 6, "pixels": b"", "format": "png"}, "image must be a map"),
+        ({"height": True, "width": 6, "pixels": b""}, "image.height must be an integer"),
+        ({"height": 0, "width": 6, "pixels": b""}, "bad image size 0x6"),
+        ([4, 6, b"\0" * 72], "image must be a map"),
+    ],
+)
+def test_malformed_input_images_are_rejected_naming_the_field(image, message):
+    body = msgpack.unpackb(encode_request(_request()), raw=False)
+    body["image"] = image
+    with pytest.raises(ProtocolError, match=message):
+        decode_request(msgpack.packb(body, use_bin_type=True))
+
+
+def test_an_input_image_larger_than_the_engine_serves_is_refused():
+    body = encode_request(_request(image=_image(80, 2)))
+    with pytest.raises(ProtocolError, match="image size 80x2 exceeds this engine's limit 64"):
+        decode_request(body, RequestLimits(max_image_size=64))
+    assert decode_request(body, RequestLimits(max_image_size=80)).image.height == 80

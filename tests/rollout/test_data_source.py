@@ -8,6 +8,7 @@ import textwrap
 import uuid
 
 import pytest
+import torch
 
 from miles.config.sections import HookArgs
 from miles.testing.config import hook_args
@@ -286,3 +287,64 @@ def test_geneval_rows_are_recognised_by_content_and_checked_by_line(tmp_path):
     named.write_text("[1, 2]\n")
     with pytest.raises(MilesUserError, match="test_metadata.jsonl:1: expected a JSON object, got list"):
         load_prompt_data(str(named))
+
+
+def _png(path, size=(12, 8)) -> None:
+    from PIL import Image
+
+    Image.new("RGB", size, (200, 30, 40)).save(path)
+
+
+def test_rows_carry_an_input_image_relative_to_the_prompt_file(tmp_path):
+    (tmp_path / "images").mkdir()
+    _png(tmp_path / "images" / "cat.png")
+    absolute = tmp_path / "dog.png"
+    _png(absolute)
+    path = tmp_path / "edits.jsonl"
+    path.write_text('{"input": "make it red", "image": "images/cat.png"}\n'
+                    f'{{"input": "add a hat", "image": "{absolute}"}}\n')
+    rows = load_prompt_data(str(path))
+    assert [row.image for row in rows] == [str(tmp_path / "images" / "cat.png"), str(absolute)]
+    groups = RolloutDataSourceWithBuffer(_args(str(path), no_rollout_shuffle=True)).get_samples(2)
+    assert [sample.input_image for sample in groups[0]] == [rows[0].image] * 2
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ('{"input": "a", "image": "missing.png"}', "edits.jsonl:2: input image 'missing.png' does not exist"),
+        ('{"input": "a", "image": 3}', "edits.jsonl:2: 'image' must be the path of an image file, got 3"),
+        ('{"input": "a", "image": ""}', "edits.jsonl:2: 'image' must be the path"),
+    ],
+)
+def test_a_bad_input_image_names_the_file_and_line(tmp_path, row, message):
+    _png(tmp_path / "ok.png")
+    path = tmp_path / "edits.jsonl"
+    path.write_text('{"input": "a", "image": "ok.png"}\n' + row + "\n")
+    with pytest.raises(MilesUserError, match=message):
+        load_prompt_data(str(path))
+
+
+def test_condition_images_are_read_as_rgb_at_the_output_size(tmp_path):
+    from PIL import Image
+
+    from miles.rollout.condition_image import check_image_file, load_condition_image
+
+    Image.new("L", (12, 8), 77).save(tmp_path / "grey.png")
+    image = load_condition_image(str(tmp_path / "grey.png"), 16, 24)
+    assert (image.height, image.width) == (16, 24) and image.to_tensor().shape == (16, 24, 3)
+    assert torch.all(image.to_tensor() == 77)
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG not really")
+    with pytest.raises(MilesUserError, match="p.jsonl:3: input image .*broken.png' cannot be read as an image"):
+        check_image_file(str(tmp_path / "broken.png"), "--prompt-data p.jsonl:3")
+
+
+def test_a_file_mixing_rows_with_and_without_an_input_image_is_refused(tmp_path):
+    _png(tmp_path / "ok.png")
+    path = tmp_path / "mixed.jsonl"
+    path.write_text('{"input": "a"}\n\n{"input": "b", "image": "ok.png"}\n')
+    with pytest.raises(MilesUserError, match="mixed.jsonl:3: line 3 has an input image .* and line 1 has none"):
+        load_prompt_data(str(path))
+    path.write_text('{"input": "b", "image": "ok.png"}\n{"input": "a"}\n')
+    with pytest.raises(MilesUserError, match="mixed.jsonl:2: line 1 has an input image .* and line 2 has none"):
+        load_prompt_data(str(path))

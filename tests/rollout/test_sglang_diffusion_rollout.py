@@ -204,3 +204,27 @@ def test_over_sampling_starts_the_extra_groups_at_once(stack, prompt_file):
     groups, metrics = run_sync(generate_rollout_async(args, 0, CountingSource(args)))
     assert requested == [4] and len(groups) == 2  # --rollout-batch-size groups are trained, the rest unused
     assert metrics["rollout/num_groups_unused"] == 2 and [s.index for g in groups for s in g] == list(range(8))
+
+
+def test_a_groups_input_image_is_read_once_at_the_output_size_and_sent_with_each_request(stack, tmp_path, monkeypatch):
+    from PIL import Image
+
+    import miles.rollout.sglang_diffusion_rollout as rollout_module
+
+    Image.new("RGB", (20, 10), (250, 0, 0)).save(tmp_path / "red.png")
+    edits = tmp_path / "edits.jsonl"
+    edits.write_text('{"input": "make it blue", "image": "red.png"}\n{"input": "add a hat", "image": "red.png"}\n')
+    reads: list[str] = []
+    real_load = rollout_module.load_condition_image
+    monkeypatch.setattr(rollout_module, "load_condition_image", lambda path, *a: reads.append(path) or real_load(path, *a))
+    CALLS.clear()
+    args = _args(stack, str(edits), custom_generate_function_path="test_sglang_diffusion_rollout.fake_generate")
+    generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    assert len(reads) == 2 and len(CALLS) == 4  # one read per group, shared by its two microgroups
+    images = [call["image"] for call in CALLS]
+    assert all((image.height, image.width) == (32, 32) for image in images)
+    assert torch.all(images[0].to_tensor()[..., 0] >= 240) and torch.all(images[0].to_tensor()[..., 2] <= 10)
+    # the sd3 engine takes no input image: a one-line rejection naming the family
+    args = _args(stack, str(edits))
+    with pytest.raises(MilesUserError, match="engine rejected request .*: family 'sd3' takes no input image"):
+        generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))

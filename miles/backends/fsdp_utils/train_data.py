@@ -333,6 +333,10 @@ def collate(pairs: list[TrainPair], device) -> TrainBatch:
         return torch.tensor(values, dtype=torch.float32, device=device)
 
     keys = list(pairs[0].conditioning)
+    key_sets = sorted({tuple(sorted(p.conditioning)) for p in pairs})
+    if len(key_sets) != 1:
+        raise MilesUserError(f"cannot batch samples whose conditioning holds different tensors {key_sets} in one "
+                             "micro-batch (prompt rows with and without an input image?)")
     conditioning = {key: _stack([p.conditioning[key] for p in pairs], f"conditioning[{key!r}]", device) for key in keys}
     has_next = all(p.next_latents is not None for p in pairs)
     has_debug = all(p.debug_model_output is not None for p in pairs)

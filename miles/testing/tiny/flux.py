@@ -3,6 +3,9 @@
 VAE scale factor 4 with 4 latent channels: a 32×32 image is an 8×8 latent packed into 16 tokens of 16
 features. CLIP (pooled, width 16) and T5 (width 32) are built in memory like the SD3 ones. The scheduler
 uses FLUX.1's dynamic-shift settings.
+
+Variants: `flux` (default, `FluxPipeline`) and `kontext` (the same components saved as a `FluxKontextPipeline`,
+FLUX.1-Kontext's image-editing layout; it resolves to the `flux_kontext` family).
 """
 
 from __future__ import annotations
@@ -13,8 +16,11 @@ from miles.testing.tiny.components import tiny_clip_text_encoder, tiny_t5_encode
 from miles.testing.tiny.tokenizers import build_clip_tokenizer, build_t5_tokenizer
 
 
-def build(out_dir: str, seed: int = 0) -> str:
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+VARIANTS = ("flux", "kontext")
+
+
+def build(out_dir: str, seed: int = 0, variant: str = "flux") -> str:
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
     torch.manual_seed(seed)
@@ -45,7 +51,8 @@ def build(out_dir: str, seed: int = 0) -> str:
         base_image_seq_len=256,
         max_image_seq_len=4096,
     )
-    pipe = FluxPipeline(
+    pipeline_class = FluxKontextPipeline if variant == "kontext" else FluxPipeline
+    pipe = pipeline_class(
         scheduler=scheduler,
         vae=vae,
         text_encoder=text_encoder,
