@@ -40,7 +40,8 @@ from miles.engine.weight_broadcast import (
     decode_receive_request,
     device_identity,
 )
-from miles.engine.weight_sync import BroadcastRef, UpdateMessage, WeightReceiver, decode_update_message, module_checksums
+from miles.engine.weight_sync import WeightReceiver, module_checksums
+from miles.engine.weight_sync_wire import BroadcastRef, UpdateMessage, decode_update_message
 from miles.utils.auth import bearer_auth_middleware, json_errors_middleware, resolve_api_key, warn_if_exposed
 from miles.utils.device_memory import current_device_memory
 from miles.utils.errors import MilesUserError

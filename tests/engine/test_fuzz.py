@@ -16,11 +16,13 @@ from torch import nn
 
 from miles.engine.protocol import GenerateRequest, ProtocolError, RequestLimits, decode_request, encode_request
 from miles.engine.weight_sync import (
-    WEIGHT_SYNC_PROTOCOL_VERSION,
-    CudaIpcRef,
-    UpdateMessage,
     WeightReceiver,
     _BucketBuffer,
+)
+from miles.engine.weight_sync_wire import (
+    CudaIpcRef,
+    UpdateMessage,
+    WEIGHT_SYNC_PROTOCOL_VERSION,
     decode_update_message,
     validate_cuda_ipc_fields,
 )

@@ -34,13 +34,15 @@ from miles.engine.protocol import GenerateRequest, decode_response, encode_reque
 from miles.engine.server import EngineServer
 from miles.engine.server_args import ServerArgs
 from miles.engine.weight_sync import (
+    WeightSyncError,
+    push_weights,
+)
+from miles.engine.weight_sync_wire import (
     SHM_DIR,
     SharedMemoryRef,
     TensorEntry,
     UpdateMessage,
-    WeightSyncError,
     encode_update_message,
-    push_weights,
 )
 from miles.models.sd3 import SD3TrainPipelineConfig
 from miles.router.router import Router, RouterConfig

@@ -21,13 +21,15 @@ from miles.engine.launcher import BackgroundLoop
 from miles.engine.server import EngineServer
 from miles.engine.weight_broadcast import WeightBroadcastGroup, device_identity, split_by_transport
 from miles.engine.weight_sync import (
-    BroadcastRef,
-    UpdateMessage,
     WeightSyncError,
-    encode_update_message,
     merge_lora_weight,
     named_tensor_checksums,
     push_weights,
+)
+from miles.engine.weight_sync_wire import (
+    BroadcastRef,
+    UpdateMessage,
+    encode_update_message,
 )
 from miles.models.sd3 import SD3TrainPipelineConfig
 from miles.utils.auth import auth_headers

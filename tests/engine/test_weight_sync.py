@@ -16,14 +16,16 @@ from miles.engine.model_runner import ModelRunner
 from miles.engine.protocol import GenerateRequest, ProtocolError, decode_response, encode_request
 from miles.engine.weight_sync import (
     _BucketBuffer,
-    SharedMemoryRef,
-    TensorEntry,
-    UpdateMessage,
     WeightReceiver,
     WeightSyncError,
     merge_lora_weight,
     named_tensor_checksums,
     push_weights,
+)
+from miles.engine.weight_sync_wire import (
+    SharedMemoryRef,
+    TensorEntry,
+    UpdateMessage,
 )
 from miles.models.sd3 import SD3TrainPipelineConfig
 from miles.types import GuidanceConfig
