@@ -39,6 +39,7 @@ FAMILY_PIPELINE_CLASSES: dict[str, str] = {
     "WanPipeline": "wan2_2",  # Wan 2.1 T2V and Wan 2.2: one pipeline class, one family
     "LTXPipeline": "ltx",
     "LTX2Pipeline": "ltx",  # LTX-2: the ltx family reads the generation from the same class name
+    "LTX2ImageToVideoPipeline": "ltx",  # LTX-2 saved for image-to-video: the same components
     "Cosmos3OmniPipeline": "cosmos3",
     "HunyuanVideo15Pipeline": "hunyuan_video",
 }
