@@ -147,6 +147,11 @@ def test_the_text_encoder_and_the_dit_both_read_the_image(family, pipe):
 def test_a_row_without_an_image_is_refused(family, pipe):
     with pytest.raises(MilesUserError, match="family 'qwen_image_edit' needs an input image in every prompt row"):
         family.encode_conditioning(pipe, PROMPTS, None, GuidanceConfig(guidance_scale=1.0), shape=SHAPE)
+    short = get_family_class("qwen_image_edit")()
+    short.prompt_pad_length = 2  # room for the image's vision tokens and two more
+    with pytest.raises(MilesUserError, match="qwen_image_edit family is .* tokens with its image and template, more"):
+        short.encode_conditioning(pipe, PROMPTS, None, GuidanceConfig(guidance_scale=1.0), shape=SHAPE,
+                                  image=input_image())
     with pytest.raises(MilesUserError, match="SFT .* is not supported for family 'qwen_image_edit'"):
         family.encode_images(pipe, torch.zeros(1, 1, 32, 32, 3, dtype=torch.uint8), SHAPE)
 
