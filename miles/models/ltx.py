@@ -508,7 +508,8 @@ class LTXTrainPipelineConfig(DiffusersTrainPipelineConfig):
         )
         video_velocity = video_velocity.float()
         if image is not None:  # the pinned frame does not move: no velocity, no gradient, a θ-free log-prob term
-            video_velocity = torch.cat([torch.zeros_like(video_velocity[:, :pinned]), video_velocity[:, pinned:]], dim=1)
+            pinned_velocity = torch.zeros_like(video_velocity[:, :pinned])
+            video_velocity = torch.cat([pinned_velocity, video_velocity[:, pinned:]], dim=1)
         return join_modalities(video_velocity, audio_velocity.float())
 
     # ---- output -------------------------------------------------------------------------------------

@@ -77,7 +77,8 @@ class QwenImageEditTrainPipelineConfig(QwenImageTrainPipelineConfig):
         from diffusers import QwenImageEditPipeline
 
         check_components(path, self.required_components)
-        pipe = QwenImageEditPipeline.from_pretrained(path, dtype=parse_dtype(dtype), processor=image_only_processor(path))
+        processor = image_only_processor(path)
+        pipe = QwenImageEditPipeline.from_pretrained(path, dtype=parse_dtype(dtype), processor=processor)
         pipe.to(device)
         self.configure_pipeline(pipe)
         return pipe

@@ -108,7 +108,9 @@ def build(out_dir: str, seed: int = 0, variant: str = "qwen_image") -> str:
         time_shift_type="exponential",
         use_dynamic_shifting=True,
     )
-    components = dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
+    components = dict(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
+    )
     if variant == "qwen_image":
         QwenImagePipeline(**components).save_pretrained(out_dir)
         return out_dir
