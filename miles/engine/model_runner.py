@@ -267,9 +267,10 @@ class ModelRunner:
         mismatch = condition_image_mismatch(self.family.family, self.family.condition_image, request.image is not None)
         if mismatch is not None:
             raise ProtocolError(mismatch)
-        encoded = self.family.encode_prompt(self.pipe, [request.prompt], negative, request.guidance, shape=shape)
-        if request.image is not None:  # once per request: its samples share the encoded image like the prompt
-            encoded.update(self.family.encode_condition_image(self.pipe, request.image.to_tensor(), shape))
+        # The image (if any) is encoded once per request: its samples share it like the prompt.
+        image = request.image.to_tensor() if request.image is not None else None
+        encoded = self.family.encode_conditioning(self.pipe, [request.prompt], negative, request.guidance, shape=shape,
+                                                  image=image)
         m = request.num_samples
         conditioning = {key: value.expand(m, *value.shape[1:]).contiguous() for key, value in encoded.items()}
         sigmas = self.family.sigmas(self.pipe, request.num_steps, shape, request.flow_shift)

@@ -21,6 +21,7 @@ FAMILY_MODULES: dict[str, str] = {
     "flux_kontext": "miles.models.flux_kontext",
     "flux2": "miles.models.flux2",
     "qwen_image": "miles.models.qwen_image",
+    "qwen_image_edit": "miles.models.qwen_image_edit",
     "wan2_2": "miles.models.wan2_2",
     "ltx": "miles.models.ltx",
     "cosmos3": "miles.models.cosmos3",
@@ -36,15 +37,20 @@ FAMILY_PIPELINE_CLASSES: dict[str, str] = {
     "FluxKontextPipeline": "flux_kontext",  # FLUX.1-Kontext image editing: every prompt row carries an image
     "Flux2Pipeline": "flux2",
     "QwenImagePipeline": "qwen_image",
+    "QwenImageEditPipeline": "qwen_image_edit",  # image editing: every prompt row carries an image
     "WanPipeline": "wan2_2",  # Wan 2.1 T2V and Wan 2.2: one pipeline class, one family
     "LTXPipeline": "ltx",
     "LTX2Pipeline": "ltx",  # LTX-2: the ltx family reads the generation from the same class name
+    "LTX2ImageToVideoPipeline": "ltx",  # LTX-2 saved for image-to-video: the same components
     "Cosmos3OmniPipeline": "cosmos3",
     "HunyuanVideo15Pipeline": "hunyuan_video",
 }
 
 # Lowercased substrings of a checkpoint name, checked in order (more specific first).
 FAMILY_NAME_HINTS: tuple[tuple[str, str], ...] = (
+    ("qwen-image-edit", "qwen_image_edit"),  # before "qwen-image": Qwen-Image-Edit names contain it
+    ("qwen_image_edit", "qwen_image_edit"),
+    ("qwenimageedit", "qwen_image_edit"),
     ("qwen-image", "qwen_image"),
     ("qwen_image", "qwen_image"),
     ("qwenimage", "qwen_image"),

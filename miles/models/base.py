@@ -113,6 +113,25 @@ class TrainPipelineConfig(ABC):
         Families whose `condition_image` is "none" never get here (the engine refuses the request first)."""
         raise MilesUserError(condition_image_mismatch(self.family or type(self).__name__, CONDITION_IMAGE_NONE, True))
 
+    def encode_conditioning(
+        self,
+        pipe: Any,
+        prompts: Sequence[str],
+        negative_prompt: str | None,
+        guidance: GuidanceConfig,
+        *,
+        shape: GenerationShape,
+        image: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The conditioning of a batch of prompts sharing one input image (or none): `encode_prompt`, with the
+        image's `encode_condition_image` tensors repeated to the batch and merged in. A family whose text encoder
+        also reads the image (Qwen-Image-Edit) overrides this."""
+        conditioning = self.encode_prompt(pipe, prompts, negative_prompt, guidance, shape=shape)
+        if image is not None:
+            encoded = self.encode_condition_image(pipe, image, shape)
+            conditioning.update({key: value.expand(len(prompts), *value.shape[1:]) for key, value in encoded.items()})
+        return conditioning
+
     @classmethod
     def condition_image_policy(cls, hf_checkpoint: str | None) -> str:
         """`condition_image` for a checkpoint, read without loading weights (the preflight's question). A family

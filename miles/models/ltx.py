@@ -1,8 +1,10 @@
-"""LTX (text-to-video): LTX-Video 0.9 (`LTXPipeline`) and LTX-2 (`LTX2Pipeline`), one family key `ltx`.
+"""LTX (text-to-video): LTX-Video 0.9 (`LTXPipeline`) and LTX-2 (`LTX2Pipeline`, `LTX2ImageToVideoPipeline`), one
+family key `ltx`.
 
 The generation is read from the checkpoint's model_index.json (`self.generation`: "ltx-video" or "ltx2") when
-the pipeline or the trainer's modules load. Not supported: the image/condition/long-multi-prompt pipelines of
-either generation (they condition on frames, which a text-prompt RL rollout does not provide).
+the pipeline or the trainer's modules load. LTX-2 takes an optional input image per prompt row (image-to-video,
+below), whichever of its two pipeline classes the folder holds; LTX-Video takes none. Not supported: LTX-Video's
+image/condition pipelines and the long/multi-prompt pipelines of either generation.
 
 LTX-Video 0.9 mirrors `LTXPipeline.__call__` (diffusers 0.42):
 - prompts through T5 padded to `max_sequence_length` (128) tokens, the attention mask kept beside the
@@ -38,19 +40,37 @@ LTX-2 mirrors `LTX2Pipeline.__call__` with its guidance off (see below):
 - decode: the video part as LTX-Video (rewards read the sampled frames); the audio is not decoded (no reward
   reads it). `encode_images` (SFT) gives the video part and an all-zero normalised audio part (the audio VAE's
   latent mean: SFT rows carry no sound);
+- image-to-video (a row with `"image"`; `LTX2ImageToVideoPipeline.__call__` with the same guidance off): the image,
+  resized to the output size (bilinear, the pipeline's video processor; the rollout already sent it at that size),
+  pixels to [-1, 1], one frame through the VAE (posterior mode), normalised `(z − mean)/std` (the pipeline's
+  `_normalize_latents` without the scaling factor), packed: `image_latents` [1, H'·W', C], the first latent
+  frame's tokens. Every forward replaces the state's first-frame tokens by them and gives those tokens the video
+  timestep 0 (the pipeline's `t·(1 − conditioning_mask)`; the audio keeps the per-sample t); their velocity is zero,
+  so the step leaves them alone (the pipeline steps frames 1: only), they get no gradient, and `final_latents`
+  writes the image into the final state. One deliberate difference: the pipeline re-encodes the input image as
+  H.264 at its `image_crf` (33 for Gemma 3 checkpoints, through PyAV) before the VAE, imitating compressed
+  training frames; miles encodes the pixels as given (the parity test passes `image_crf=0`);
 - the recommended step kernel is CPS (`--diffusion-sde-type cps`); miles has no per-family flag default, so
   the recipe sets it.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
-from miles.models.base import GenerationShape, register_family
+from miles.models.base import (
+    CONDITION_IMAGE_NONE,
+    CONDITION_IMAGE_OPTIONAL,
+    GenerationShape,
+    condition_image_mismatch,
+    register_family,
+)
 from miles.models.common import (
     DiffusersTrainPipelineConfig,
     cfg_batch_inputs,
@@ -74,7 +94,9 @@ LTX2_LORA_TARGETS = tuple(f"{attn}.{proj}" for attn in ("attn1", "attn2") for pr
 DEFAULT_FRAME_RATE = 25.0  # LTXPipeline.__call__'s frame_rate default
 LTX2_DEFAULT_FRAME_RATE = 24.0  # LTX2Pipeline.__call__'s
 LTX_VIDEO, LTX2 = "ltx-video", "ltx2"
-GENERATIONS = {"LTXPipeline": LTX_VIDEO, "LTX2Pipeline": LTX2}  # supported pipeline class -> generation
+# supported pipeline class -> generation (LTX-2's two classes hold the same components)
+GENERATIONS = {"LTXPipeline": LTX_VIDEO, "LTX2Pipeline": LTX2, "LTX2ImageToVideoPipeline": LTX2}
+IMAGE_LATENTS = "image_latents"  # LTX-2 image-to-video: the input image's packed first-frame tokens [H'·W', C]
 DEFAULT_MAX_SEQUENCE_LENGTH = {LTX_VIDEO: 128, LTX2: 1024}  # the pipelines' defaults (T5 / Gemma tokens)
 REQUIRED_COMPONENTS = {
     LTX_VIDEO: ("transformer", "vae", "scheduler", "text_encoder", "tokenizer"),
@@ -137,10 +159,13 @@ class LTXTrainPipelineConfig(DiffusersTrainPipelineConfig):
     default_lora_target_modules: ClassVar[tuple[str, ...]] = LTX_LORA_TARGETS
     required_components: ClassVar[tuple[str, ...]] = ("transformer", "vae", "scheduler", "text_encoder", "tokenizer")
     is_video: ClassVar[bool] = True
+    # Image-to-video: LTX-2 only (`set_generation` narrows it to "none" for LTX-Video).
+    condition_image: ClassVar[str] = CONDITION_IMAGE_OPTIONAL
 
     def __init__(self, model_backend: Any = None) -> None:
         super().__init__(model_backend)
         self.generation: str | None = None  # LTX_VIDEO or LTX2, from the checkpoint
+        self.checkpoint_class: str | None = None  # the GENERATIONS key the checkpoint declares
         # Text tokens; None = the pipeline's default for the generation (DEFAULT_MAX_SEQUENCE_LENGTH).
         self.max_sequence_length: int | None = None
         self.audio: AudioLayout | None = None  # LTX-2 only
@@ -163,14 +188,25 @@ class LTXTrainPipelineConfig(DiffusersTrainPipelineConfig):
             index = DiffusionPipeline.load_config(path)
         self.set_generation(index.get("_class_name"), path)
 
+    @classmethod
+    def condition_image_policy(cls, hf_checkpoint: str | None) -> str:
+        """A local folder's model_index.json tells LTX-2 (optional input image) from LTX-Video (none); a hub id is
+        left to the engine, which knows the generation once loaded."""
+        index = read_model_index(hf_checkpoint) if hf_checkpoint and os.path.isdir(hf_checkpoint) else None
+        if index is None or index.get("_class_name") not in GENERATIONS:
+            return cls.condition_image
+        return CONDITION_IMAGE_OPTIONAL if GENERATIONS[index["_class_name"]] == LTX2 else CONDITION_IMAGE_NONE
+
     def set_generation(self, class_name: str | None, path: str) -> None:
         if class_name not in GENERATIONS:
             raise MilesUserError(
                 f"--hf-checkpoint {path!r} holds a {class_name}; the ltx family supports LTXPipeline (LTX-Video "
-                "text-to-video) and LTX2Pipeline (LTX-2 text-to-video+audio) only, not the image-to-video or "
-                "condition pipelines"
+                "text-to-video), LTX2Pipeline and LTX2ImageToVideoPipeline (LTX-2 text/image-to-video+audio) only, "
+                "not LTX-Video's image-to-video or condition pipelines"
             )
+        self.checkpoint_class = class_name
         self.generation = GENERATIONS[class_name]
+        self.condition_image = CONDITION_IMAGE_OPTIONAL if self.generation == LTX2 else CONDITION_IMAGE_NONE
         self.required_components = REQUIRED_COMPONENTS[self.generation]
         self.default_lora_target_modules = LTX2_LORA_TARGETS if self.generation == LTX2 else LTX_LORA_TARGETS
 
@@ -181,6 +217,8 @@ class LTXTrainPipelineConfig(DiffusersTrainPipelineConfig):
     def pipeline_class(self) -> type:
         import diffusers
 
+        if self.checkpoint_class is not None:  # the class the checkpoint declares
+            return getattr(diffusers, self.checkpoint_class)
         return diffusers.LTX2Pipeline if self.is_ltx2 else diffusers.LTXPipeline
 
     def load_pipeline(self, path: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> Any:
@@ -276,6 +314,39 @@ class LTXTrainPipelineConfig(DiffusersTrainPipelineConfig):
             return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
 
         return encode_with_negative(encode, prompts, negative_prompt, guidance.scale > 1.0)
+
+    def encode_condition_image(self, pipe: Any, pixels: torch.Tensor, shape: GenerationShape) -> dict[str, torch.Tensor]:
+        """LTX-2 image-to-video (`LTX2ImageToVideoPipeline.prepare_latents`, `image_crf=0`): `image_latents`
+        [1, H'·W', C], the packed first latent frame of the normalised posterior mode (fp32)."""
+        from PIL import Image
+
+        if not self.is_ltx2:
+            raise MilesUserError(condition_image_mismatch(self.family, CONDITION_IMAGE_NONE, True))
+        self.first_frame_tokens(shape)  # refuses sizes the VAE cannot round-trip, and temporal patches
+        if tuple(pixels.shape[:2]) != (shape.height, shape.width):  # the pipeline's video processor: bilinear
+            resized = Image.fromarray(pixels.numpy()).resize((shape.width, shape.height), resample=Image.BILINEAR)
+            pixels = torch.from_numpy(np.asarray(resized, dtype=np.uint8).copy())
+        image = (pixels.float() / 255.0 * 2.0 - 1.0).permute(2, 0, 1)[None, :, None]  # [1, 3, 1, H, W]
+        vae = pipe.vae
+        with torch.no_grad():
+            latents = vae.encode(image.to(device=vae.device, dtype=vae.dtype)).latent_dist.mode().float()
+        mean = vae.latents_mean.view(1, -1, 1, 1, 1).to(latents)
+        std = vae.latents_std.view(1, -1, 1, 1, 1).to(latents)
+        return {IMAGE_LATENTS: pack_latents((latents - mean) / std, self.patch, self.patch_t)}
+
+    def first_frame_tokens(self, shape: GenerationShape) -> int:
+        """How many packed video tokens the first latent frame holds (they lead the video part of the state)."""
+        if self.patch_t != 1:  # the pipeline's conditioning mask is per token only for a temporal patch of 1
+            raise ValueError(f"LTX-2 image-to-video needs a temporal patch size of 1, not {self.patch_t}")
+        _, height, width = self.latent_grid(shape)
+        return height * width // (self.patch * self.patch)
+
+    def final_latents(self, latents: torch.Tensor, conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """LTX-2 image-to-video: the state's first-frame tokens (the first values of its video part) are the image."""
+        if IMAGE_LATENTS not in conditioning:
+            return latents
+        image = conditioning[IMAGE_LATENTS].to(latents).flatten(1)
+        return torch.cat([image, latents[:, image.shape[1]:]], dim=1)
 
     def text_length(self) -> int:
         return self.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH[self.generation or LTX_VIDEO]
@@ -404,17 +475,26 @@ class LTXTrainPipelineConfig(DiffusersTrainPipelineConfig):
         shape: GenerationShape,
         dtype: torch.dtype,
     ) -> torch.Tensor:
-        """One joint forward: the video and audio velocities, joined like the state (fp32)."""
+        """One joint forward: the video and audio velocities, joined like the state (fp32). Image-to-video: the
+        first frame's tokens are the input image at video timestep 0, and get zero velocity."""
         self.check_no_cfg(guidance)
         frames, height, width = self.latent_grid(shape)
         video, audio = self.split_modalities(state, shape)
         mask = conditioning["prompt_attention_mask"]
+        video_timesteps = timesteps
+        image = conditioning.get(IMAGE_LATENTS)
+        if image is not None:
+            pinned = self.first_frame_tokens(shape)
+            video = torch.cat([image.to(video), video[:, pinned:]], dim=1)
+            video_timesteps = timesteps[:, None].expand(-1, video.shape[1]).clone()
+            video_timesteps[:, :pinned] = 0  # t·(1 − conditioning_mask)
         video_velocity, audio_velocity = transformer(
             hidden_states=video.to(dtype),
             audio_hidden_states=audio.to(dtype),
             encoder_hidden_states=conditioning["prompt_embeds"].to(dtype),
             audio_encoder_hidden_states=conditioning["audio_prompt_embeds"].to(dtype),
-            timestep=timesteps,  # fp32 t = 1000·σ, both streams
+            timestep=video_timesteps,  # fp32 t = 1000·σ (per token with an input image)
+            audio_timestep=timesteps,  # per sample
             sigma=timesteps,  # the pipeline passes t here too (LTX-2.3's prompt modulation)
             encoder_attention_mask=mask,
             audio_encoder_attention_mask=mask,
@@ -426,7 +506,11 @@ class LTXTrainPipelineConfig(DiffusersTrainPipelineConfig):
             use_cross_timestep=True,  # LTX2Pipeline.__call__'s default
             return_dict=False,
         )
-        return join_modalities(video_velocity.float(), audio_velocity.float())
+        video_velocity = video_velocity.float()
+        if image is not None:  # the pinned frame does not move: no velocity, no gradient, a θ-free log-prob term
+            pinned_velocity = torch.zeros_like(video_velocity[:, :pinned])
+            video_velocity = torch.cat([pinned_velocity, video_velocity[:, pinned:]], dim=1)
+        return join_modalities(video_velocity, audio_velocity.float())
 
     # ---- output -------------------------------------------------------------------------------------
     def decode(self, pipe: Any, latents: torch.Tensor, shape: GenerationShape) -> torch.Tensor:

@@ -55,9 +55,10 @@ QWEN_IMAGE_LORA_TARGETS = (
 )
 
 
-def template_prefix_length(pipe: Any) -> int:
-    """Tokens of the chat template before the user prompt: what the pipeline drops from the encoder output."""
-    prefix = pipe.prompt_template_encode.split("{}")[0]
+def template_prefix_length(pipe: Any, marker: str = "{}") -> int:
+    """Tokens of the chat template before `marker` (the user prompt; Qwen-Image-Edit: its image): what the
+    pipeline drops from the encoder output."""
+    prefix = pipe.prompt_template_encode.split(marker)[0]
     return len(pipe.tokenizer(prefix).input_ids)
 
 
@@ -72,10 +73,11 @@ class QwenImageTrainPipelineConfig(Packed2x2TrainPipelineConfig):
     required_components: ClassVar[tuple[str, ...]] = ("transformer", "vae", "scheduler", "text_encoder", "tokenizer")
     prompt_pad_length: ClassVar[int] = 512  # = the pipeline's default max_sequence_length (its truncation)
     latent_patch: ClassVar[int] = 2
+    template_user_marker: ClassVar[str] = "{}"  # where the user turn's content starts in the pipeline's template
 
     def configure_pipeline(self, pipe: Any) -> None:
         super().configure_pipeline(pipe)
-        start_idx = template_prefix_length(pipe)
+        start_idx = template_prefix_length(pipe, self.template_user_marker)
         if start_idx != pipe.prompt_template_encode_start_idx:
             logger.info(
                 "tokenizer splits the prompt template's prefix into %d tokens (pipeline default %d); using %d",
@@ -161,17 +163,25 @@ class QwenImageTrainPipelineConfig(Packed2x2TrainPipelineConfig):
         cfg = self.uses_cfg(guidance)
         latents, timesteps, text = cfg_batch_inputs(latents, timesteps, conditioning, keys, cfg, "true CFG")
         latent_h, latent_w = self.latent_grid(shape)
-        img_shapes = [[(1, latent_h // 2, latent_w // 2)]] * latents.shape[0]
+        hidden_states, condition_shapes = self.with_condition_tokens(latents.to(dtype), conditioning, cfg, shape)
+        img_shapes = [[(1, latent_h // 2, latent_w // 2), *condition_shapes]] * latents.shape[0]
         output = transformer(
-            hidden_states=latents.to(dtype),
+            hidden_states=hidden_states,
             timestep=timesteps,
             guidance=self.distilled_guidance(transformer, latents.shape[0], guidance, device),  # distilled variants
             encoder_hidden_states_mask=text["prompt_embeds_mask"],
             encoder_hidden_states=text["prompt_embeds"].to(dtype),
             img_shapes=img_shapes,
             return_dict=False,
-        )[0]
+        )[0][:, : latents.shape[1]]  # the generated image's tokens (an edit's input-image tokens follow them)
         return combine_cfg(output, self.cfg_scale(guidance), renormalize=True) if cfg else output.float()
+
+    def with_condition_tokens(
+        self, hidden_states: torch.Tensor, conditioning: Mapping[str, torch.Tensor], cfg: bool, shape: GenerationShape
+    ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """The DiT's image tokens and the (frames, rows, columns) grids after the generated image's: none here;
+        Qwen-Image-Edit appends its input image's tokens."""
+        return hidden_states, []
 
     # ---- output -------------------------------------------------------------------------------------
     def decode(self, pipe: Any, latents: torch.Tensor, shape: GenerationShape) -> torch.Tensor:

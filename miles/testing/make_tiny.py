@@ -8,7 +8,9 @@
 
 Each family's builder lives in `miles/testing/tiny/<family>.py` and exposes `build(out_dir, seed)`; a family
 with several published layouts lists them in `VARIANTS` and takes `build(out_dir, seed, variant=...)`
-(`--variant`; flux: flux (default), kontext; wan2_2: a14b (default), ti2v_5b, wan2_1; ltx: ltx-video (default), ltx2). It creates locally built tokenizers (no hub), random weights from a fixed seed, and saves with
+(`--variant`; flux: flux (default), kontext; wan2_2: a14b (default), ti2v_5b, wan2_1; ltx: ltx-video (default),
+ltx2, ltx2_i2v; qwen_image: qwen_image (default), edit). It creates locally built tokenizers (no hub), random
+weights from a fixed seed, and saves with
 `save_pretrained`, so the result loads through the same `from_pretrained` path as a real checkpoint.
 
 `--real-size` (sd3: SD3.5-Medium; wan2_2: Wan2.2-TI2V-5B) calls the family's `build_real_size` instead: the
@@ -90,7 +92,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--variant", default=None,
                         help="a published layout of the family (flux: flux (default), kontext; wan2_2: a14b "
-                             "(default), ti2v_5b, wan2_1; ltx: ltx-video (default), ltx2)")
+                             "(default), ti2v_5b, wan2_1; ltx: ltx-video (default), ltx2, ltx2_i2v; qwen_image: "
+                             "qwen_image (default), edit)")
     real = parser.add_argument_group("real size (--real-size only)")
     real.add_argument(
         "--real-size", action="store_true",

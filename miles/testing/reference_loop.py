@@ -61,10 +61,8 @@ def sample_reference(
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
     generators = generators_from_seeds(seeds, device=generator_device)
-    conditioning = family.encode_prompt(pipe, list(prompts), negative_prompt, guidance, shape=shape)
-    if condition_image is not None:
-        encoded = family.encode_condition_image(pipe, condition_image, shape)
-        conditioning.update({key: value.expand(len(prompts), *value.shape[1:]) for key, value in encoded.items()})
+    conditioning = family.encode_conditioning(pipe, list(prompts), negative_prompt, guidance, shape=shape,
+                                              image=condition_image)
     sigmas = family.sigmas(pipe, num_steps, shape, flow_shift).to(torch.float32)
     latents = family.prepare_latents(pipe, shape, generators, dtype)
     modules = {name: getattr(pipe, name) for name in family.trainable_modules}

@@ -168,7 +168,7 @@ def test_lora_targets_cp_plan_and_load_modules(family, pipe, path):
         assert torch.equal(loaded[name], param), name
 
 
-@pytest.mark.parametrize("class_name", ["LTXImageToVideoPipeline", "LTX2ImageToVideoPipeline", "LTX2ConditionPipeline"])
+@pytest.mark.parametrize("class_name", ["LTXImageToVideoPipeline", "LTX2ConditionPipeline"])
 def test_other_ltx_pipelines_are_refused_before_loading(path, tmp_path, class_name):
     import json
     import shutil
@@ -178,7 +178,8 @@ def test_other_ltx_pipelines_are_refused_before_loading(path, tmp_path, class_na
     index = json.loads((folder / "model_index.json").read_text())
     index["_class_name"] = class_name
     (folder / "model_index.json").write_text(json.dumps(index))
-    message = f"holds a {class_name}; the ltx family supports LTXPipeline .* and LTX2Pipeline .* only"
+    message = (f"holds a {class_name}; the ltx family supports LTXPipeline .*, LTX2Pipeline and "
+               "LTX2ImageToVideoPipeline .* only")
     with pytest.raises(MilesUserError, match=message):
         get_family_class("ltx")().load_pipeline(str(folder), torch.float32)
     with pytest.raises(MilesUserError, match=message):

@@ -25,7 +25,7 @@ def load(path: Path):
 def test_there_is_a_recipe_per_family_and_task():
     names = {path.stem for path in RECIPES}
     assert {"sd35m_pickscore", "sd35m_ocr", "sd35m_nft", "flux_pickscore", "qwen_image_ocr", "wan2_2_ti2v5b",
-            "ltx_video", "cosmos3_image", "flux_kontext_edit"} <= names
+            "ltx_video", "cosmos3_image", "flux_kontext_edit", "qwen_image_edit"} <= names
 
 
 def test_fields_come_from_the_environment_and_blocks_join_in_order():

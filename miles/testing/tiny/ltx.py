@@ -1,5 +1,6 @@
 """Tiny random-weight LTX pipelines, built offline: LTX-Video 0.9 (`LTXPipeline`, variant `ltx-video`, the
-default) and LTX-2 (`LTX2Pipeline`, variant `ltx2`).
+default), LTX-2 (`LTX2Pipeline`, variant `ltx2`) and the same LTX-2 components saved as an
+`LTX2ImageToVideoPipeline` (variant `ltx2_i2v`).
 
 ltx-video: a 1-layer `LTXVideoTransformer3DModel` on 8 latent channels, a small `AutoencoderKLLTXVideo` (4x spatial and
 4x temporal compression, timestep-conditioned decoder like LTX-Video 0.9.1+, framewise encode/decode off), a
@@ -22,15 +23,15 @@ from miles.testing.tiny.tokenizers import build_gemma_tokenizer, build_t5_tokeni
 
 TEXT_DIM = 32
 MAX_SEQUENCE_LENGTH = 128
-VARIANTS = ("ltx-video", "ltx2")
+VARIANTS = ("ltx-video", "ltx2", "ltx2_i2v")
 LTX2_TEXT_DIM = 16  # Gemma hidden size
 LTX2_TEXT_LAYERS = 1  # the connectors read every hidden state: layers + 1 of them
 
 
 def build(out_dir: str, seed: int = 0, variant: str = "ltx-video") -> str:
     """Build and `save_pretrained` a tiny LTX pipeline of `variant` (see VARIANTS) into `out_dir`."""
-    if variant == "ltx2":
-        return build_ltx2(out_dir, seed)
+    if variant in ("ltx2", "ltx2_i2v"):
+        return build_ltx2(out_dir, seed, image_to_video=variant == "ltx2_i2v")
     if variant != "ltx-video":
         raise ValueError(f"no tiny ltx variant {variant!r}; one of {', '.join(VARIANTS)}")
     return build_ltx_video(out_dir, seed)
@@ -123,12 +124,14 @@ def tiny_gemma3_encoder(vocab_size: int, pad_token_id: int):
     return Gemma3ForConditionalGeneration(config)
 
 
-def build_ltx2(out_dir: str, seed: int = 0) -> str:
-    """Build and `save_pretrained` a tiny LTX-2 pipeline (video + audio) into `out_dir`."""
+def build_ltx2(out_dir: str, seed: int = 0, image_to_video: bool = False) -> str:
+    """Build and `save_pretrained` a tiny LTX-2 pipeline (video + audio) into `out_dir`; `image_to_video`: as an
+    `LTX2ImageToVideoPipeline` (the same components and weights)."""
     from diffusers import (
         AutoencoderKLLTX2Audio,
         AutoencoderKLLTX2Video,
         FlowMatchEulerDiscreteScheduler,
+        LTX2ImageToVideoPipeline,
         LTX2Pipeline,
         LTX2VideoTransformer3DModel,
     )
@@ -222,7 +225,8 @@ def build_ltx2(out_dir: str, seed: int = 0) -> str:
         max_shift=2.05,
         shift_terminal=0.1,
     )
-    pipe = LTX2Pipeline(
+    pipeline_class = LTX2ImageToVideoPipeline if image_to_video else LTX2Pipeline
+    pipe = pipeline_class(
         scheduler=scheduler,
         vae=vae,
         audio_vae=audio_vae,

@@ -1,13 +1,23 @@
-"""Tiny random-weight `QwenImagePipeline` (2-block MMDiT, tiny Qwen2.5-VL text encoder, tiny Qwen-Image VAE).
+"""Tiny random-weight `QwenImagePipeline` (2-block MMDiT, tiny Qwen2.5-VL text encoder, tiny Qwen-Image VAE);
+variant `edit`: the same components as a `QwenImageEditPipeline` with its Qwen2-VL processor.
 
 VAE scale factor 4 with 4 latent channels (non-trivial latents_mean/std, so the decode normalisation is
 exercised): a 32×32 image is an 8×8 latent packed into 16 tokens of 16 features. The tokenizer is a byte-level
 Qwen2 BPE without merges, so the pipeline's fixed chat template is longer in tokens than with the real
 tokenizer; the family computes `prompt_template_encode_start_idx` from the loaded tokenizer (34 for the real
 one). The scheduler copies Qwen-Image's settings (dynamic exponential shift, `shift_terminal` 0.02).
+
+The edit variant's `processor/` folder holds what a published one does for images: the tokenizer and a Qwen2-VL
+image processor config (patch 14, merge 2, the text encoder's tiny vision tower reads its patches), and
+model_index.json names a `Qwen2VLProcessor`. transformers builds that class only with torchvision (its video
+processor), so the builder writes the folder itself and the `qwen_image_edit` family assembles the processor from
+it without the video part (`miles/models/qwen_image_edit.py`).
 """
 
 from __future__ import annotations
+
+import json
+import os
 
 import torch
 
@@ -50,10 +60,17 @@ def tiny_qwen2_5_vl_text_encoder(tokenizer, hidden_size: int = 32):
     return Qwen2_5_VLForConditionalGeneration(config)
 
 
-def build(out_dir: str, seed: int = 0) -> str:
+VARIANTS = ("qwen_image", "edit")
+
+
+def build(out_dir: str, seed: int = 0, variant: str = "qwen_image") -> str:
+    """Build and `save_pretrained` a tiny Qwen-Image pipeline of `variant` (see VARIANTS) into `out_dir`."""
+    if variant not in VARIANTS:
+        raise ValueError(f"no tiny qwen_image variant {variant!r}; one of {', '.join(VARIANTS)}")
     from diffusers import (
         AutoencoderKLQwenImage,
         FlowMatchEulerDiscreteScheduler,
+        QwenImageEditPipeline,
         QwenImagePipeline,
         QwenImageTransformer2DModel,
     )
@@ -91,8 +108,33 @@ def build(out_dir: str, seed: int = 0) -> str:
         time_shift_type="exponential",
         use_dynamic_shifting=True,
     )
-    pipe = QwenImagePipeline(
+    components = dict(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
     )
-    pipe.save_pretrained(out_dir)
+    if variant == "qwen_image":
+        QwenImagePipeline(**components).save_pretrained(out_dir)
+        return out_dir
+    QwenImageEditPipeline(**components, processor=None).save_pretrained(out_dir)
+    save_image_processor_folder(os.path.join(out_dir, "processor"), tokenizer)
+    index_path = os.path.join(out_dir, "model_index.json")
+    with open(index_path) as f:
+        index = json.load(f)
+    index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    with open(index_path, "w") as f:
+        json.dump(index, f, indent=2, sort_keys=True)
     return out_dir
+
+
+def save_image_processor_folder(folder: str, tokenizer) -> None:
+    """The tokenizer and the Qwen2-VL image processor's config, as a published `processor/` folder holds them."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer.save_pretrained(folder)
+    Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2).save_pretrained(folder)
+    config_path = os.path.join(folder, "preprocessor_config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["image_processor_type"] = "Qwen2VLImageProcessor"  # the published name (its torchvision backend)
+    config["processor_class"] = "Qwen2VLProcessor"
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
