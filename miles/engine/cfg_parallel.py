@@ -72,8 +72,9 @@ def check_cfg_parallel_family(family: Family) -> tuple[str, ...]:
     """The conditioning keys of the family's positive CFG branch; a family that declares none is refused."""
     if not family.cfg_branch_keys:
         raise MilesUserError(f"--rollout-num-gpus-per-engine 2 (CFG-parallel engine): family {family.family!r} has no "
-                             "CFG of two forwards to split (TrainPipelineConfig.cfg_branch_keys); "
-                             "--sglang-ulysses-degree 2 makes it a sequence-parallel engine instead")
+                             "CFG of two forwards to split (TrainPipelineConfig.cfg_branch_keys); use "
+                             "--sglang-ulysses-degree 2 (sequence parallel, where the family has a layout) or 1 GPU "
+                             "per engine")
     return family.cfg_branch_keys
 
 
