@@ -40,8 +40,8 @@ CASES = {
     "sd3": Case("sd3"),
     # FLUX.1's CFG is true CFG; the distilled guidance embedding (3.5) must reach both branches unchanged
     "flux": Case("flux", guidance=GuidanceConfig(guidance_scale=3.5, true_cfg_scale=GUIDANCE)),
-    "flux_kontext": Case("flux_kontext", "kontext", "flux", guidance=GuidanceConfig(guidance_scale=3.5, true_cfg_scale=GUIDANCE),
-                         image=True),
+    "flux_kontext": Case("flux_kontext", "kontext", "flux", image=True,
+                         guidance=GuidanceConfig(guidance_scale=3.5, true_cfg_scale=GUIDANCE)),
     # true CFG with per-token renormalisation
     "qwen_image": Case("qwen_image", guidance=GuidanceConfig(guidance_scale=1.0, true_cfg_scale=GUIDANCE)),
     # A14B: both experts run (4 steps), the low-noise one with its own scale
