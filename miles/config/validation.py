@@ -118,9 +118,11 @@ def _rule_placement(args: argparse.Namespace) -> None:
               f"{args.num_gpus_per_node}")
     # how a multi-GPU engine splits its forwards (CFG- or sequence-parallel); the model's heads are checked at load
     from miles.engine.cfg_parallel import engine_parallel_mode
+    from miles.models import get_family_class
 
+    family = args.diffusion_model_family_resolved
     engine_parallel_mode(args.rollout_num_gpus_per_engine, args.sglang_ulysses_degree or 0,
-                         args.diffusion_model_family_resolved)
+                         get_family_class(family) if family else None)
     if args.actor_num_gpus_per_node > args.num_gpus_per_node:
         _fail(f"--actor-num-gpus-per-node {args.actor_num_gpus_per_node} exceeds --num-gpus-per-node "
               f"{args.num_gpus_per_node} (the GPUs the job may use per node)")

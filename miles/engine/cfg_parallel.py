@@ -7,12 +7,12 @@ Rank 0 drives them with a fixed-field int64 header broadcast, then the tensors (
 `engine_parallel_mode` (ServerArgs.ulysses_degree) picks how they split a forward:
 
 - CFG-parallel (`MODE_CFG_PARALLEL`, N = 2): for every CFG forward rank 0 broadcasts the step's
-  unconditional inputs (latents, sigmas, negative conditioning), computes the conditional branch itself while
-  rank 1 computes the unconditional one, receives rank 1's velocity by a broadcast rooted at rank 1, and
-  combines them with `combine_cfg` exactly as the family's doubled batch would. Each branch is the family's
-  own `predict_velocity` with guidance off, so no family code changes; only families whose CFG is the plain
-  `combine_cfg` of two forwards with the conditioning split by its `negative_` prefix qualify (sd3 today,
-  `CFG_PARALLEL_KEYS`).
+  unconditional inputs (the branch guidance, conditioning key names, latents, sigmas, negative conditioning),
+  computes the conditional branch itself while rank 1 computes the unconditional one, receives rank 1's velocity
+  by a broadcast rooted at rank 1, and combines them with `combine_cfg` exactly as the family's doubled batch
+  would. Each branch is the family's own `predict_velocity` under `cfg_branch_guidance` (CFG off), so no family
+  code changes; a family qualifies by declaring the conditioning keys of its positive branch
+  (`TrainPipelineConfig.cfg_branch_keys`, models/base.py), which says its CFG is that plain `combine_cfg`.
 - sequence parallel (`MODE_SEQUENCE_PARALLEL`, any N): rank 0 broadcasts every forward's whole input
   (guidance, conditioning key names, latents, sigmas, conditioning) and all ranks run the same forward on
   their share of the tokens (sequence_parallel.py); the velocity is gathered inside it.
@@ -39,14 +39,11 @@ import torch.distributed as dist
 from torch import nn
 
 from miles.engine.weight_broadcast import _connect, _Group
-from miles.models.base import GenerationShape
+from miles.models.base import GenerationShape, TrainPipelineConfig
 from miles.types import GuidanceConfig
 from miles.utils.errors import MilesUserError
 
 logger = logging.getLogger(__name__)
-
-# family -> the conditioning keys of one branch (each has a `negative_<key>` twin when CFG is on)
-CFG_PARALLEL_KEYS: dict[str, tuple[str, ...]] = {"sd3": ("prompt_embeds", "pooled_prompt_embeds")}
 
 # The follower blocks in a broadcast while it waits for the next command, so the group's per-operation timeout
 # is also how long an engine may sit idle; a dead rank 0 is noticed by the follower's parent watch instead.
@@ -68,17 +65,23 @@ MODE_CFG_PARALLEL = "cfg"
 MODE_SEQUENCE_PARALLEL = "sequence"
 
 
-def check_cfg_parallel_family(family_name: str) -> tuple[str, ...]:
-    if family_name not in CFG_PARALLEL_KEYS:
-        raise MilesUserError(f"--rollout-num-gpus-per-engine 2 (CFG-parallel engine) supports the families "
-                             f"{sorted(CFG_PARALLEL_KEYS)}, not {family_name!r}; --sglang-ulysses-degree 2 makes it "
-                             "a sequence-parallel engine instead")
-    return CFG_PARALLEL_KEYS[family_name]
+Family = TrainPipelineConfig | type[TrainPipelineConfig]
 
 
-def engine_parallel_mode(tp_size: int, ulysses_degree: int, family_name: str) -> str | None:
+def check_cfg_parallel_family(family: Family) -> tuple[str, ...]:
+    """The conditioning keys of the family's positive CFG branch; a family that declares none is refused."""
+    if not family.cfg_branch_keys:
+        raise MilesUserError(f"--rollout-num-gpus-per-engine 2 (CFG-parallel engine): family {family.family!r} has no "
+                             "CFG of two forwards to split (TrainPipelineConfig.cfg_branch_keys); use "
+                             "--sglang-ulysses-degree 2 (sequence parallel, where the family has a layout) or 1 GPU "
+                             "per engine")
+    return family.cfg_branch_keys
+
+
+def engine_parallel_mode(tp_size: int, ulysses_degree: int, family: Family | None) -> str | None:
     """How an engine of `tp_size` processes splits its forwards (ServerArgs.ulysses_degree): None for one process,
-    MODE_CFG_PARALLEL or MODE_SEQUENCE_PARALLEL; an impossible combination is a MilesUserError naming the flags."""
+    MODE_CFG_PARALLEL or MODE_SEQUENCE_PARALLEL; an impossible combination is a MilesUserError naming the flags.
+    `family` None (not known before loading: --train-pipeline-config-path) skips the family's own check."""
     flags = f"--rollout-num-gpus-per-engine {tp_size} with --sglang-ulysses-degree {ulysses_degree}"
     if ulysses_degree < 0:
         raise MilesUserError(f"--sglang-ulysses-degree {ulysses_degree} must be >= 0")
@@ -91,17 +94,25 @@ def engine_parallel_mode(tp_size: int, ulysses_degree: int, family_name: str) ->
     if ulysses_degree == 1:
         if tp_size != 2:
             raise MilesUserError(f"{flags}: a CFG-parallel engine has exactly 2 GPUs (one per CFG branch)")
-        check_cfg_parallel_family(family_name)
+        if family is not None:
+            check_cfg_parallel_family(family)
         return MODE_CFG_PARALLEL
     if ulysses_degree == 0:
-        return MODE_CFG_PARALLEL if tp_size == 2 and family_name in CFG_PARALLEL_KEYS else MODE_SEQUENCE_PARALLEL
+        splits_cfg = family is not None and bool(family.cfg_branch_keys)
+        return MODE_CFG_PARALLEL if tp_size == 2 and splits_cfg else MODE_SEQUENCE_PARALLEL
     raise MilesUserError(f"{flags}: CFG-parallel and sequence parallel in one engine are not implemented; set "
                          f"--sglang-ulysses-degree to {tp_size} (sequence parallel), 1 (CFG-parallel, 2 GPUs) or 0 (auto)")
 
 
 def split_conditioning(conditioning: Mapping[str, torch.Tensor], keys: tuple[str, ...]):
-    """(positive, negative) branch conditionings, both under the plain key names."""
-    return {key: conditioning[key] for key in keys}, {key: conditioning[f"negative_{key}"] for key in keys}
+    """(positive, negative) branch conditionings, both under the plain key names: the negative branch takes the
+    `negative_<key>` twin of every key in `keys`; every other key (an input image's latents) goes to both."""
+    positive = {key: value for key, value in conditioning.items() if not key.startswith("negative_")}
+    negatives = {key for key in conditioning if key.startswith("negative_")}
+    undeclared = negatives - {f"negative_{key}" for key in keys}
+    if undeclared:  # the family's cfg_branch_keys miss a key its CFG pairs: the split would be wrong
+        raise ValueError(f"conditioning keys {sorted(undeclared)} are not negatives of the CFG branch keys {keys}")
+    return positive, {**positive, **{key: conditioning[f"negative_{key}"] for key in keys}}
 
 
 def _broadcast(group: _Group, tensor: torch.Tensor, root: int) -> None:
@@ -170,6 +181,22 @@ def _guidance_tensor(guidance: GuidanceConfig) -> torch.Tensor:
     return torch.tensor([nan if v is None else v for v in values], dtype=torch.float64)
 
 
+def _named_inputs(guidance: GuidanceConfig, latents: torch.Tensor, sigmas: torch.Tensor,
+                  conditioning: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """One forward's inputs as tensors: guidance, the conditioning key names (ASCII, comma-joined), latents, sigmas,
+    then the conditioning in the order of the names (`_forward_from` reads them back)."""
+    keys = sorted(conditioning)
+    names = torch.tensor(list(",".join(keys).encode("ascii")), dtype=torch.uint8)
+    return (_guidance_tensor(guidance), names, latents, sigmas, *(conditioning[key] for key in keys))
+
+
+def _forward_from(tensors: list[torch.Tensor]):
+    """The inverse of `_named_inputs`: (latents, sigmas, conditioning, guidance)."""
+    guidance, names, latents, sigmas, *conditioning = tensors
+    names = bytes(names.cpu().tolist()).decode("ascii").split(",")
+    return latents, sigmas, dict(zip(names, conditioning, strict=True)), _guidance_from(guidance)
+
+
 def _guidance_from(tensor: torch.Tensor) -> GuidanceConfig:
     scale, scale_2, true_cfg = (float(v) for v in tensor.cpu())
     return GuidanceConfig(guidance_scale=scale, guidance_scale_2=None if math.isnan(scale_2) else scale_2,
@@ -213,10 +240,10 @@ class FollowerGroup:
         """The first follower (the only one of a CFG-parallel engine)."""
         return self.processes[0]
 
-    def connect(self, family_name: str, modules: Mapping[str, nn.Module]) -> None:
+    def connect(self, family: TrainPipelineConfig, modules: Mapping[str, nn.Module]) -> None:
         """Join the group (waits for the followers to load) and give them rank 0's weights."""
         if self.mode == MODE_CFG_PARALLEL:
-            self.keys = check_cfg_parallel_family(family_name)
+            self.keys = check_cfg_parallel_family(family)
         began = time.perf_counter()
         self.group = self._join_followers()
         self.sync_weights(modules)
@@ -260,10 +287,10 @@ class FollowerGroup:
         for tensor in tensors:
             _broadcast(self.group, tensor, root=0)
 
-    def send_unconditional(self, latents: torch.Tensor, sigmas: torch.Tensor,
-                           negative: Mapping[str, torch.Tensor], shape: GenerationShape) -> None:
+    def send_unconditional(self, latents: torch.Tensor, sigmas: torch.Tensor, negative: Mapping[str, torch.Tensor],
+                           branch_guidance: GuidanceConfig, shape: GenerationShape) -> None:
         """Start the follower's unconditional forward; `receive_unconditional` collects it."""
-        self._send(CMD_FORWARD, shape, (latents, sigmas, *(negative[key] for key in self.keys)))
+        self._send(CMD_FORWARD, shape, _named_inputs(branch_guidance, latents, sigmas, negative))
 
     def receive_unconditional(self, like: torch.Tensor) -> torch.Tensor:
         velocity = torch.empty_like(like, dtype=torch.float32, memory_format=torch.contiguous_format)
@@ -273,10 +300,7 @@ class FollowerGroup:
     def send_forward(self, latents: torch.Tensor, sigmas: torch.Tensor, conditioning: Mapping[str, torch.Tensor],
                      guidance: GuidanceConfig, shape: GenerationShape) -> None:
         """Sequence parallel: start every follower on this forward; rank 0 then runs it too."""
-        keys = sorted(conditioning)
-        names = torch.tensor(list(",".join(keys).encode("ascii")), dtype=torch.uint8)
-        tensors = (_guidance_tensor(guidance), names, latents, sigmas, *(conditioning[key] for key in keys))
-        self._send(CMD_SP_FORWARD, shape, tensors)
+        self._send(CMD_SP_FORWARD, shape, _named_inputs(guidance, latents, sigmas, conditioning))
 
     def sync_weights(self, modules: Mapping[str, nn.Module]) -> None:
         tensors = _denoiser_tensors(modules)
@@ -335,15 +359,13 @@ def follower_main(server_args, port: int, backend: str, parent_pid: int, rank: i
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     runner = ModelRunner(server_args)
     _drop_all_but_denoisers(runner)
-    keys: tuple[str, ...] = ()
     if mode == MODE_CFG_PARALLEL:
-        keys = check_cfg_parallel_family(runner.family.family)
+        check_cfg_parallel_family(runner.family)
     else:
         layouts = sp.sequence_parallel_layouts(runner.family, runner.modules, world_size)
     group = _connect("127.0.0.1", port, rank, world_size, f"{mode}-parallel", backend, GROUP_TIMEOUT, runner.device)
     if mode == MODE_SEQUENCE_PARALLEL:
         sp.install_sequence_parallel(layouts, runner.modules, sp.UlyssesComm(group))
-    unguided = GuidanceConfig(guidance_scale=1.0)  # scale 1: the family runs one plain branch
     try:
         while True:
             header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=runner.device)
@@ -358,16 +380,11 @@ def follower_main(server_args, port: int, backend: str, parent_pid: int, rank: i
                     tensor = torch.empty(shape, dtype=dtype, device=runner.device)
                     _broadcast(group, tensor, root=0)
                     tensors.append(tensor)
-                if command == CMD_FORWARD:
-                    latents, sigmas, *conditioning = tensors
-                    velocity = runner.predict(latents, sigmas, dict(zip(keys, conditioning)), unguided,
-                                              _decode_shape(header))
+                latents, sigmas, conditioning, guidance = _forward_from(tensors)
+                velocity = runner.predict(latents, sigmas, conditioning, guidance, _decode_shape(header))
+                if command == CMD_FORWARD:  # the unconditional branch (the guidance is a branch's: CFG off)
                     _broadcast(group, velocity.float().contiguous(), root=1)
-                else:  # the velocity is gathered inside the forward; rank 0 keeps it
-                    guidance, names, latents, sigmas, *conditioning = tensors
-                    names = bytes(names.cpu().tolist()).decode("ascii").split(",")
-                    runner.predict(latents, sigmas, dict(zip(names, conditioning)), _guidance_from(guidance),
-                                   _decode_shape(header))
+                # sequence parallel: the velocity is gathered inside the forward; rank 0 keeps it
             elif command == CMD_SYNC_WEIGHTS:
                 expected = len(_denoiser_tensors(runner.modules))
                 if count != expected:

@@ -126,11 +126,11 @@ class ModelRunner:
         if family is None and server_args.tp_size > 1 and not server_args.pipeline_builder_path:
             family = self._build_family(server_args)
         if family is not None:
-            self._start_followers(family.family)
+            self._start_followers(family)
         try:
             self.family, self.pipe = loaded if loaded is not None else self._load(server_args, family)
             if self.cfg_parallel is None and self.sequence_parallel is None:
-                self._start_followers(self.family.family)
+                self._start_followers(self.family)
         except BaseException:
             self.close()
             raise
@@ -157,6 +157,13 @@ class ModelRunner:
                 "micro-batch as the engine's forward size; raise --micro-batch-size (4-16) for speed, or pass "
                 "--rollout-patch-group none to batch freely without bitwise parity", server_args.forward_tile,
             )
+        if self.cfg_parallel is not None and server_args.forward_tile:
+            logger.warning(
+                "CFG-parallel engine with the batch_invariant patch group: each CFG branch forwards %d samples where "
+                "the trainer's CFG forward is one doubled batch of %d, so engine and trainer velocities agree to "
+                "~1e-6 (fp32), not bitwise; a one-process or sequence-parallel engine keeps them bitwise",
+                server_args.forward_tile, 2 * server_args.forward_tile,
+            )
         self.weight_version = 0
         self._backends: dict[tuple, SdeStepBackend] = {}
         self.sequence_parallel_layouts: dict[str, SequenceParallelLayout] = {}
@@ -165,7 +172,7 @@ class ModelRunner:
                 if self.sequence_parallel is not None:
                     self.sequence_parallel_layouts = sequence_parallel_layouts(
                         self.family, self.modules, server_args.tp_size)
-                self._followers.connect(self.family.family, self.modules)
+                self._followers.connect(self.family, self.modules)
                 if self.sequence_parallel is not None:
                     install_sequence_parallel(self.sequence_parallel_layouts, self.modules,
                                               UlyssesComm(self.sequence_parallel.group))
@@ -173,9 +180,9 @@ class ModelRunner:
                 self.close()
                 raise
 
-    def _start_followers(self, family_name: str) -> None:
+    def _start_followers(self, family: TrainPipelineConfig) -> None:
         tp_size = self.server_args.tp_size
-        mode = engine_parallel_mode(tp_size, self.server_args.ulysses_degree, family_name)
+        mode = engine_parallel_mode(tp_size, self.server_args.ulysses_degree, family)
         if mode is None:
             return
         if mode == MODE_SEQUENCE_PARALLEL and self.server_args.enable_torch_compile:
@@ -359,13 +366,16 @@ class ModelRunner:
         if self.sequence_parallel is not None:  # every rank runs this forward on its share of the tokens
             self.sequence_parallel.send_forward(latents, sigmas, conditioning, guidance, shape)
             return self.predict(latents, sigmas, conditioning, guidance, shape)
-        if self.cfg_parallel is None or not self.family.uses_cfg(guidance):
+        # every sample of a forward is in one expert phase (expert_for), so its first sigma says the scale
+        scale = None if self.cfg_parallel is None else self.family.cfg_scale_at(guidance, float(sigmas[0]))
+        if scale is None:
             return self.predict(latents, sigmas, conditioning, guidance, shape)
         positive, negative = split_conditioning(conditioning, self.cfg_parallel.keys)
-        self.cfg_parallel.send_unconditional(latents, sigmas, negative, shape)
-        v_pos = self.predict(latents, sigmas, positive, GuidanceConfig(guidance_scale=1.0), shape)
+        branch_guidance = self.family.cfg_branch_guidance(guidance)
+        self.cfg_parallel.send_unconditional(latents, sigmas, negative, branch_guidance, shape)
+        v_pos = self.predict(latents, sigmas, positive, branch_guidance, shape)
         v_neg = self.cfg_parallel.receive_unconditional(like=v_pos)
-        return combine_cfg(torch.cat([v_neg, v_pos]), guidance.scale)
+        return combine_cfg(torch.cat([v_neg, v_pos]), scale, renormalize=self.family.cfg_renormalize)
 
     def predict(self, latents, sigmas, conditioning, guidance: GuidanceConfig, shape: GenerationShape) -> torch.Tensor:
         """The family's velocity forward (fp32 out). With the batch_invariant group, in tiles of exactly

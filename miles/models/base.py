@@ -80,6 +80,17 @@ class TrainPipelineConfig(ABC):
     # Whether prompt rows carry an input image (`"image"` in the prompt file, docs/data.md): "none" (text only),
     # "required" (every row: image editing, image-to-video) or "optional" (rows with and without).
     condition_image: ClassVar[str] = CONDITION_IMAGE_NONE
+    # CFG-parallel engines (miles/engine/cfg_parallel.py) run the two CFG branches on two processes. A family
+    # declares that its guided velocity is exactly `combine_cfg(cat([v_neg, v_pos]), cfg_scale_at(...),
+    # cfg_renormalize)`, each v its own `predict_velocity` under `cfg_branch_guidance`, by naming the conditioning
+    # keys of the positive branch, each stored with a `negative_<key>` twin when CFG is on (`encode_with_negative`).
+    # The negative branch is the same forward with every twin under its plain name; every other non-`negative_` key
+    # (an input image's latents: FLUX.1-Kontext, Wan TI2V) goes to both branches. Empty: the family has no CFG of
+    # two plain forwards (FLUX.2 has none at all), and a CFG-parallel engine refuses it.
+    cfg_branch_keys: ClassVar[tuple[str, ...]] = ()
+    # `combine_cfg`'s per-token renormalisation to the positive branch's norm (Qwen-Image true CFG): it reads only
+    # the two branch outputs, so rank 0 applies it to the joined branches exactly as to the doubled batch.
+    cfg_renormalize: ClassVar[bool] = False
 
     # ---- loading ------------------------------------------------------------------------------------
     @abstractmethod
@@ -179,6 +190,28 @@ class TrainPipelineConfig(ABC):
     def expert_for(self, sigma: float) -> str:
         """Which module denoises at this noise level (Wan2.2 switches experts at its boundary)."""
         return self.trainable_modules[0]
+
+    # ---- classifier-free guidance -------------------------------------------------------------------
+    def uses_cfg(self, guidance: GuidanceConfig) -> bool:
+        """Whether `guidance` asks for CFG at all (FLUX.1: only its true CFG; its `guidance_scale` is distilled)."""
+        return guidance.do_cfg
+
+    def guidance_scale_for(self, expert: str, guidance: GuidanceConfig) -> float:
+        """The CFG scale of the forwards that `expert` runs (Wan2.2's low-noise expert: `guidance_scale_2`)."""
+        return guidance.scale
+
+    def cfg_scale_at(self, guidance: GuidanceConfig, sigma: float) -> float | None:
+        """The scale that `combine_cfg` joins the two branches with in a forward at noise level `sigma`, or None
+        when that forward runs one plain branch (the rule every family's `predict_velocity` follows)."""
+        scale = self.guidance_scale_for(self.expert_for(sigma), guidance)
+        return scale if self.uses_cfg(guidance) and scale > 1.0 else None
+
+    @staticmethod
+    def cfg_branch_guidance(guidance: GuidanceConfig) -> GuidanceConfig:
+        """The guidance of one CFG branch forward: true CFG at 1 and no second scale switch CFG off in every
+        family, while `guidance_scale` still reaches a guidance-distilled DiT's embedding (FLUX.1, Qwen-Image's
+        distilled variants), as it does inside the doubled batch."""
+        return GuidanceConfig(guidance_scale=guidance.guidance_scale, guidance_scale_2=None, true_cfg_scale=1.0)
 
     # ---- output -------------------------------------------------------------------------------------
     @abstractmethod

@@ -67,6 +67,7 @@ class Cosmos3TrainPipelineConfig(DiffusersTrainPipelineConfig):
     attention_uses_gqa: ClassVar[bool] = True
     name_hints: ClassVar[tuple[str, ...]] = ("cosmos3", "cosmos-3", "cosmos_3")
     pipeline_class_name: ClassVar[str] = "Cosmos3OmniPipeline"
+    cfg_branch_keys: ClassVar[tuple[str, ...]] = ("input_ids", "input_ids_length")
     trainable_modules: ClassVar[tuple[str, ...]] = ("transformer",)
     default_lora_target_modules: ClassVar[tuple[str, ...]] = COSMOS3_LORA_TARGETS
     is_video: ClassVar[bool] = True  # images are videos of one frame

@@ -66,6 +66,7 @@ class FluxTrainPipelineConfig(Packed2x2TrainPipelineConfig):
     family: ClassVar[str] = "flux"
     name_hints: ClassVar[tuple[str, ...]] = ("flux",)
     pipeline_class_name: ClassVar[str] = "FluxPipeline"
+    cfg_branch_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds", "pooled_prompt_embeds")  # true CFG
     trainable_modules: ClassVar[tuple[str, ...]] = ("transformer",)
     default_lora_target_modules: ClassVar[tuple[str, ...]] = FLUX_LORA_TARGETS
     required_components: ClassVar[tuple[str, ...]] = (

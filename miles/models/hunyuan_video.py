@@ -52,6 +52,7 @@ class HunyuanVideoTrainPipelineConfig(DiffusersTrainPipelineConfig):
     family: ClassVar[str] = "hunyuan_video"
     name_hints: ClassVar[tuple[str, ...]] = ("hunyuanvideo", "hunyuan_video", "hunyuan-video")
     pipeline_class_name: ClassVar[str] = "HunyuanVideo15Pipeline"
+    cfg_branch_keys: ClassVar[tuple[str, ...]] = TEXT_KEYS
     trainable_modules: ClassVar[tuple[str, ...]] = ("transformer",)
     default_lora_target_modules: ClassVar[tuple[str, ...]] = HUNYUAN_LORA_TARGETS
     required_components: ClassVar[tuple[str, ...]] = (

@@ -153,6 +153,7 @@ class AudioLayout:
 class LTXTrainPipelineConfig(DiffusersTrainPipelineConfig):
     family: ClassVar[str] = "ltx"
     attention_uses_mask: ClassVar[bool] = True  # padded caption tokens
+    cfg_branch_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds", "prompt_attention_mask")  # LTX-Video; LTX-2: no CFG
     name_hints: ClassVar[tuple[str, ...]] = ("ltx",)
     pipeline_class_name: ClassVar[str] = "LTXPipeline"
     trainable_modules: ClassVar[tuple[str, ...]] = ("transformer",)

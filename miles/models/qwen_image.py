@@ -68,6 +68,8 @@ class QwenImageTrainPipelineConfig(Packed2x2TrainPipelineConfig):
     attention_uses_mask: ClassVar[bool] = True  # padded prompt tokens
     name_hints: ClassVar[tuple[str, ...]] = ("qwen-image", "qwen_image", "qwenimage")
     pipeline_class_name: ClassVar[str] = "QwenImagePipeline"
+    cfg_branch_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds", "prompt_embeds_mask")
+    cfg_renormalize: ClassVar[bool] = True
     trainable_modules: ClassVar[tuple[str, ...]] = ("transformer",)
     default_lora_target_modules: ClassVar[tuple[str, ...]] = QWEN_IMAGE_LORA_TARGETS
     required_components: ClassVar[tuple[str, ...]] = ("transformer", "vae", "scheduler", "text_encoder", "tokenizer")

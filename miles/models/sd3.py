@@ -48,6 +48,7 @@ class SD3TrainPipelineConfig(DiffusersTrainPipelineConfig):
     family: ClassVar[str] = "sd3"
     name_hints: ClassVar[tuple[str, ...]] = ("stable-diffusion-3", "sd3")
     pipeline_class_name: ClassVar[str] = "StableDiffusion3Pipeline"
+    cfg_branch_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds", "pooled_prompt_embeds")
     trainable_modules: ClassVar[tuple[str, ...]] = ("transformer",)
     default_lora_target_modules: ClassVar[tuple[str, ...]] = SD3_LORA_TARGETS
     # T5 (text_encoder_3) is optional in SD3: without it the pipeline feeds zeros in its place.

@@ -131,6 +131,7 @@ class Wan22TrainPipelineConfig(DiffusersTrainPipelineConfig):
         "wan2.2", "wan2_2", "wan2-2", "wan22", "wan2.1", "wan2_1", "wan2-1", "wan21"
     )
     pipeline_class_name: ClassVar[str] = "WanPipeline"
+    cfg_branch_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds",)
     trainable_modules: ClassVar[tuple[str, ...]] = (HIGH_NOISE_EXPERT, LOW_NOISE_EXPERT)
     default_lora_target_modules: ClassVar[tuple[str, ...]] = WAN_LORA_TARGETS
     required_components: ClassVar[tuple[str, ...]] = ("transformer", "vae", "scheduler", "text_encoder", "tokenizer")

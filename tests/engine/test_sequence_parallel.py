@@ -16,6 +16,7 @@ from miles.engine.cfg_parallel import MODE_CFG_PARALLEL, MODE_SEQUENCE_PARALLEL,
 from miles.engine.model_runner import ModelRunner
 from miles.engine.protocol import GenerateRequest, ProtocolError
 from miles.engine.sequence_parallel import sequence_parallel_layouts
+from miles.models import get_family_class
 from miles.types import GuidanceConfig
 from miles.utils.errors import MilesUserError
 
@@ -117,19 +118,21 @@ def test_sequence_parallel_engine_matches_one_process(family, patch_group, dtype
 
 
 def test_impossible_combinations_are_user_errors(sd3_path, make_server_args):
-    assert engine_parallel_mode(2, 0, "sd3") == MODE_CFG_PARALLEL  # auto: sd3's CFG splits into two forwards
-    assert engine_parallel_mode(2, 0, "wan2_2") == MODE_SEQUENCE_PARALLEL
-    assert engine_parallel_mode(4, 0, "sd3") == MODE_SEQUENCE_PARALLEL
-    assert engine_parallel_mode(2, 2, "sd3") == MODE_SEQUENCE_PARALLEL
-    assert engine_parallel_mode(1, 0, "sd3") is None
+    sd3, flux2 = get_family_class("sd3"), get_family_class("flux2")
+    assert engine_parallel_mode(2, 0, sd3) == MODE_CFG_PARALLEL  # auto: sd3's CFG splits into two forwards
+    assert engine_parallel_mode(2, 0, flux2) == MODE_SEQUENCE_PARALLEL  # FLUX.2 has no CFG to split
+    assert engine_parallel_mode(2, 0, None) == MODE_SEQUENCE_PARALLEL  # family unknown before loading
+    assert engine_parallel_mode(4, 0, sd3) == MODE_SEQUENCE_PARALLEL
+    assert engine_parallel_mode(2, 2, sd3) == MODE_SEQUENCE_PARALLEL
+    assert engine_parallel_mode(1, 0, sd3) is None
     with pytest.raises(MilesUserError, match="CFG-parallel and sequence parallel in one engine"):
-        engine_parallel_mode(4, 2, "sd3")
+        engine_parallel_mode(4, 2, sd3)
     with pytest.raises(MilesUserError, match="exactly 2 GPUs"):
-        engine_parallel_mode(4, 1, "sd3")
+        engine_parallel_mode(4, 1, sd3)
     with pytest.raises(MilesUserError, match="needs that many GPUs"):
-        engine_parallel_mode(1, 2, "sd3")
-    with pytest.raises(MilesUserError, match="CFG-parallel engine\\) supports the families"):
-        engine_parallel_mode(2, 1, "wan2_2")
+        engine_parallel_mode(1, 2, sd3)
+    with pytest.raises(MilesUserError, match="family 'flux2' has no CFG of two forwards to split"):
+        engine_parallel_mode(2, 1, flux2)
 
     with pytest.raises(MilesUserError, match="enable-torch-compile with a sequence-parallel engine"):
         ModelRunner(make_server_args(sd3_path, tp_size=2, ulysses_degree=2, enable_torch_compile=True))
