@@ -44,6 +44,9 @@ CASES = {
                          guidance=GuidanceConfig(guidance_scale=3.5, true_cfg_scale=GUIDANCE)),
     # true CFG with per-token renormalisation
     "qwen_image": Case("qwen_image", guidance=GuidanceConfig(guidance_scale=1.0, true_cfg_scale=GUIDANCE)),
+    # the edit model's image reaches its text encoder and its transformer: both branches see it
+    "qwen_image_edit": Case("qwen_image_edit", "edit", "qwen_image", image=True,
+                            guidance=GuidanceConfig(guidance_scale=1.0, true_cfg_scale=GUIDANCE)),
     # A14B: both experts run (4 steps), the low-noise one with its own scale
     "wan2_2": Case("wan2_2", size=dict(height=32, width=32, num_frames=5),
                    guidance=GuidanceConfig(guidance_scale=GUIDANCE, guidance_scale_2=3.0), num_steps=4),
