@@ -268,8 +268,8 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
     ("Rollout", [
         F("--hf-checkpoint", str, None, "Required. The diffusers pipeline to train and to serve (hub id or local "
           "directory); also the family source."),
-        F("--diffusion-model-family", str, None, "Registered family key (sd3, wan2_2, ltx, qwen_image, cosmos3, "
-          "flux). Overrides $MILES_DIFFUSION_MODEL_FAMILY, a local folder's model_index.json pipeline class and name "
+        F("--diffusion-model-family", str, None, "Registered family key (docs/models.md lists them; an unknown key is "
+          "refused with the list). Overrides $MILES_DIFFUSION_MODEL_FAMILY, a local folder's model_index.json pipeline class and name "
           "matching; needed when none of those tells the family."),
         P("--rollout-function-path", "Rollout function. Diffusion recipes set "
           "miles.rollout.sglang_diffusion_rollout.generate_rollout explicitly.",
