@@ -83,8 +83,10 @@ class WeightPusher:
         return stats
 
     def _hashing(self, named_tensors, urls: list[str], digests: dict[str, dict[str, str]]) -> Iterator:
-        """Pass the tensors through, recording each one's checksum in every engine dtype seen."""
-        dtypes = {getattr(torch, self.engine_info(url)["dtype"]) for url in urls}
+        """Pass the tensors through, recording each one's checksum in every engine dtype seen, and in fp32: an
+        engine keeps the parameters diffusers loads in fp32 (`_keep_in_fp32_modules`) in fp32 unless the
+        batch_invariant group casts them."""
+        dtypes = {getattr(torch, self.engine_info(url)["dtype"]) for url in urls} | {torch.float32}
         for name, tensor in named_tensors:
             for dtype in dtypes:
                 digests.setdefault(str(dtype), {})[name] = tensor_checksum(name.partition(".")[2], tensor.to(dtype))
@@ -93,10 +95,10 @@ class WeightPusher:
     def _check(self, urls: list[str], digests: dict[str, dict[str, str]], modules: Sequence[str]) -> int:
         checked = 0
         for url in urls:
-            expected = digests[str(getattr(torch, self.engine_info(url)["dtype"]))]
+            engine_dtype = str(getattr(torch, self.engine_info(url)["dtype"]))
+            expected = digests[engine_dtype]
             held = _get_json(f"{url}/weights_checksum?per_tensor=1&modules={','.join(modules)}")["checksums"]
-            wrong = [name for name, digest in expected.items()
-                     if held.get(name.partition(".")[0], {}).get(name.partition(".")[2]) != digest]
+            wrong = tensors_held_otherwise(held, [digests[engine_dtype], digests[str(torch.float32)]])
             if wrong:
                 raise WeightSyncError(f"--check-weight-sync: engine {url} holds {len(wrong)} of {len(expected)} "
                                       f"pushed tensors with other values, e.g. {wrong[:3]}")
@@ -107,6 +109,17 @@ class WeightPusher:
         group, self.group = self.group, None
         if group is not None:
             group.close()
+
+
+def tensors_held_otherwise(held: dict[str, dict[str, str]], expected: Sequence[dict[str, str]]) -> list[str]:
+    """The pushed tensors (`<module>.<name>`) whose engine checksum (`held[module][name]`, which hashes the dtype
+    too) matches none of the `expected` digests, one digest table per dtype the engine may hold them in."""
+    wrong = []
+    for name in expected[0]:
+        module, _, rest = name.partition(".")
+        if held.get(module, {}).get(rest) not in {table.get(name) for table in expected}:
+            wrong.append(name)
+    return wrong
 
 
 def sync_metrics(stats: dict[str, Any] | None) -> dict[str, float]:
