@@ -145,17 +145,35 @@ def rollout_and_train_step(
     family's pipeline (velocities recorded), then one trainer step on them. Returns (samples, metrics, trainable
     weights before the step, after it). With `diffusion_debug_mode=True` the trainer compares its velocities
     with the rollout's (`train/model_output_max_abs_diff`, docs/algorithms.md §11.7)."""
-    from miles.backends.fsdp_utils.actor import DiffusionTrainer
-
     family, pipe = load_tiny_family(config)
     samples = make_rollout_samples(
         family, pipe, config, prompts, n_samples_per_prompt, sde_step_indices, seed=seed, debug=True
     )
+    return (samples, *train_step(config, family, samples))
+
+
+def train_step(config: RunConfig, family, samples: list) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One trainer step on `samples`, on the current process group: (metrics, trainable weights before, after)."""
+    from miles.backends.fsdp_utils.actor import DiffusionTrainer
+
     trainer = DiffusionTrainer(config, family)
     trainer.init()
     before = trained_state(trainer)
     metrics = trainer.train(0, samples)
-    return samples, metrics, before, trained_state(trainer)
+    return metrics, before, trained_state(trainer)
+
+
+def train_step_on_one_rank(config: RunConfig, family, samples: list):
+    """`train_step` in a one-rank gloo group of its own (created and destroyed here)."""
+    import torch.distributed as dist
+
+    from miles.backends.fsdp_utils.spawn import free_port, init_distributed
+
+    init_distributed(0, 1, "gloo", free_port())
+    try:
+        return train_step(config, family, samples)
+    finally:
+        dist.destroy_process_group()
 
 
 def train_rank_worker(rank: int, config: RunConfig, samples_path: str, rollout_ids: list[int]) -> dict:

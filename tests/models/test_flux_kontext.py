@@ -151,15 +151,12 @@ def test_the_input_image_changes_the_velocity_and_is_required(family, pipe):
 def test_engine_rollout_of_an_image_row_and_one_train_step(path):
     """The engine encodes the request's image once; its samples carry the image latents in their conditioning; the
     trainer replays the rollout's velocities from them (no re-encoding) and one LoRA step moves the adapters."""
-    import torch.distributed as dist
 
-    from miles.backends.fsdp_utils.actor import DiffusionTrainer
-    from miles.backends.fsdp_utils.spawn import free_port, init_distributed
     from miles.engine.model_runner import ModelRunner
     from miles.engine.protocol import (ConditionImage, GenerateRequest, ProtocolError, decode_request,
                                        decode_response, encode_request, encode_response)
     from miles.engine.server_args import ServerArgs
-    from miles.testing.tiny_rollout import build_tiny_family, tiny_trainer_config, trained_state
+    from miles.testing.tiny_rollout import build_tiny_family, tiny_trainer_config, train_step_on_one_rank
     from miles.types import Sample
 
     config = tiny_trainer_config(
@@ -191,15 +188,7 @@ def test_engine_rollout_of_an_image_row_and_one_train_step(path):
     with pytest.raises(ProtocolError, match="needs an input image in every prompt row"):
         runner.start(GenerateRequest(prompt="no image", num_steps=2, height=32, width=32))
 
-    init_distributed(0, 1, "gloo", free_port())
-    try:
-        trainer = DiffusionTrainer(config, family)
-        trainer.init()
-        before = trained_state(trainer)
-        metrics = trainer.train(0, samples)
-        after = trained_state(trainer)
-    finally:
-        dist.destroy_process_group()
+    metrics, before, after = train_step_on_one_rank(config, family, samples)
     assert metrics["train/model_output_max_abs_diff"] <= 1e-5
     assert metrics["train/log_prob_mean_abs_diff"] <= 1e-6 and np.isfinite(metrics["train/loss"])
     assert any(not torch.equal(before[name], after[name]) for name in before if "lora_B" in name)

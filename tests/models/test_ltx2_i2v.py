@@ -173,15 +173,12 @@ def test_engine_rollout_of_an_image_row_and_one_train_step(path):
     """The engine encodes the image once per request and returns videos whose first latent frame is the image; the
     trainer replays the rollout's velocities from the samples' conditioning, and one full fine-tuning step (CPS)
     moves the video weights."""
-    import torch.distributed as dist
 
-    from miles.backends.fsdp_utils.actor import DiffusionTrainer
-    from miles.backends.fsdp_utils.spawn import free_port, init_distributed
     from miles.engine.model_runner import ModelRunner
     from miles.engine.protocol import (ConditionImage, GenerateRequest, decode_request, decode_response,
                                        encode_request, encode_response)
     from miles.engine.server_args import ServerArgs
-    from miles.testing.tiny_rollout import build_tiny_family, tiny_trainer_config, trained_state
+    from miles.testing.tiny_rollout import build_tiny_family, tiny_trainer_config, train_step_on_one_rank
     from miles.types import Sample
 
     config = tiny_trainer_config(
@@ -207,15 +204,7 @@ def test_engine_rollout_of_an_image_row_and_one_train_step(path):
     assert image_latents.shape == (FIRST_FRAME, 8) and samples[0].image.shape == (5, 32, 32, 3)
     assert torch.equal(samples[1].clean_latents[: FIRST_FRAME * 8], image_latents.flatten())  # the first frame
 
-    init_distributed(0, 1, "gloo", free_port())
-    try:
-        trainer = DiffusionTrainer(config, family)
-        trainer.init()
-        before = trained_state(trainer)
-        metrics = trainer.train(0, samples)
-        after = trained_state(trainer)
-    finally:
-        dist.destroy_process_group()
+    metrics, before, after = train_step_on_one_rank(config, family, samples)
     assert metrics["train/model_output_max_abs_diff"] <= 1e-5
     assert metrics["train/log_prob_mean_abs_diff"] <= 1e-6 and np.isfinite(metrics["train/loss"])
     assert "transformer.proj_out.weight" in before
