@@ -22,6 +22,7 @@ from miles.models.ltx import (
 )
 from miles.testing.make_tiny import build_tiny_pipeline
 from miles.testing.reference_loop import sample_reference
+from miles.testing.tiny.ltx import LTX2_GUIDANCE_OFF
 from miles.types import GuidanceConfig
 from miles.utils.errors import MilesUserError
 
@@ -59,14 +60,7 @@ def diffusers_call(pipe, num_steps, output_type):
         num_frames=SHAPE.num_frames,
         frame_rate=SHAPE.fps,
         num_inference_steps=num_steps,
-        guidance_scale=1.0,
-        audio_guidance_scale=1.0,
-        stg_scale=0.0,
-        audio_stg_scale=0.0,
-        modality_scale=1.0,
-        audio_modality_scale=1.0,
-        guidance_rescale=0.0,
-        audio_guidance_rescale=0.0,
+        **LTX2_GUIDANCE_OFF,
         generator=generators_from_seeds(SEEDS),
         output_type=output_type,
         max_sequence_length=TEXT_LENGTH,

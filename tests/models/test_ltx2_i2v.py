@@ -15,6 +15,7 @@ from miles.models.common import generators_from_seeds
 from miles.models.ltx import IMAGE_LATENTS, LTXTrainPipelineConfig, pack_latents, unpack_audio_latents, unpack_latents
 from miles.testing.make_tiny import build_tiny_pipeline
 from miles.testing.reference_loop import sample_reference
+from miles.testing.tiny.ltx import LTX2_GUIDANCE_OFF
 from miles.types import GuidanceConfig
 from miles.utils.errors import MilesUserError
 
@@ -60,14 +61,7 @@ def diffusers_i2v(pipe, image: torch.Tensor, num_steps: int, output_type: str):
         num_frames=SHAPE.num_frames,
         frame_rate=SHAPE.fps,
         num_inference_steps=num_steps,
-        guidance_scale=1.0,
-        audio_guidance_scale=1.0,
-        stg_scale=0.0,
-        audio_stg_scale=0.0,
-        modality_scale=1.0,
-        audio_modality_scale=1.0,
-        guidance_rescale=0.0,
-        audio_guidance_rescale=0.0,
+        **LTX2_GUIDANCE_OFF,
         image_crf=0,
         generator=generators_from_seeds(SEEDS),
         output_type=output_type,

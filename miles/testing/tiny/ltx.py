@@ -24,6 +24,10 @@ from miles.testing.tiny.tokenizers import build_gemma_tokenizer, build_t5_tokeni
 TEXT_DIM = 32
 MAX_SEQUENCE_LENGTH = 128
 VARIANTS = ("ltx-video", "ltx2", "ltx2_i2v")
+# LTX2Pipeline / LTX2ImageToVideoPipeline.__call__ with every guidance term off (CFG, STG, modality isolation,
+# rescale), the only setting the ltx family trains LTX-2 with: what its parity tests compare against.
+LTX2_GUIDANCE_OFF = dict(guidance_scale=1.0, audio_guidance_scale=1.0, stg_scale=0.0, audio_stg_scale=0.0,
+                         modality_scale=1.0, audio_modality_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0)
 LTX2_TEXT_DIM = 16  # Gemma hidden size
 LTX2_TEXT_LAYERS = 1  # the connectors read every hidden state: layers + 1 of them
 
