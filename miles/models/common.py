@@ -169,6 +169,18 @@ def pack_2x2_latents(latents: torch.Tensor) -> torch.Tensor:
     return patches.reshape(b, (h // 2) * (w // 2), c * 4)
 
 
+def even_latent_grid(shape: GenerationShape, vae_scale_factor: int, model: str) -> tuple[int, int]:
+    """The latent height and width of 2×2-patched models (FLUX.1, FLUX.2): 2·⌊H / 2f⌋, as the pipelines floor to even
+    latent sizes; an output smaller than one patch is a user error naming `model`."""
+    patch = vae_scale_factor * 2
+    latent_h, latent_w = 2 * (shape.height // patch), 2 * (shape.width // patch)
+    if latent_h == 0 or latent_w == 0:
+        raise MilesUserError(
+            f"--diffusion-height/width {shape.height}x{shape.width} is smaller than one {model} latent patch ({patch} px)"
+        )
+    return latent_h, latent_w
+
+
 def unpack_2x2_latents(latents: torch.Tensor, latent_h: int, latent_w: int) -> torch.Tensor:
     """The inverse of `pack_2x2_latents`: [B, N, 4C] -> [B, C, h, w]."""
     b, _, channels = latents.shape

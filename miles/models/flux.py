@@ -26,6 +26,7 @@ from miles.models.common import (
     combine_cfg,
     decode_scaled_latents,
     encode_with_negative,
+    even_latent_grid,
     flux_style_base_grid,
     pack_2x2_latents,
     scale_shift_latents,
@@ -113,15 +114,7 @@ class FluxTrainPipelineConfig(Packed2x2TrainPipelineConfig):
 
     # ---- schedule and latents -----------------------------------------------------------------------
     def latent_grid(self, shape: GenerationShape) -> tuple[int, int]:
-        """The unpacked latent height and width: 2·⌊H / 2f⌋ (the pipeline floors to even latent sizes)."""
-        scale = self.vae_scale_factor or 8
-        latent_h, latent_w = 2 * (shape.height // (scale * 2)), 2 * (shape.width // (scale * 2))
-        if latent_h == 0 or latent_w == 0:
-            raise MilesUserError(
-                f"--diffusion-height/width {shape.height}x{shape.width} is smaller than one FLUX latent patch "
-                f"({scale * 2} px)"
-            )
-        return latent_h, latent_w
+        return even_latent_grid(shape, self.vae_scale_factor or 8, "FLUX")
 
     def sigmas(self, pipe: Any, num_steps: int, shape: GenerationShape, flow_shift: float | None) -> torch.Tensor:
         config = pipe.scheduler.config

@@ -29,6 +29,7 @@ from miles.models.base import GenerationShape, register_family
 from miles.models.common import (
     Packed2x2TrainPipelineConfig,
     encode_with_negative,
+    even_latent_grid,
     randn_per_sample,
     scheduler_sigmas,
     vae_latent_mean,
@@ -139,15 +140,7 @@ class Flux2TrainPipelineConfig(Packed2x2TrainPipelineConfig):
 
     # ---- schedule and latents -----------------------------------------------------------------------
     def latent_grid(self, shape: GenerationShape) -> tuple[int, int]:
-        """The unpatched latent height and width: 2·⌊H / 2f⌋ (the pipeline floors to even latent sizes)."""
-        scale = self.vae_scale_factor or 16
-        latent_h, latent_w = 2 * (shape.height // (scale * 2)), 2 * (shape.width // (scale * 2))
-        if latent_h == 0 or latent_w == 0:
-            raise MilesUserError(
-                f"--diffusion-height/width {shape.height}x{shape.width} is smaller than one FLUX.2 latent patch "
-                f"({scale * 2} px)"
-            )
-        return latent_h, latent_w
+        return even_latent_grid(shape, self.vae_scale_factor or 16, "FLUX.2")
 
     def sigmas(self, pipe: Any, num_steps: int, shape: GenerationShape, flow_shift: float | None) -> torch.Tensor:
         config = pipe.scheduler.config
