@@ -158,12 +158,12 @@ def probe_family(family_checkpoint, name, variant, size, frames, dtype, device) 
 def test_every_family_is_bitwise_on_cpu(tiny, family_checkpoint, name, variant, size, frames, dtype):
     """bf16 covers the parameters diffusers keeps in fp32 at load (Wan's norms, Cosmos 3's time embedder), which
     the group casts on the engine as FSDP does on the trainer."""
-    if name == "flux" and dtype == "fp32":
-        pytest.skip("flux in fp32 on CPU: velocity within 2.4e-7, not bitwise (docs/sde-backends.md)")
     metrics = probe_family(family_checkpoint, name, variant, size, frames, dtype, "cpu")
-    assert metrics["train/model_output_max_abs_diff"] == 0.0
-    assert metrics["train/log_prob_mean_abs_diff"] == 0.0
-    assert metrics["train/clipfrac"] == 0.0 and metrics["train/approx_kl"] == 0.0
+    # flux in fp32 is the one documented exception (docs/sde-backends.md): velocity within 2.4e-7, log-prob ~4e-9
+    near = (name, dtype) == ("flux", "fp32")
+    assert metrics["train/model_output_max_abs_diff"] <= (1e-6 if near else 0.0)
+    assert metrics["train/log_prob_mean_abs_diff"] <= (1e-8 if near else 0.0)
+    assert metrics["train/clipfrac"] == 0.0 and metrics["train/approx_kl"] <= (1e-12 if near else 0.0)
 
 
 @pytest.mark.gpu
