@@ -50,6 +50,7 @@ NUM_IMAGE_TOKENS = 729  # HunyuanVideo15Pipeline.vision_num_semantic_tokens: the
 @register_family
 class HunyuanVideoTrainPipelineConfig(DiffusersTrainPipelineConfig):
     family: ClassVar[str] = "hunyuan_video"
+    attention_uses_mask: ClassVar[bool] = True  # padded prompt and glyph tokens
     name_hints: ClassVar[tuple[str, ...]] = ("hunyuanvideo", "hunyuan_video", "hunyuan-video")
     pipeline_class_name: ClassVar[str] = "HunyuanVideo15Pipeline"
     cfg_branch_keys: ClassVar[tuple[str, ...]] = TEXT_KEYS

@@ -176,6 +176,33 @@ def test_every_family_is_bitwise_in_bf16_on_gpu(tiny, family_checkpoint, name, v
     assert metrics["train/log_prob_mean_abs_diff"] == 0.0
 
 
+@pytest.mark.parametrize("name, variant, size, frames", FAMILIES, ids=[f[0] for f in FAMILIES])
+def test_a_family_that_declares_no_attention_mask_runs_under_the_flash_pin(
+        tiny, family_checkpoint, monkeypatch, name, variant, size, frames):
+    """The GPU pin (flash for bf16) forced onto CPU modules: diffusers' flash backend refuses a mask before any
+    kernel runs, so a family that masks attention without declaring `attention_uses_mask` fails here, not only
+    on a GPU (hunyuan_video did). Families that declare a mask get the memory-efficient kernel, CUDA-only."""
+    from miles.backends.fsdp_utils import actor
+    from miles.engine import patches
+    from miles.models import batch_invariant
+    from miles.models import get_family_class
+
+    if get_family_class(name).attention_uses_mask:
+        assert batch_invariant.parity_attention_backend(torch.bfloat16, get_family_class(name)) != "_native_flash"
+        return
+    pinned = []
+
+    def pin_as_on_cuda(modules, dtype, device_type=None, family=None):
+        pinned.append(batch_invariant.parity_attention_backend(dtype, family))
+        batch_invariant.pin_attention(modules, dtype, "cuda", family=family)
+
+    monkeypatch.setattr(patches, "pin_attention", pin_as_on_cuda)
+    monkeypatch.setattr(actor, "pin_attention", pin_as_on_cuda)
+    metrics = probe_family(family_checkpoint, name, variant, size, frames, "bf16", "cpu")
+    assert pinned and set(pinned) == {"_native_flash"}
+    assert metrics["train/model_output_max_abs_diff"] == 0.0
+
+
 def test_the_pinned_attention_kernel_supports_what_the_family_calls():
     from types import SimpleNamespace
 

@@ -1,0 +1,157 @@
+"""Where an engine's rollout time goes: each phase of one rollout's requests, synchronised, in one process.
+
+    python bench/profile_rollout.py --device cuda --compile        # SD3.5-Medium size, random weights
+    python bench/profile_rollout.py --device cpu --arch-layers 1 --height 64 --num-images 4 --steps 2
+
+The engine's own timers (`rollout/engine_*_seconds`) do not synchronise the device, so queued denoising work
+shows up in whatever waits for it first (the decode). This script drives the same `ModelRunner` methods the
+scheduler calls (start, step, finish) plus the wire encoding, with a device synchronise around each, and times
+the VAE decode of the rollout's latents in a few layouts, so every second of the engine side is attributed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+
+from bench.bench_rollout import build_sd35_medium  # noqa: E402
+from miles.engine.model_runner import ModelRunner  # noqa: E402
+from miles.engine.protocol import GenerateRequest, decode_response, encode_response  # noqa: E402
+from miles.engine.server_args import ServerArgs  # noqa: E402
+from miles.models.common import decode_scaled_latents, parse_dtype  # noqa: E402
+from miles.testing.real_size import synchronize  # noqa: E402
+from miles.types import GuidanceConfig  # noqa: E402
+
+
+class Timer:
+    def __init__(self, device: torch.device):
+        self.device, self.rows = device, []
+
+    def __call__(self, name: str, fn, *args, **kwargs):
+        synchronize(self.device)
+        began = time.perf_counter()
+        out = fn(*args, **kwargs)
+        synchronize(self.device)
+        self.rows.append((name, time.perf_counter() - began))
+        return out
+
+
+def requests_for(opts) -> list[GenerateRequest]:
+    m = opts.samples_per_request
+    return [
+        GenerateRequest(prompt=f"benchmark prompt number {i}", num_samples=m, seed=1000 + i, num_steps=opts.steps,
+                        guidance=GuidanceConfig(opts.cfg), height=opts.height, width=opts.width,
+                        sde_step_indices=list(range(opts.steps)), return_latent_indices=list(range(opts.steps + 1)),
+                        request_id=str(i))
+        for i in range(0, opts.num_images, m)
+    ]
+
+
+def one_rollout(runner: ModelRunner, opts, timer: Timer) -> None:
+    trajectories = [timer("start (encode, initial latents)", runner.start, r) for r in requests_for(opts)]
+    for k in range(opts.steps):
+        timer(f"step {k}", runner.step, trajectories)
+    for t in trajectories:
+        response = timer("finish (decode + pack)", runner.finish, t)
+        payload = timer("encode_response (msgpack)", encode_response, response)
+        timer("decode_response (client)", decode_response, payload)
+        timer.rows.append(("response MB", len(payload) / 1e6))
+
+
+def summarise(rows: list[tuple[str, float]]) -> list[tuple[str, float, int]]:
+    merged: dict[str, list[float]] = {}
+    for name, value in rows:
+        key = "step (each of the steps)" if name.startswith("step ") else name
+        merged.setdefault(key, []).append(value)
+    return [(name, sum(values), len(values)) for name, values in merged.items()]
+
+
+def time_decodes(pipe, latents: torch.Tensor, device: torch.device, opts) -> list[tuple[str, float]]:
+    """The VAE decode of the rollout's final latents in a few layouts (best of 3 after a warm-up)."""
+    vae = pipe.vae
+    out = []
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            synchronize(device)
+            began = time.perf_counter()
+            fn()
+            synchronize(device)
+            times.append(time.perf_counter() - began)
+        return min(times)
+
+    for chunk in (4, 8, latents.shape[0]):
+        out.append((f"decode chunk {chunk}", best(lambda: [decode_scaled_latents(vae, latents[i : i + chunk])
+                                                           for i in range(0, latents.shape[0], chunk)])))
+    if device.type == "cuda":
+        vae.to(memory_format=torch.channels_last)
+        out.append(("decode chunk 8, channels_last", best(
+            lambda: [decode_scaled_latents(vae, latents[i : i + 8]) for i in range(0, latents.shape[0], 8)])))
+        torch.backends.cudnn.benchmark = True
+        out.append(("decode chunk 8, channels_last + cudnn.benchmark", best(
+            lambda: [decode_scaled_latents(vae, latents[i : i + 8]) for i in range(0, latents.shape[0], 8)])))
+        if opts.compile:
+            vae.decoder = torch.compile(vae.decoder, dynamic=False)
+            out.append(("decode chunk 8, channels_last + cudnn.benchmark + compiled decoder", best(
+                lambda: [decode_scaled_latents(vae, latents[i : i + 8]) for i in range(0, latents.shape[0], 8)])))
+        torch.backends.cudnn.benchmark = False
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--num-images", type=int, default=32)
+    parser.add_argument("--samples-per-request", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--cfg", type=float, default=4.5)
+    parser.add_argument("--height", type=int, default=512)
+    parser.add_argument("--width", type=int, default=None)
+    parser.add_argument("--max-batch-size", type=int, default=32)
+    parser.add_argument("--compile", action="store_true", help="per-block torch.compile, as the documented command")
+    parser.add_argument("--arch-layers", type=int, default=None, help="fewer transformer blocks (CPU smoke test)")
+    parser.add_argument("--dtype", default=None)
+    opts = parser.parse_args()
+    opts.width = opts.width or opts.height
+    device = torch.device(opts.device)
+    dtype = parse_dtype(opts.dtype or ("bf16" if device.type == "cuda" else "fp32"))
+    family, pipe = build_sd35_medium(opts.device, dtype, num_layers=opts.arch_layers)
+    server_args = ServerArgs(model_path="arch:sd3.5-medium", model_family="sd3", device=opts.device,
+                             dtype="bf16" if dtype == torch.bfloat16 else "fp32", generator_device=opts.device,
+                             max_batch_size=opts.max_batch_size, enable_torch_compile=opts.compile)
+    runner = ModelRunner(server_args, loaded=(family, pipe))
+
+    one_rollout(runner, opts, Timer(device))  # warm-up (and compilation)
+    timer = Timer(device)
+    began = time.perf_counter()
+    one_rollout(runner, opts, timer)
+    total = time.perf_counter() - began
+    print(f"\none rollout, {opts.num_images} images of {opts.height}x{opts.width}, {opts.steps} steps, CFG {opts.cfg}, "
+          f"requests of {opts.samples_per_request}, compile={opts.compile}, device {device}, {dtype}: {total:.3f} s")
+    print("| phase | seconds | calls |\n|---|---|---|")
+    for name, seconds, calls in summarise(timer.rows):
+        print(f"| {name} | {seconds:.3f} | {calls} |")
+
+    generators = [torch.Generator(device=device).manual_seed(i) for i in range(opts.num_images)]
+    latents = family.prepare_latents(pipe, runner_shape(opts), generators, dtype)
+    print("\n| VAE decode of the rollout's latents | seconds |\n|---|---|")
+    for name, seconds in time_decodes(pipe, latents, device, opts):
+        print(f"| {name} | {seconds:.3f} |")
+
+
+def runner_shape(opts):
+    from miles.models.base import GenerationShape
+
+    return GenerationShape(opts.height, opts.width)
+
+
+if __name__ == "__main__":
+    main()
