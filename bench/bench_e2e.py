@@ -13,8 +13,8 @@ every sample as a train pair (Flow-GRPO clipped loss), micro-batches of `--micro
 - miles: `train_diffusion.py` itself, as docs/quickstart.md shows it (`--colocate`, real Ray, an engine
   process, HTTP, weight sync), in each requested `--miles-modes` (`eager`; `compiled` adds
   `--fsdp-torch-compile --sglang-enable-torch-compile --diffusion-recompute-old-log-prob`, the documented GPU
-  command). A compiled mode is launched twice: the first launch
-  fills the compile caches, the second is the one measured (time to the first iteration on a second launch).
+  command). A compiled mode is launched twice (`--compiled-launches`): the first launch fills the compile caches,
+  the second is the one measured (time to the first iteration on a second launch).
 
 Prints one table per setup: steady-state seconds per iteration (mean over the iterations after the first), the
 phase split (from the run's `perf/*_time` metrics), unaccounted time, peak GPU memory (device-wide, polled),
@@ -229,7 +229,7 @@ def miles_flags(opts, checkpoint: str, prompt_file: str, out: str, lora: bool, m
 
 
 def run_miles(opts, checkpoint: str, prompt_file: str, lora: bool, mode: str, workdir: str) -> dict:
-    launches = 2 if mode == "compiled" else 1  # the first compiled launch fills the caches
+    launches = opts.compiled_launches if mode == "compiled" else 1  # the first compiled launch fills the caches
     for launch in range(launches):
         out = os.path.join(workdir, f"miles-{'lora' if lora else 'full'}-{mode}-{launch}")
         argv = [sys.executable, os.path.join(REPO_ROOT, "train_diffusion.py"),
@@ -311,6 +311,8 @@ def main() -> None:
     parser.add_argument("--setups", default="lora,full", help="comma list of lora, full")
     parser.add_argument("--miles-modes", default="eager,compiled", help="comma list of eager, compiled")
     parser.add_argument("--skip-plain", action="store_true")
+    parser.add_argument("--compiled-launches", type=int, default=2,
+                        help="launches per compiled mode, the last one measured (1: when the compile caches are warm)")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("extra_flags", nargs="*", help="after --: more train_diffusion.py flags")
     opts = parser.parse_args()

@@ -72,8 +72,9 @@ def summarise(rows: list[tuple[str, float]]) -> list[tuple[str, float, int]]:
     return [(name, sum(values), len(values)) for name, values in merged.items()]
 
 
-def time_decodes(pipe, latents: torch.Tensor, device: torch.device, opts) -> list[tuple[str, float]]:
-    """The VAE decode of the rollout's final latents in a few layouts (best of 3 after a warm-up)."""
+def time_decodes(pipe, latents: torch.Tensor, device: torch.device) -> list[tuple[str, float]]:
+    """The VAE decode of the rollout's final latents at a few batch sizes (best of 3 after a warm-up), as the
+    engine runs it (compiled where the engine compiles it)."""
     vae = pipe.vae
     out = []
 
@@ -91,19 +92,57 @@ def time_decodes(pipe, latents: torch.Tensor, device: torch.device, opts) -> lis
     for chunk in (4, 8, latents.shape[0]):
         out.append((f"decode chunk {chunk}", best(lambda: [decode_scaled_latents(vae, latents[i : i + chunk])
                                                            for i in range(0, latents.shape[0], chunk)])))
-    if device.type == "cuda":
-        vae.to(memory_format=torch.channels_last)
-        out.append(("decode chunk 8, channels_last", best(
-            lambda: [decode_scaled_latents(vae, latents[i : i + 8]) for i in range(0, latents.shape[0], 8)])))
-        torch.backends.cudnn.benchmark = True
-        out.append(("decode chunk 8, channels_last + cudnn.benchmark", best(
-            lambda: [decode_scaled_latents(vae, latents[i : i + 8]) for i in range(0, latents.shape[0], 8)])))
-        if opts.compile:
-            vae.decoder = torch.compile(vae.decoder, dynamic=False)
-            out.append(("decode chunk 8, channels_last + cudnn.benchmark + compiled decoder", best(
-                lambda: [decode_scaled_latents(vae, latents[i : i + 8]) for i in range(0, latents.shape[0], 8)])))
-        torch.backends.cudnn.benchmark = False
     return out
+
+
+def time_attention_backends(family, pipe, opts, device, dtype) -> list[tuple[str, float, float]]:
+    """(backend, eager forward seconds at the rollout's batch, eager forward + backward at micro-batch 8) for each
+    SDPA kernel: which one the engine and the trainer should run at this size."""
+    from miles.models.base import GenerationShape
+
+    shape = GenerationShape(opts.height, opts.width)
+    guidance = GuidanceConfig(opts.cfg)
+    transformer = pipe.transformer
+    modules = {"transformer": transformer}
+
+    def inputs(batch: int):
+        prompts = [f"benchmark prompt number {i}" for i in range(batch)]
+        conditioning = family.encode_prompt(pipe, prompts, " ", guidance, shape=shape)
+        generators = [torch.Generator(device=device).manual_seed(i) for i in range(batch)]
+        latents = family.prepare_latents(pipe, shape, generators, dtype)
+        return latents, torch.full((batch,), 0.7, device=device), conditioning
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            synchronize(device)
+            began = time.perf_counter()
+            fn()
+            synchronize(device)
+            times.append(time.perf_counter() - began)
+        return min(times)
+
+    rollout_batch, micro_batch = inputs(min(opts.num_images, opts.max_batch_size)), inputs(8)
+
+    def forward() -> None:
+        with torch.no_grad():
+            family.predict_velocity(modules, *rollout_batch, guidance, shape, dtype)
+
+    def forward_backward() -> None:
+        latents = micro_batch[0].detach().requires_grad_(True)
+        velocity = family.predict_velocity(modules, latents, *micro_batch[1:], guidance, shape, dtype)
+        velocity.float().square().mean().backward()
+
+    rows = []
+    for backend in opts.attention_backends.split(","):
+        transformer.set_attention_backend(backend)
+        try:
+            rows.append((backend, best(forward), best(forward_backward)))
+        except Exception as err:  # a kernel this device or shape lacks
+            rows.append((f"{backend} ({type(err).__name__}: {str(err)[:80]})", float("nan"), float("nan")))
+    transformer.reset_attention_backend()
+    return rows
 
 
 def main() -> None:
@@ -119,11 +158,18 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="per-block torch.compile, as the documented command")
     parser.add_argument("--arch-layers", type=int, default=None, help="fewer transformer blocks (CPU smoke test)")
     parser.add_argument("--dtype", default=None)
+    parser.add_argument("--attention-backends", default="",
+                        help="comma list of diffusers attention backends to time eagerly first (e.g. native,_native_cudnn)")
     opts = parser.parse_args()
     opts.width = opts.width or opts.height
     device = torch.device(opts.device)
     dtype = parse_dtype(opts.dtype or ("bf16" if device.type == "cuda" else "fp32"))
     family, pipe = build_sd35_medium(opts.device, dtype, num_layers=opts.arch_layers)
+    if opts.attention_backends:
+        print("| attention backend (eager DiT) | forward s (rollout batch, CFG doubled) | forward + backward s "
+              "(8 samples, CFG doubled) |\n|---|---|---|")
+        for backend, forward, both in time_attention_backends(family, pipe, opts, device, dtype):
+            print(f"| {backend} | {forward:.3f} | {both:.3f} |", flush=True)
     server_args = ServerArgs(model_path="arch:sd3.5-medium", model_family="sd3", device=opts.device,
                              dtype="bf16" if dtype == torch.bfloat16 else "fp32", generator_device=opts.device,
                              max_batch_size=opts.max_batch_size, enable_torch_compile=opts.compile)
@@ -143,7 +189,7 @@ def main() -> None:
     generators = [torch.Generator(device=device).manual_seed(i) for i in range(opts.num_images)]
     latents = family.prepare_latents(pipe, runner_shape(opts), generators, dtype)
     print("\n| VAE decode of the rollout's latents | seconds |\n|---|---|")
-    for name, seconds in time_decodes(pipe, latents, device, opts):
+    for name, seconds in time_decodes(pipe, latents, device):
         print(f"| {name} | {seconds:.3f} |")
 
 

@@ -210,13 +210,16 @@ class ModelRunner:
 
     def _compile(self, mode: str | None) -> None:
         """Compile each transformer block in place (miles/utils/compile.py); a module whose family lists no
-        blocks is compiled whole."""
+        blocks is compiled whole. The VAE decoder too where the family says it pays (`compile_vae_decoder`)."""
         for name, module in self.modules.items():
             block_lists = self.family.transformer_block_lists(module)
             if block_lists:
                 compile_blocks(block_lists, mode)
             else:
                 self.forward_modules[name] = torch.compile(module, mode=mode, dynamic=False)
+        decoder = getattr(getattr(self.pipe, "vae", None), "decoder", None)
+        if self.family.compile_vae_decoder and isinstance(decoder, nn.Module):
+            decoder.compile(mode=mode, dynamic=False)  # in place: the VAE's parameter names stay as loaded
 
     # ---- loading ----------------------------------------------------------------------------------------
     def _resolve_generator_device(self, name: str) -> torch.device:

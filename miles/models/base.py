@@ -91,6 +91,10 @@ class TrainPipelineConfig(ABC):
     # `combine_cfg`'s per-token renormalisation to the positive branch's norm (Qwen-Image true CFG): it reads only
     # the two branch outputs, so rank 0 applies it to the joined branches exactly as to the doubled batch.
     cfg_renormalize: ClassVar[bool] = False
+    # A compiled engine (`--sglang-enable-torch-compile`) also compiles the VAE's decoder in place: the 2D
+    # `AutoencoderKL` of SD3 and FLUX.1 decodes 1.8x faster compiled at 512² on an H200 (bench/RESULTS.md). Video VAEs
+    # keep per-call frame caches that would recompile, so they stay eager.
+    compile_vae_decoder: ClassVar[bool] = False
 
     # ---- loading ------------------------------------------------------------------------------------
     @abstractmethod

@@ -65,6 +65,7 @@ def image_position_ids(grid_h: int, grid_w: int, device: torch.device, dtype: to
 @register_family
 class FluxTrainPipelineConfig(Packed2x2TrainPipelineConfig):
     family: ClassVar[str] = "flux"
+    compile_vae_decoder: ClassVar[bool] = True  # AutoencoderKL
     name_hints: ClassVar[tuple[str, ...]] = ("flux",)
     pipeline_class_name: ClassVar[str] = "FluxPipeline"
     cfg_branch_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds", "pooled_prompt_embeds")  # true CFG

@@ -46,6 +46,7 @@ SD3_LORA_TARGETS = (
 @register_family
 class SD3TrainPipelineConfig(DiffusersTrainPipelineConfig):
     family: ClassVar[str] = "sd3"
+    compile_vae_decoder: ClassVar[bool] = True  # AutoencoderKL
     name_hints: ClassVar[tuple[str, ...]] = ("stable-diffusion-3", "sd3")
     pipeline_class_name: ClassVar[str] = "StableDiffusion3Pipeline"
     cfg_branch_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds", "pooled_prompt_embeds")

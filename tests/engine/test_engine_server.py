@@ -300,3 +300,13 @@ def test_engines_wider_than_the_visible_gpus_are_refused_clearly(sd3_path):
 
     with pytest.raises(MilesUserError, match="rollout-num-gpus-per-engine 64: the engine on GPU 0 sees only"):
         ModelRunner(ServerArgs(model_path=sd3_path, model_family="sd3", device="cuda", tp_size=64, ulysses_degree=64))
+
+
+def test_a_compiled_engine_compiles_the_image_vae_decoder_in_place(sd3_path, make_server_args):
+    """SD3's AutoencoderKL decoder is compiled with the DiT blocks (lazily: nothing compiles until the first decode);
+    in place, so the VAE's parameter names stay those of the checkpoint."""
+    eager = ModelRunner(make_server_args(sd3_path))
+    compiled = ModelRunner(make_server_args(sd3_path, enable_torch_compile=True))
+    assert eager.pipe.vae.decoder._compiled_call_impl is None
+    assert compiled.pipe.vae.decoder._compiled_call_impl is not None
+    assert list(compiled.pipe.vae.state_dict()) == list(eager.pipe.vae.state_dict())
