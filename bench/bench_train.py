@@ -78,6 +78,7 @@ def bench_args(opts, checkpoint: str):
         lr=1e-5,
         seed=0,
         fsdp_torch_compile=opts.compile,
+        **(dict(use_lora=True, lora_rank=32, lora_alpha=64) if opts.lora else {}),
         **extra,
     )
 
@@ -90,6 +91,8 @@ def synthetic_samples(opts, transformer_config: dict, latent_shape, text_tokens:
     generator = torch.Generator().manual_seed(0)
     sigmas = flow_match_sigmas(10, shift=3.0)
     width, pooled = transformer_config["joint_attention_dim"], transformer_config["pooled_projection_dim"]
+    if opts.like_rollout:
+        return rollout_like_samples(opts, latent_shape, text_tokens, width, pooled, sigmas, generator)
     samples = []
     for index in range(opts.pairs // 2):
         steps = [3, 4]
@@ -112,6 +115,29 @@ def synthetic_samples(opts, transformer_config: dict, latent_shape, text_tokens:
                 advantage=float(torch.randn((), generator=generator)),
             )
         )
+    return samples
+
+
+def rollout_like_samples(opts, latent_shape, text_tokens: int, width: int, pooled: int, sigmas, generator):
+    """As `train_diffusion.py`'s engine returns them: every one of the 10 steps trained, 4 samples per prompt
+    sharing one bf16 conditioning (sent once per request), fp32 latents."""
+    from miles.types import Sample
+
+    samples, steps = [], list(range(10))
+    for index in range(opts.pairs // len(steps)):
+        if index % 4 == 0:
+            conditioning = {
+                key: torch.randn(shape, generator=generator).to(torch.bfloat16)
+                for key, shape in (("prompt_embeds", (text_tokens, width)), ("pooled_prompt_embeds", (pooled,)),
+                                   ("negative_prompt_embeds", (text_tokens, width)),
+                                   ("negative_pooled_prompt_embeds", (pooled,)))
+            }
+        samples.append(Sample(
+            prompt="bench", index=index, group_index=index // 4, sde_step_indices=steps,
+            latents={k: torch.randn(latent_shape, generator=generator) for k in range(11)},
+            sigmas=sigmas, timesteps=sigmas[:-1] * 1000, rollout_log_probs=torch.full((10,), -1.0),
+            conditioning=conditioning, advantage=float(torch.randn((), generator=generator)),
+        ))
     return samples
 
 
@@ -254,6 +280,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--compile", action="store_true", help="torch.compile each transformer block (miles side)")
     parser.add_argument("--skip-naive", action="store_true")
+    parser.add_argument("--lora", action="store_true", help="miles side: LoRA r32/α64 (the end-to-end geometry)")
+    parser.add_argument("--like-rollout", action="store_true",
+                        help="pairs as an engine rollout gives them: 10 trained steps per sample, 4 samples share a "
+                             "prompt's bf16 conditioning")
     parser.add_argument("--profile", action="store_true", help="print a profiler table of one miles step")
     opts = parser.parse_args()
     if opts.arch and opts.device != "cuda":

@@ -328,29 +328,41 @@ def _stack(tensors: list[torch.Tensor], what: str, device) -> torch.Tensor:
     return torch.stack([t.to(device=device, dtype=torch.float32) if t.is_floating_point() else t.to(device) for t in tensors])
 
 
-def collate(pairs: list[TrainPair], device) -> TrainBatch:
-    def scalars(values):
-        return torch.tensor(values, dtype=torch.float32, device=device)
+def _scalar_rows(rows: list[list[float]], device) -> list[torch.Tensor]:
+    """One row per quantity, one column per pair: the micro-batch's scalars on `device` in one copy. On CUDA it goes through pinned memory
+    without waiting: a plain host-to-device copy synchronises the stream, and a sync before every micro-batch
+    stops the host from queueing the next forward while the GPU still runs the last backward."""
+    table = torch.tensor(rows, dtype=torch.float32)
+    if torch.device(device).type == "cuda":
+        table = table.pin_memory().to(device, non_blocking=True)
+    return list(table.to(device).unbind(0))
 
+
+def collate(pairs: list[TrainPair], device) -> TrainBatch:
     keys = list(pairs[0].conditioning)
     key_sets = sorted({tuple(sorted(p.conditioning)) for p in pairs})
     if len(key_sets) != 1:
         raise MilesUserError(f"cannot batch samples whose conditioning holds different tensors {key_sets} in one "
                              "micro-batch (prompt rows with and without an input image?)")
     conditioning = {key: _stack([p.conditioning[key] for p in pairs], f"conditioning[{key!r}]", device) for key in keys}
+    sigmas, sigmas_next, sigmas_1, timesteps, advantages, old_log_probs, loss_mask = _scalar_rows(
+        [[getattr(p, name) for p in pairs] for name in
+         ("sigma", "sigma_next", "sigma_1", "timestep", "advantage", "old_log_prob", "loss_mask")],
+        device,
+    )
     has_next = all(p.next_latents is not None for p in pairs)
     has_debug = all(p.debug_model_output is not None for p in pairs)
     return TrainBatch(
         pairs=pairs,
         latents=_stack([p.latents for p in pairs], "latents", device),
         next_latents=_stack([p.next_latents for p in pairs], "next latents", device) if has_next else None,
-        sigmas=scalars([p.sigma for p in pairs]),
-        sigmas_next=scalars([p.sigma_next for p in pairs]),
-        sigmas_1=scalars([p.sigma_1 for p in pairs]),
-        timesteps=scalars([p.timestep for p in pairs]),
-        advantages=scalars([p.advantage for p in pairs]),
-        old_log_probs=scalars([p.old_log_prob for p in pairs]),
-        loss_mask=scalars([p.loss_mask for p in pairs]),
+        sigmas=sigmas,
+        sigmas_next=sigmas_next,
+        sigmas_1=sigmas_1,
+        timesteps=timesteps,
+        advantages=advantages,
+        old_log_probs=old_log_probs,
+        loss_mask=loss_mask,
         conditioning=conditioning,
         debug_model_outputs=_stack([p.debug_model_output for p in pairs], "debug model outputs", device)
         if has_debug
