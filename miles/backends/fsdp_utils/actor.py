@@ -596,9 +596,9 @@ def _stage_on_device(samples: list[Sample], device: torch.device) -> None:
     if total > STAGE_ON_DEVICE_MAX_BYTES:
         return
     on_device = {key: value.to(device) for key, value in unique.items()}
-    for tensors in fields:
+    for tensors in fields:  # a dict shared by several samples is met again with its values already moved
         for key, value in tensors.items():
-            tensors[key] = on_device[id(value)]
+            tensors[key] = on_device.get(id(value), value)
     for sample in samples:
         if sample.clean_latents is not None:
             sample.clean_latents = sample.clean_latents.to(device)
