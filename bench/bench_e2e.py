@@ -261,7 +261,8 @@ def run_miles(opts, checkpoint: str, prompt_file: str, lora: bool, mode: str, wo
         "inside": {"engine denoise": mean("rollout/engine_denoise_seconds"),
                    "engine decode": mean("rollout/engine_decode_seconds"),
                    "engine request": mean("rollout/engine_request_seconds"),
-                   "trainer step": mean("perf/train_time_s")},
+                   "trainer step": mean("perf/train_time_s"),
+                   "trainer staging + micro-batching": mean("perf/train_prepare_s")},
         "log_prob_diff": mean("train/rollout_train_log_prob_abs_diff"),
         "wall": wall,
     }

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -96,14 +97,32 @@ def _conditioning_signature(conditioning: Mapping[str, torch.Tensor]) -> tuple:
     return tuple(sorted((key, tuple(value.shape[1:]), value.dtype) for key, value in conditioning.items()))
 
 
-def padded_batch_size(batch: int, compiled: set[int], max_batch_size: int) -> int:
+# A batch size that no compiled graph fits (within 2x) gets a graph of its own only once it recurs: in this many of
+# the last `NEW_SIZE_WINDOW` forwards. Until then it is padded to a larger compiled size. A rollout whose requests
+# arrive in two waves ends with a step or two of the late wave alone: padding those costs a fraction of a second
+# where a new graph costs seconds (13 s at SD3.5-Medium size on an H200, bench/RESULTS.md).
+NEW_SIZE_AFTER = 3
+NEW_SIZE_WINDOW = 6
+
+
+def batch_bucket(batch: int, max_batch_size: int) -> int:
+    """The next power of two (at most `max_batch_size`, or `batch` when larger)."""
+    return min(max(max_batch_size, batch), 1 << (batch - 1).bit_length())
+
+
+def padded_batch_size(batch: int, compiled: set[int], max_batch_size: int, recent: int = 1) -> int:
     """The batch size a compiled engine forwards `batch` samples at: a size it already compiled when one fits
-    within twice the next power of two (padding costs at most one doubled forward; a new graph costs seconds, and
-    a rollout whose requests arrive in two waves ends with half-size steps), else that power of two (at most
-    `max_batch_size`, or `batch` when larger)."""
-    bucket = min(max(max_batch_size, batch), 1 << (batch - 1).bit_length())
+    within twice `batch_bucket` (padding costs at most one doubled forward); else the bucket, once `recent`
+    (how many of the last forwards wanted this bucket, this one included) reaches `NEW_SIZE_AFTER`; before that the
+    smallest larger compiled size, if any."""
+    bucket = batch_bucket(batch, max_batch_size)
     fitting = [size for size in compiled if batch <= size <= 2 * bucket]
-    return min(fitting) if fitting else bucket
+    if fitting:
+        return min(fitting)
+    larger = [size for size in compiled if size >= batch]
+    if larger and recent < NEW_SIZE_AFTER:
+        return min(larger)
+    return bucket
 
 
 class ModelRunner:
@@ -151,6 +170,7 @@ class ModelRunner:
             self._compile(server_args.torch_compile_mode)
         self.pad_batches = bool(server_args.enable_torch_compile)  # see predict
         self.forward_sizes: set[int] = set()  # the padded batch sizes forwarded so far (compiled graphs)
+        self.recent_buckets: deque[int] = deque(maxlen=NEW_SIZE_WINDOW)  # `batch_bucket` of the last forwards
         if self.device.type == "cuda" and 0 < server_args.forward_tile < 4:
             logger.warning(
                 "DiT forwards run %d sample(s) at a time: the batch_invariant patch group uses the trainer's "
@@ -394,7 +414,10 @@ class ModelRunner:
         batch = latents.shape[0]
         padded = batch
         if self.pad_batches:
-            padded = padded_batch_size(batch, self.forward_sizes, self.server_args.max_batch_size)
+            bucket = batch_bucket(batch, self.server_args.max_batch_size)
+            self.recent_buckets.append(bucket)
+            padded = padded_batch_size(batch, self.forward_sizes, self.server_args.max_batch_size,
+                                       self.recent_buckets.count(bucket))
             self.forward_sizes.add(padded)
         if padded > batch:
             extra = padded - batch

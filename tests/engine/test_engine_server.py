@@ -289,8 +289,12 @@ def test_a_compiled_engine_reuses_a_compiled_batch_size_before_compiling_a_new_o
 
     assert padded_batch_size(3, set(), 64) == 4  # the next power of two
     assert padded_batch_size(16, {4, 32}, 64) == 32  # a size compiled in an earlier rollout: no new graph
-    assert padded_batch_size(1, {4, 32}, 64) == 1  # 4 > 2 x 1: too much padding, compile a small one
+    assert padded_batch_size(1, {4, 32}, 64) == 4  # a late wave's last steps: padded, no new graph yet
+    assert padded_batch_size(8, {32}, 64, recent=2) == 32
+    assert padded_batch_size(8, {32}, 64, recent=3) == 8  # a size that recurs gets its own graph
+    assert padded_batch_size(1, {4, 32}, 64, recent=3) == 1
     assert padded_batch_size(2, {4, 32}, 64) == 4
+    assert padded_batch_size(2, set(), 64) == 2  # nothing compiled yet: nothing to pad to
     assert padded_batch_size(100, {32}, 64) == 100  # larger than the cap: as is
 
 

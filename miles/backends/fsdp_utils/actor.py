@@ -433,6 +433,7 @@ class DiffusionTrainer:
         plan = plan_rank_train_data(config, pairs, self.dp_rank, self.dims.dp_size, self.family)
         if config.debug.save_debug_train_data:
             self._save_debug_train_data(rollout_id, plan)
+        staged = time.perf_counter() - started  # moving the rollout to the GPU and cutting it into micro-batches
         if config.trainer.diffusion_recompute_old_log_prob:
             self.recompute_old_log_probs(plan.windows)
         metrics = _MetricSums()
@@ -477,6 +478,7 @@ class DiffusionTrainer:
         if self.ema is not None:
             result["train/ema_num_updates"] = float(self.ema.num_updates)
         result.update(self._perf_metrics(plan, time.perf_counter() - started))
+        result["perf/train_prepare_s"] = staged
         return result
 
     def _save_debug_train_data(self, rollout_id: int, plan) -> None:
