@@ -54,6 +54,10 @@ class SchedulerCounters:
         return dict(self.__dict__)
 
 
+# The most `batch_wait_ms` waits a burst's admission takes while requests keep arriving (see `_gather_burst`).
+BURST_WAIT_FACTOR = 20
+
+
 class StepScheduler:
     """Owns the worker thread, the queue of new requests and the active trajectories of one engine."""
 
@@ -110,9 +114,7 @@ class StepScheduler:
             if not self._pending and not self._active:
                 self._wakeup.clear()
                 await self._wakeup.wait()
-                if self.batch_wait_s > 0:
-                    # let the other requests of a concurrent burst arrive before the first step
-                    await asyncio.sleep(self.batch_wait_s)
+                await self._gather_burst()
             await self._admit(loop)
             self._drop_cancelled()
             if not self._active:
@@ -134,6 +136,18 @@ class StepScheduler:
             for job in batch:
                 if job.trajectory.done:
                     await self._finish(loop, job)
+
+    async def _gather_burst(self) -> None:
+        """Let the other requests of a concurrent burst arrive before the first step: wait `batch_wait_ms`, and
+        again while requests keep arriving (up to `BURST_WAIT_FACTOR` waits). A rollout's requests come through
+        the router a few milliseconds apart; admitted in two waves, its last steps would run the late wave alone."""
+        waited = 0
+        while self.batch_wait_s > 0 and waited < BURST_WAIT_FACTOR:
+            seen = len(self._pending)
+            await asyncio.sleep(self.batch_wait_s)
+            waited += 1
+            if len(self._pending) == seen:
+                return
 
     async def _admit(self, loop: asyncio.AbstractEventLoop) -> None:
         pending, self._pending = self._pending, []

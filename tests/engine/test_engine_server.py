@@ -314,3 +314,26 @@ def test_a_compiled_engine_compiles_the_image_vae_decoder_in_place(sd3_path, mak
     assert eager.pipe.vae.decoder._compiled_call_impl is None
     assert compiled.pipe.vae.decoder._compiled_call_impl is not None
     assert list(compiled.pipe.vae.state_dict()) == list(eager.pipe.vae.state_dict())
+
+
+def test_a_burst_arriving_over_several_waits_is_admitted_together(local_runner):
+    """Requests 30 and 70 ms after the first, with a 50 ms wait: the wait is taken again while requests keep
+    arriving, so all three share every denoising step (no late wave running its last steps alone)."""
+    from miles.engine.scheduler import StepScheduler
+
+    async def burst():
+        scheduler = StepScheduler(local_runner, max_batch_size=32, batch_wait_ms=50.0)
+        scheduler.start()
+        try:
+            async def after(delay: float, seed: int):
+                await asyncio.sleep(delay)
+                return await scheduler.generate(_request(seed=seed, request_id=str(seed)))
+
+            await asyncio.gather(after(0.0, 1), after(0.03, 2), after(0.07, 3))
+            return scheduler.counters
+        finally:
+            await scheduler.stop()
+
+    counters = asyncio.run(burst())
+    assert counters.max_forward_samples == 6
+    assert counters.forward_batches == 4  # one forward per step for all three
