@@ -35,7 +35,9 @@ class ServerArgs:
         default=32, metadata={"help": "Most samples (before CFG doubling) in one batched DiT forward."}
     )
     batch_wait_ms: float = field(
-        default=2.0, metadata={"help": "How long the batcher waits for concurrent requests to join a step (again while they keep arriving, up to 20 times)."}
+        default=2.0,
+        metadata={"help": "How long the batcher waits for concurrent requests to join a step (again while they keep "
+                          "arriving, up to 20 times)."},
     )
     enable_torch_compile: bool = field(default=False, metadata={"help": "torch.compile the DiT forward."})
     torch_compile_mode: str = field(default="default", metadata={"help": "torch.compile mode."})
