@@ -24,6 +24,7 @@ from bench.bench_rollout import build_sd35_medium  # noqa: E402
 from miles.engine.model_runner import ModelRunner  # noqa: E402
 from miles.engine.protocol import GenerateRequest, decode_response, encode_response  # noqa: E402
 from miles.engine.server_args import ServerArgs  # noqa: E402
+from miles.models.base import GenerationShape  # noqa: E402
 from miles.models.common import decode_scaled_latents, parse_dtype  # noqa: E402
 from miles.testing.real_size import synchronize  # noqa: E402
 from miles.types import GuidanceConfig  # noqa: E402
@@ -64,6 +65,19 @@ def one_rollout(runner: ModelRunner, opts, timer: Timer) -> None:
         timer.rows.append(("response MB", len(payload) / 1e6))
 
 
+def best_of_three(fn, device: torch.device) -> float:
+    """Seconds of `fn()`, synchronised, the best of three after a warm-up (a shared machine only adds time)."""
+    fn()
+    times = []
+    for _ in range(3):
+        synchronize(device)
+        began = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - began)
+    return min(times)
+
+
 def summarise(rows: list[tuple[str, float]]) -> list[tuple[str, float, int]]:
     merged: dict[str, list[float]] = {}
     for name, value in rows:
@@ -78,28 +92,16 @@ def time_decodes(pipe, latents: torch.Tensor, device: torch.device) -> list[tupl
     vae = pipe.vae
     out = []
 
-    def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(3):
-            synchronize(device)
-            began = time.perf_counter()
-            fn()
-            synchronize(device)
-            times.append(time.perf_counter() - began)
-        return min(times)
-
-    for chunk in (4, 8, latents.shape[0]):
-        out.append((f"decode chunk {chunk}", best(lambda: [decode_scaled_latents(vae, latents[i : i + chunk])
-                                                           for i in range(0, latents.shape[0], chunk)])))
+    for chunk in sorted({4, 8, latents.shape[0]}):
+        out.append((f"decode chunk {chunk}", best_of_three(
+            lambda: [decode_scaled_latents(vae, latents[i : i + chunk]) for i in range(0, latents.shape[0], chunk)],
+            device)))
     return out
 
 
 def time_attention_backends(family, pipe, opts, device, dtype) -> list[tuple[str, float, float]]:
     """(backend, eager forward seconds at the rollout's batch, eager forward + backward at micro-batch 8) for each
     SDPA kernel: which one the engine and the trainer should run at this size."""
-    from miles.models.base import GenerationShape
-
     shape = GenerationShape(opts.height, opts.width)
     guidance = GuidanceConfig(opts.cfg)
     transformer = pipe.transformer
@@ -111,17 +113,6 @@ def time_attention_backends(family, pipe, opts, device, dtype) -> list[tuple[str
         generators = [torch.Generator(device=device).manual_seed(i) for i in range(batch)]
         latents = family.prepare_latents(pipe, shape, generators, dtype)
         return latents, torch.full((batch,), 0.7, device=device), conditioning
-
-    def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(3):
-            synchronize(device)
-            began = time.perf_counter()
-            fn()
-            synchronize(device)
-            times.append(time.perf_counter() - began)
-        return min(times)
 
     rollout_batch, micro_batch = inputs(min(opts.num_images, opts.max_batch_size)), inputs(8)
 
@@ -138,7 +129,7 @@ def time_attention_backends(family, pipe, opts, device, dtype) -> list[tuple[str
     for backend in opts.attention_backends.split(","):
         transformer.set_attention_backend(backend)
         try:
-            rows.append((backend, best(forward), best(forward_backward)))
+            rows.append((backend, best_of_three(forward, device), best_of_three(forward_backward, device)))
         except Exception as err:  # a kernel this device or shape lacks
             rows.append((f"{backend} ({type(err).__name__}: {str(err)[:80]})", float("nan"), float("nan")))
     transformer.reset_attention_backend()
@@ -187,16 +178,10 @@ def main() -> None:
         print(f"| {name} | {seconds:.3f} | {calls} |")
 
     generators = [torch.Generator(device=device).manual_seed(i) for i in range(opts.num_images)]
-    latents = family.prepare_latents(pipe, runner_shape(opts), generators, dtype)
+    latents = family.prepare_latents(pipe, GenerationShape(opts.height, opts.width), generators, dtype)
     print("\n| VAE decode of the rollout's latents | seconds |\n|---|---|")
     for name, seconds in time_decodes(pipe, latents, device):
         print(f"| {name} | {seconds:.3f} |")
-
-
-def runner_shape(opts):
-    from miles.models.base import GenerationShape
-
-    return GenerationShape(opts.height, opts.width)
 
 
 if __name__ == "__main__":
