@@ -197,8 +197,9 @@ class TrainPipelineConfig(ABC):
 
     # ---- classifier-free guidance -------------------------------------------------------------------
     def uses_cfg(self, guidance: GuidanceConfig) -> bool:
-        """Whether `guidance` asks for CFG at all (FLUX.1: only its true CFG; its `guidance_scale` is distilled)."""
-        return guidance.do_cfg
+        """Whether `guidance` asks for CFG at all: `--diffusion-guidance-scale` > 1 (FLUX.1 and Qwen-Image: only
+        their true CFG; Wan2.2: either expert's scale)."""
+        return guidance.scale > 1.0
 
     def guidance_scale_for(self, expert: str, guidance: GuidanceConfig) -> float:
         """The CFG scale of the forwards that `expert` runs (Wan2.2's low-noise expert: `guidance_scale_2`)."""

@@ -129,7 +129,7 @@ class Cosmos3TrainPipelineConfig(DiffusersTrainPipelineConfig):
             "input_ids_length": lengths,
             "encoded_shape": torch.tensor([self.encoded_shape_row(shape)] * len(prompts), dtype=torch.long),
         }
-        if guidance.scale > 1.0:
+        if self.uses_cfg(guidance):
             negative_ids, negative_lengths = self._pad(uncond_ids, pad_id)
             conditioning["negative_input_ids"] = negative_ids
             conditioning["negative_input_ids_length"] = negative_lengths
@@ -286,7 +286,7 @@ class Cosmos3TrainPipelineConfig(DiffusersTrainPipelineConfig):
                 f"Cosmos 3 conditioning was encoded for (height, width, frames, 1000·fps) {encoded[0]} but the step "
                 f"runs at {wanted}; call encode_prompt(..., shape=<the generation shape>)"
             )
-        cfg = guidance.scale > 1.0
+        cfg = self.uses_cfg(guidance)
         if cfg and "negative_input_ids" not in conditioning:
             raise ValueError("CFG is on but the conditioning holds no negative_input_ids; encode with CFG on")
         temporal_compression = self.temporal_compression_for(shape, latents.shape[2])

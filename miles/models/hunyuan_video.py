@@ -146,7 +146,7 @@ class HunyuanVideoTrainPipelineConfig(DiffusersTrainPipelineConfig):
             values = (embeds, mask, glyph_embeds, glyph_mask)
             return {key: value.float() for key, value in zip(TEXT_KEYS, values)}
 
-        return encode_with_negative(encode, prompts, negative_prompt, guidance.scale > 1.0)
+        return encode_with_negative(encode, prompts, negative_prompt, self.uses_cfg(guidance))
 
     # ---- schedule and latents -----------------------------------------------------------------------
     def latent_grid(self, shape: GenerationShape) -> tuple[int, int, int]:
@@ -195,7 +195,7 @@ class HunyuanVideoTrainPipelineConfig(DiffusersTrainPipelineConfig):
     ) -> torch.Tensor:
         transformer = modules["transformer"]
         timesteps = self.timesteps_from_sigmas(sigmas.to(device=latents.device, dtype=torch.float32).reshape(-1))
-        cfg = guidance.scale > 1.0
+        cfg = self.uses_cfg(guidance)
         latents, timesteps, text = cfg_batch_inputs(latents, timesteps, conditioning, TEXT_KEYS, cfg)
         batch, _, frames, height, width = latents.shape
         # The text-to-video condition: an all-zero latent and an all-zero mask channel, no image.

@@ -314,7 +314,7 @@ class LTXTrainPipelineConfig(DiffusersTrainPipelineConfig):
             )
             return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
 
-        return encode_with_negative(encode, prompts, negative_prompt, guidance.scale > 1.0)
+        return encode_with_negative(encode, prompts, negative_prompt, self.uses_cfg(guidance))
 
     def encode_condition_image(self, pipe: Any, pixels: torch.Tensor, shape: GenerationShape) -> dict[str, torch.Tensor]:
         """LTX-2 image-to-video (`LTX2ImageToVideoPipeline.prepare_latents`, `image_crf=0`): `image_latents`
@@ -449,7 +449,7 @@ class LTXTrainPipelineConfig(DiffusersTrainPipelineConfig):
         timesteps = self.timesteps_from_sigmas(sigmas.to(device=latents.device, dtype=torch.float32).reshape(-1))
         if self.is_ltx2:
             return self.predict_velocity_ltx2(transformer, latents, timesteps, conditioning, guidance, shape, dtype)
-        cfg = guidance.scale > 1.0
+        cfg = self.uses_cfg(guidance)
         keys = ("prompt_embeds", "prompt_attention_mask")
         latents, timesteps, text = cfg_batch_inputs(latents, timesteps, conditioning, keys, cfg)
         fps = self.fps(shape)

@@ -91,10 +91,6 @@ class SD3TrainPipelineConfig(DiffusersTrainPipelineConfig):
 
         return encode_with_negative(encode, prompts, negative_prompt, self.uses_cfg(guidance))
 
-    @staticmethod
-    def uses_cfg(guidance: GuidanceConfig) -> bool:
-        return guidance.scale > 1.0
-
     # ---- schedule and latents -----------------------------------------------------------------------
     def latent_grid(self, pipe: Any, shape: GenerationShape) -> tuple[int, int]:
         """Latent height and width, H/f and W/f; sizes the DiT's 2×2 patches cannot tile are refused."""

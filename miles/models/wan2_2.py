@@ -236,7 +236,11 @@ class Wan22TrainPipelineConfig(DiffusersTrainPipelineConfig):
             )
             return {"prompt_embeds": prompt_embeds}
 
-        return encode_with_negative(encode, prompts, negative_prompt, guidance.do_cfg)
+        return encode_with_negative(encode, prompts, negative_prompt, self.uses_cfg(guidance))
+
+    def uses_cfg(self, guidance: GuidanceConfig) -> bool:
+        """CFG when either expert's scale asks for it (`--diffusion-guidance-scale-2` is the low-noise expert's)."""
+        return guidance.do_cfg
 
     def encode_condition_image(self, pipe: Any, pixels: torch.Tensor, shape: GenerationShape) -> dict[str, torch.Tensor]:
         """TI2V 5B image-to-video (`WanImageToVideoPipeline` with `expand_timesteps`): the image resized to the
