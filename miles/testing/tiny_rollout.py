@@ -191,3 +191,26 @@ def train_rank_worker(rank: int, config: RunConfig, samples_path: str, rollout_i
     trainer.init()
     metrics = [trainer.train(rollout_id, samples) for rollout_id in rollout_ids]
     return {"metrics": metrics, "state": trained_state(trainer)}
+
+
+def cpu_runner(path: str, family, pipe):
+    """An engine's `ModelRunner` on the CPU in fp32, serving an already loaded (family, pipeline)."""
+    from miles.engine.model_runner import ModelRunner
+    from miles.engine.server_args import ServerArgs
+
+    return ModelRunner(ServerArgs(model_path=path, device="cpu", dtype="fp32", generator_device="cpu"),
+                       loaded=(family, pipe))
+
+
+def samples_through_the_engine(runner, request) -> list[Sample]:
+    """`request` as an engine receives it (through the wire format), denoised to the end on `runner`, and the
+    response as the rollout hands it to the trainer: one Sample per result, with advantages −1, +1, …"""
+    from miles.engine.protocol import decode_request, decode_response, encode_request, encode_response
+
+    request = decode_request(encode_request(request))
+    trajectory = runner.start(request)
+    while not trajectory.done:
+        runner.step([trajectory])
+    response = decode_response(encode_response(runner.finish(trajectory)))
+    return [result.fill_sample(Sample(prompt=request.prompt, index=b, advantage=float(2 * b - 1)), request, 0, None)
+            for b, result in enumerate(response.samples)]

@@ -152,12 +152,9 @@ def test_engine_rollout_of_an_image_row_and_one_train_step(path):
     """The engine encodes the request's image once; its samples carry the image latents in their conditioning; the
     trainer replays the rollout's velocities from them (no re-encoding) and one LoRA step moves the adapters."""
 
-    from miles.engine.model_runner import ModelRunner
-    from miles.engine.protocol import (ConditionImage, GenerateRequest, ProtocolError, decode_request,
-                                       decode_response, encode_request, encode_response)
-    from miles.engine.server_args import ServerArgs
-    from miles.testing.tiny_rollout import build_tiny_family, tiny_trainer_config, train_step_on_one_rank
-    from miles.types import Sample
+    from miles.engine.protocol import ConditionImage, GenerateRequest, ProtocolError
+    from miles.testing.tiny_rollout import (build_tiny_family, cpu_runner, samples_through_the_engine,
+                                            tiny_trainer_config, train_step_on_one_rank)
 
     config = tiny_trainer_config(
         path, diffusion_num_steps=3, diffusion_guidance_scale=3.5, use_lora=True, micro_batch_size_sample=2,
@@ -165,8 +162,7 @@ def test_engine_rollout_of_an_image_row_and_one_train_step(path):
     )
     family = build_tiny_family(config)
     pipe = family.load_pipeline(path, torch.float32)
-    runner = ModelRunner(ServerArgs(model_path=path, device="cpu", dtype="fp32", generator_device="cpu"),
-                         loaded=(family, pipe))
+    runner = cpu_runner(path, family, pipe)
     encoded_images = []
     original_encode = family.encode_condition_image
     family.encode_condition_image = lambda *a, **k: encoded_images.append(1) or original_encode(*a, **k)
@@ -174,14 +170,8 @@ def test_engine_rollout_of_an_image_row_and_one_train_step(path):
                               guidance=GuidanceConfig(guidance_scale=3.5), sde_step_indices=[0, 1],
                               return_latent_indices=[0, 1, 2], debug=True, request_id="kontext",
                               image=ConditionImage.from_tensor(input_image()))
-    request = decode_request(encode_request(request))  # what the engine receives
-    trajectory = runner.start(request)
-    while not trajectory.done:
-        runner.step([trajectory])
-    response = decode_response(encode_response(runner.finish(trajectory)))
+    samples = samples_through_the_engine(runner, request)
     assert len(encoded_images) == 1  # once per request, shared by its samples
-    samples = [result.fill_sample(Sample(prompt=PROMPTS[0], index=b, advantage=float(2 * b - 1)), request, 0, None)
-               for b, result in enumerate(response.samples)]
     assert samples[0].conditioning[IMAGE_LATENTS].shape == (4, 8, 8)
     assert not samples[0].conditioning[IMAGE_LATENTS].requires_grad
     assert samples[0].image.shape == (1, 32, 32, 3)

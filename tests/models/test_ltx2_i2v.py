@@ -168,12 +168,9 @@ def test_engine_rollout_of_an_image_row_and_one_train_step(path):
     trainer replays the rollout's velocities from the samples' conditioning, and one full fine-tuning step (CPS)
     moves the video weights."""
 
-    from miles.engine.model_runner import ModelRunner
-    from miles.engine.protocol import (ConditionImage, GenerateRequest, decode_request, decode_response,
-                                       encode_request, encode_response)
-    from miles.engine.server_args import ServerArgs
-    from miles.testing.tiny_rollout import build_tiny_family, tiny_trainer_config, train_step_on_one_rank
-    from miles.types import Sample
+    from miles.engine.protocol import ConditionImage, GenerateRequest
+    from miles.testing.tiny_rollout import (build_tiny_family, cpu_runner, samples_through_the_engine,
+                                            tiny_trainer_config, train_step_on_one_rank)
 
     config = tiny_trainer_config(
         path, diffusion_output_num_frames=5, diffusion_fps=25.0, diffusion_num_steps=3, diffusion_guidance_scale=1.0,
@@ -182,18 +179,11 @@ def test_engine_rollout_of_an_image_row_and_one_train_step(path):
     )
     family = build_tiny_family(config)
     pipe = family.load_pipeline(path, torch.float32)
-    runner = ModelRunner(ServerArgs(model_path=path, device="cpu", dtype="fp32", generator_device="cpu"),
-                         loaded=(family, pipe))
-    request = decode_request(encode_request(GenerateRequest(
+    runner = cpu_runner(path, family, pipe)
+    samples = samples_through_the_engine(runner, GenerateRequest(
         prompt=PROMPTS[0], num_samples=2, seed=7, num_steps=3, height=32, width=32, num_frames=5, fps=25.0,
         guidance=NO_CFG, sde_type="cps", noise_level=0.7, sde_step_indices=[0, 1], return_latent_indices=[0, 1, 2],
-        debug=True, request_id="i2v", image=ConditionImage.from_tensor(input_image()))))
-    trajectory = runner.start(request)
-    while not trajectory.done:
-        runner.step([trajectory])
-    response = decode_response(encode_response(runner.finish(trajectory)))
-    samples = [result.fill_sample(Sample(prompt=PROMPTS[0], index=b, advantage=float(2 * b - 1)), request, 0, None)
-               for b, result in enumerate(response.samples)]
+        debug=True, request_id="i2v", image=ConditionImage.from_tensor(input_image())))
     image_latents = samples[0].conditioning[IMAGE_LATENTS]
     assert image_latents.shape == (FIRST_FRAME, 8) and samples[0].image.shape == (5, 32, 32, 3)
     assert torch.equal(samples[1].clean_latents[: FIRST_FRAME * 8], image_latents.flatten())  # the first frame
