@@ -214,3 +214,19 @@ def samples_through_the_engine(runner, request) -> list[Sample]:
     response = decode_response(encode_response(runner.finish(trajectory)))
     return [result.fill_sample(Sample(prompt=request.prompt, index=b, advantage=float(2 * b - 1)), request, 0, None)
             for b, result in enumerate(response.samples)]
+
+
+def max_result_difference(a, b) -> tuple[float, int]:
+    """Two engines' `SampleResult`s for the same requests: the largest |difference| of their latents, log-probs and
+    velocities, and of their uint8 images."""
+    worst, worst_pixel = 0.0, 0
+    for x, y in zip(a, b, strict=True):
+        pairs = [(x.clean_latents, y.clean_latents), (x.rollout_log_probs, y.rollout_log_probs)]
+        pairs += [(x.latents[k], y.latents[k]) for k in x.latents]
+        pairs += [(x.debug_model_outputs[k], y.debug_model_outputs[k]) for k in x.debug_model_outputs]
+        for p, q in pairs:
+            assert p.shape == q.shape
+            worst = max(worst, (p - q).abs().max().item())
+        assert x.image.shape == y.image.shape
+        worst_pixel = max(worst_pixel, (x.image.int() - y.image.int()).abs().max().item())
+    return worst, worst_pixel

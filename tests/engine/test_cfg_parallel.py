@@ -15,6 +15,7 @@ from miles.engine.model_runner import ModelRunner
 from miles.engine.protocol import ConditionImage, GenerateRequest
 from miles.models import get_family_class
 from miles.testing.make_tiny import build_tiny_pipeline
+from miles.testing.tiny_rollout import max_result_difference
 from miles.types import GuidanceConfig
 from miles.utils.errors import MilesUserError
 
@@ -83,21 +84,6 @@ def _run(runner: ModelRunner, case: Case, guidance: GuidanceConfig | None = None
     return [sample for t in trajectories for sample in runner.finish(t).samples]
 
 
-def _max_difference(a, b) -> tuple[float, int]:
-    """The largest |difference| of latents, log-probs and velocities, and of the uint8 images."""
-    worst, worst_pixel = 0.0, 0
-    for x, y in zip(a, b, strict=True):
-        pairs = [(x.clean_latents, y.clean_latents), (x.rollout_log_probs, y.rollout_log_probs)]
-        pairs += [(x.latents[k], y.latents[k]) for k in x.latents]
-        pairs += [(x.debug_model_outputs[k], y.debug_model_outputs[k]) for k in x.debug_model_outputs]
-        for p, q in pairs:
-            assert p.shape == q.shape
-            worst = max(worst, (p - q).abs().max().item())
-        assert x.image.shape == y.image.shape
-        worst_pixel = max(worst_pixel, (x.image.int() - y.image.int()).abs().max().item())
-    return worst, worst_pixel
-
-
 @pytest.fixture(scope="module")
 def tiny_path(tiny_checkpoint, tmp_path_factory):
     """`tiny_path(case)`: the case's tiny checkpoint (a variant built once per module)."""
@@ -137,7 +123,7 @@ def test_cfg_parallel_engine_matches_one_process(name, patch_group, tiny_path, m
     try:
         assert parallel.cfg_parallel is not None and parallel.cfg_parallel.process.is_alive()
         assert parallel.parallel_info() == {"processes": 2, "mode": "cfg"}
-        difference, pixels = _max_difference(_run(single, case), _run(parallel, case))
+        difference, pixels = max_result_difference(_run(single, case), _run(parallel, case))
         print(f"{name} ({patch_group}) CFG-parallel vs one process, max |difference|: {difference:.3g}, "
               f"pixels: {pixels}")
         assert difference <= _tolerance(case), difference
@@ -161,7 +147,7 @@ def test_cfg_parallel_engine_follows_weight_updates(sd3_path, make_server_args):
     try:
         assert parallel.cfg_parallel is not None
         no_cfg = GuidanceConfig(guidance_scale=1.0)  # rank 0 alone
-        assert _max_difference(_run(single, case, no_cfg), _run(parallel, case, no_cfg)) == (0.0, 0)
+        assert max_result_difference(_run(single, case, no_cfg), _run(parallel, case, no_cfg)) == (0.0, 0)
 
         # a weight update reaches the follower: without the sync its unconditional branch would be stale
         _perturb(single)
@@ -169,7 +155,7 @@ def test_cfg_parallel_engine_follows_weight_updates(sd3_path, make_server_args):
         stale = _run(parallel, case)  # the follower still holds the old weights: the unconditional branch differs
         assert (stale[0].clean_latents - _run(single, case)[0].clean_latents).abs().max() > 1e-3
         parallel.weights_updated()
-        difference, pixels = _max_difference(_run(single, case), _run(parallel, case))
+        difference, pixels = max_result_difference(_run(single, case), _run(parallel, case))
         assert difference <= _tolerance(case) and pixels <= 1
     finally:
         parallel.close()
