@@ -334,7 +334,7 @@ def _scalar_rows(rows: list[list[float]], device) -> list[torch.Tensor]:
     stops the host from queueing the next forward while the GPU still runs the last backward."""
     table = torch.tensor(rows, dtype=torch.float32)
     if torch.device(device).type == "cuda":
-        table = table.pin_memory().to(device, non_blocking=True)
+        return list(table.pin_memory().to(device, non_blocking=True).unbind(0))
     return list(table.to(device).unbind(0))
 
 
