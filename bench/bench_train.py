@@ -31,6 +31,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from miles.utils.profiling import PROFILE_DIR_ENV, PROFILE_ROLLOUTS_ENV  # noqa: E402
 from miles.testing.real_size import (  # noqa: E402
     SD35_MEDIUM_TEXT_TOKENS,
     SD35_MEDIUM_TRANSFORMER,
@@ -67,7 +68,9 @@ def bench_args(opts, checkpoint: str):
     pixels = ARCH_SHAPES[opts.arch]["pixels"] if opts.arch else 32
     extra = {}
     if opts.arch:
-        extra = dict(diffusion_model_family="sd3", model_backend_path="bench_train.random_sd3_backend")
+        extra = dict(diffusion_model_family="sd3")
+        if not opts.checkpoint:
+            extra["model_backend_path"] = "bench_train.random_sd3_backend"
     return trainer_config(
         hf_checkpoint=checkpoint,
         diffusion_height=pixels,
@@ -145,7 +148,7 @@ def model_setup(opts):
     """(checkpoint folder, transformer config, latent shape, text tokens) for the chosen size."""
     if opts.arch:
         shape = ARCH_SHAPES[opts.arch]
-        return "random-sd3.5-medium", shape["config"], shape["latent"], shape["text_tokens"]
+        return opts.checkpoint or "random-sd3.5-medium", shape["config"], shape["latent"], shape["text_tokens"]
     import json
 
     from miles.testing.make_tiny import build_tiny_pipeline
@@ -181,21 +184,23 @@ def run_miles(rank: int, opts) -> dict:
     for rollout_id in range(opts.warmup):
         trainer.train(rollout_id, samples)
     synchronize(device)
-    started = time.perf_counter()
+    seconds = 0.0
     for rollout_id in range(opts.steps):
+        if opts.offload_cycle:  # a colocated iteration's turn: to the host and back, outside the timed step
+            trainer.offload()
+            trainer.onload()
+        started = time.perf_counter()
         trainer.train(opts.warmup + rollout_id, samples)
-    synchronize(device)
-    seconds = (time.perf_counter() - started) / opts.steps
+        synchronize(device)
+        seconds += (time.perf_counter() - started) / opts.steps
     result = {"pairs_per_s": opts.pairs / seconds, "flops_per_pair": trainer.flops_per_pair, "seconds": seconds}
-    if opts.profile and rank == 0:
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-        with profile(activities=activities) as prof:
-            trainer.train(opts.warmup + opts.steps, samples)
-            synchronize(device)
-        sort = "cuda_time_total" if device == "cuda" else "cpu_time_total"
-        result["profile"] = prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=48)
+    if opts.profile and rank == 0:  # one more step, under the trainer's own profiler (miles/utils/profiling.py)
+        profiled = opts.warmup + opts.steps
+        with tempfile.TemporaryDirectory() as directory:
+            os.environ.update({PROFILE_DIR_ENV: directory, PROFILE_ROLLOUTS_ENV: str(profiled)})
+            trainer.train(profiled, samples)
+            with open(os.path.join(directory, f"train_rollout{profiled}_rank{rank}.txt")) as handle:
+                result["profile"] = handle.read()
     return result
 
 
@@ -285,6 +290,10 @@ def main() -> None:
                         help="pairs as an engine rollout gives them: 10 trained steps per sample, 4 samples share a "
                              "prompt's bf16 conditioning")
     parser.add_argument("--profile", action="store_true", help="print a profiler table of one miles step")
+    parser.add_argument("--checkpoint", help="with --arch: load this pipeline folder (make_tiny --real-size) through "
+                        "from_pretrained, as train_diffusion.py does, instead of building random weights in place")
+    parser.add_argument("--offload-cycle", action="store_true",
+                        help="miles side: offload to the host and onload before each timed step (colocated turns)")
     opts = parser.parse_args()
     if opts.arch and opts.device != "cuda":
         parser.error("--arch needs --device cuda")

@@ -34,6 +34,7 @@ from miles.models.batch_invariant import patch_lora_layers, pin_attention, predi
 from miles.types import GuidanceConfig, Sample
 from miles.utils.errors import MilesUserError
 from miles.utils.imports import load_function
+from miles.utils.profiling import profile_train_step
 
 logger = logging.getLogger(__name__)
 
@@ -420,6 +421,10 @@ class DiffusionTrainer:
 
     def train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
         """Train on one rollout's samples; returns `train/*` and `perf/*` metrics (identical on every rank)."""
+        with profile_train_step(rollout_id, self.rank, self.device):  # MILES_PROFILE_TRAIN_DIR, else nothing
+            return self._train(rollout_id, samples)
+
+    def _train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
         started = time.perf_counter()
         config = self.config
         skip_step = config.debug.debug_skip_optimizer_step
