@@ -31,13 +31,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from miles.utils.profiling import PROFILE_DIR_ENV, PROFILE_ROLLOUTS_ENV  # noqa: E402
 from miles.testing.real_size import (  # noqa: E402
     SD35_MEDIUM_TEXT_TOKENS,
     SD35_MEDIUM_TRANSFORMER,
     random_sd35_medium_transformer,
     synchronize,
 )
+from miles.utils.profiling import PROFILE_DIR_ENV, PROFILE_ROLLOUTS_ENV  # noqa: E402
 
 # flops_per_pair: forward + backward of one CFG pair (two 2.5 TFLOP forwards, backward twice that), counted with
 # torch.utils.flop_counter on an H200; used for the MFU column when no row counted it (compiled blocks).

@@ -312,3 +312,26 @@ def test_fp16_forward_uses_the_grad_scaler(tiny):
     metrics = trainer.train(0, tiny[3])
     assert torch.isfinite(torch.tensor([metrics["train/loss"], metrics["train/grad_norm"]])).all()
     assert trainer.global_step == 1
+
+
+def test_lora_base_is_held_whole_in_the_forward_dtype_and_trains_identically(tiny, monkeypatch):
+    """On one rank the frozen base weights stay out of FSDP, whole and in bf16 (frozen_params_kept_whole); a
+    LoRA step gives bitwise the loss and adapter gradients of FSDP casting fp32 master copies for each forward."""
+    from torch.distributed.tensor import DTensor
+
+    from miles.backends.fsdp_utils import parallelize
+
+    options = dict(use_lora=True, diffusion_forward_dtype="bf16", lr=0.0, clip_grad=0.0, micro_batch_size=4)
+    held_whole = make_trainer(tiny, **options)
+    frozen = [p for p in held_whole.model.parameters() if not p.requires_grad]
+    assert frozen and all(type(p) is not DTensor and p.dtype == torch.bfloat16 for p in frozen)
+    assert all(isinstance(p, DTensor) and p.dtype == torch.float32 for _, p in held_whole.trainable)
+    monkeypatch.setattr(parallelize, "frozen_params_kept_whole", lambda *args: set())
+    sharded = make_trainer(tiny, **options)
+    assert all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in sharded.model.parameters())
+
+    metrics = {name: trainer.train(0, tiny[3]) for name, trainer in (("whole", held_whole), ("sharded", sharded))}
+    assert metrics["whole"]["train/loss"] == metrics["sharded"]["train/loss"]
+    expected = grads(sharded)
+    assert all(torch.equal(grad, expected[name]) for name, grad in grads(held_whole).items())
+    assert any(grad.abs().sum() > 0 for grad in expected.values())

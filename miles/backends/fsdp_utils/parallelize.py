@@ -5,7 +5,8 @@ activation checkpointing → (optional `torch.compile` per block, `--fsdp-torch-
 every transformer block the family lists, then on the module root.
 Dtypes: parameters are held in `--fsdp-master-dtype` (sharded master weights, optimizer state), all-gathered
 and computed in `--diffusion-forward-dtype` (MixedPrecisionPolicy.param_dtype), gradients reduce-scattered in
-`--fsdp-reduce-dtype`. `--fsdp-cpu-offload` keeps the shards (and so the optimizer) on the CPU.
+`--fsdp-reduce-dtype`. On a one-rank shard mesh, frozen parameters are held whole in the forward dtype instead
+(`frozen_params_kept_whole`). `--fsdp-cpu-offload` keeps the shards (and so the optimizer) on the CPU.
 """
 
 from __future__ import annotations
@@ -133,6 +134,21 @@ def enable_gradient_checkpointing(module: nn.Module, blocks: list[nn.ModuleList]
             block_list[index] = checkpoint_wrapper(block)
 
 
+def frozen_params_kept_whole(module: nn.Module, trainer: TrainerConfig, dims: ParallelDims) -> set[nn.Parameter]:
+    """The frozen parameters (the base weights under LoRA) that FSDP leaves alone: held whole, in the forward
+    dtype, on the trainer's device. Only when each rank's shard is the whole tensor anyway (one rank shards:
+    dp_shard × sp = 1) and the shards stay on the device (no `--fsdp-cpu-offload`).
+
+    Otherwise FSDP casts every frozen fp32 master weight to the forward dtype before each micro-batch's forward
+    and again before its backward: thousands of small copies per micro-batch that never change a value, which
+    made the host, not the GPU, pace a one-GPU LoRA step; and the fp32 copy doubles the memory of weights
+    nothing updates. A frozen weight's forward-dtype copy is exactly what FSDP's cast produced, so the layers
+    compute the same values."""
+    if trainer.fsdp_cpu_offload or dims.dp_shard * dims.sp > 1:
+        return set()
+    return {param for param in module.parameters() if not param.requires_grad}
+
+
 def parallelize_module(
     module: nn.Module, family, trainer: TrainerConfig, dims: ParallelDims, mesh, name: str, device
 ) -> nn.Module:
@@ -157,8 +173,11 @@ def parallelize_module(
     if trainer.gradient_checkpointing:
         enable_gradient_checkpointing(module, blocks)
 
-    if any(param.dtype != master_dtype for param in module.parameters()):
-        module.to(dtype=master_dtype)
+    kept_whole = frozen_params_kept_whole(module, trainer, dims)
+    for param in module.parameters():
+        dtype = forward_dtype if param in kept_whole else master_dtype
+        if param.dtype != dtype:
+            param.data = param.data.to(dtype)
     cast_buffers_like_the_engine(module, master_dtype, forward_dtype)
     offload = trainer.fsdp_cpu_offload
     if not offload:
@@ -170,6 +189,8 @@ def parallelize_module(
     )
     # Always reshard after the forward: a reference forward (EMA swapped into the shards) must gather again.
     fsdp_kwargs = {"mesh": dims.fsdp_mesh(mesh), "mp_policy": mp_policy, "reshard_after_forward": True}
+    if kept_whole:
+        fsdp_kwargs["ignored_params"] = kept_whole
     if offload:
         fsdp_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     if trainer.fsdp_torch_compile:
@@ -181,7 +202,8 @@ def parallelize_module(
     if dims.sp_enabled:
         set_sequence_parallel_gradient_reduction(module, dims, torch.device(device).type)
     logger.info(
-        "sharded %s: %d block lists, param %s / master %s / reduce %s, cpu offload %s, mesh %s",
-        name, len(blocks), forward_dtype, master_dtype, reduce_dtype, offload, dims,
+        "sharded %s: %d block lists, param %s / master %s / reduce %s, cpu offload %s, mesh %s, "
+        "%d frozen parameters held whole in %s",
+        name, len(blocks), forward_dtype, master_dtype, reduce_dtype, offload, dims, len(kept_whole), forward_dtype,
     )
     return module
