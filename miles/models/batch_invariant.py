@@ -121,9 +121,9 @@ def cast_parameters_like_fsdp(modules: Mapping[str, nn.Module], dtype: torch.dty
 
 
 def engine_holds_in_forward_dtype(module: nn.Module, owner_name: str, buffer_name: str) -> bool:
-    """Whether a diffusers load in the forward dtype puts this buffer in that dtype: persistent buffers are loaded
-    in `torch_dtype` unless their module is in `_keep_in_fp32_modules`; non-persistent ones (rotary tables built
-    at construction) keep the dtype they were built in."""
+    """Whether a diffusers load in the forward dtype puts this buffer (or parameter) in that dtype: parameters and
+    persistent buffers are loaded in `torch_dtype` unless their module is in `_keep_in_fp32_modules`;
+    non-persistent buffers (rotary tables built at construction) keep the dtype they were built in."""
     owner = module.get_submodule(owner_name) if owner_name else module
     if buffer_name in owner._non_persistent_buffers_set:
         return False

@@ -143,10 +143,16 @@ def frozen_params_kept_whole(module: nn.Module, trainer: TrainerConfig, dims: Pa
     and again before its backward: thousands of small copies per micro-batch that never change a value, which
     made the host, not the GPU, pace a one-GPU LoRA step; and the fp32 copy doubles the memory of weights
     nothing updates. A frozen weight's forward-dtype copy is exactly what FSDP's cast produced, so the layers
-    compute the same values."""
+    compute the same values. Parameters the engine holds in fp32 (diffusers' `_keep_in_fp32_modules`) stay
+    with FSDP: a weight sync sends every frozen weight too, and those must keep reaching the engine unrounded."""
     if trainer.fsdp_cpu_offload or dims.dp_shard * dims.sp > 1:
         return set()
-    return {param for param in module.parameters() if not param.requires_grad}
+    kept = set()
+    for name, param in module.named_parameters():
+        owner_name, _, leaf = name.rpartition(".")
+        if not param.requires_grad and engine_holds_in_forward_dtype(module, owner_name, leaf):
+            kept.add(param)
+    return kept
 
 
 def parallelize_module(
