@@ -16,6 +16,10 @@ every sample as a train pair (Flow-GRPO clipped loss), micro-batches of `--micro
   command). A compiled mode is launched twice (`--compiled-launches`): the first launch fills the compile caches,
   the second is the one measured (time to the first iteration on a second launch).
 
+Growth: `--sweep-images 16,32,64,128` and `--sweep-trained-steps 2,0` measure each point the same way (one table
+each) and end with one growth table per setup (seconds per iteration, rollout images/s, train pairs/s).
+`--rows-jsonl FILE` appends every row the moment it is measured, so a long sweep cut short keeps what it measured.
+
 Prints one table per setup: steady-state seconds per iteration (mean over the iterations after the first), the
 phase split (from the run's `perf/*_time` metrics), unaccounted time, peak GPU memory (device-wide, polled),
 time to the first iteration and the ratio to the plain loop.
@@ -294,6 +298,64 @@ def print_table(title: str, rows: dict[str, dict]) -> None:
     sys.stdout.flush()
 
 
+def measure_setup(opts, checkpoint: str, prompt_file: str, lora: bool, workdir: str) -> dict[str, dict]:
+    """One table's rows: the plain loop (unless --skip-plain), then each --miles-modes mode."""
+    prompts = [f"a photo of object number {i} on a table" for i in range(opts.prompts)]
+    os.makedirs(workdir, exist_ok=True)
+    rows: dict[str, dict] = {}
+    if not opts.skip_plain:
+        rows["plain"] = plain_loop(opts, checkpoint, prompts, lora)
+        gc.collect()  # the loop's last graph and closures are gone only now: give their memory back
+        if opts.device == "cuda":
+            torch.cuda.empty_cache()
+    for mode in opts.miles_modes.split(","):
+        rows[f"miles {mode}"] = run_miles(opts, checkpoint, prompt_file, lora, mode, workdir)
+        record_row(opts, lora, f"miles {mode}", rows[f"miles {mode}"])
+    if "plain" in rows:
+        record_row(opts, lora, "plain", rows["plain"])
+    return rows
+
+
+def record_row(opts, lora: bool, path: str, row: dict) -> None:
+    """--rows-jsonl: append the row as soon as it is measured, so a later launch that fails or runs out of time
+    loses nothing measured before it."""
+    if not opts.rows_jsonl:
+        return
+    record = {"setup": "lora" if lora else "full", "path": path, "prompts": opts.prompts, "samples": opts.samples,
+              "trained_steps": opts.trained_steps or opts.steps, **row}
+    with open(opts.rows_jsonl, "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+
+
+def sweep_points(opts) -> list[tuple[int, int]]:
+    """(images per rollout, trained steps per sample; 0 = all) for --sweep-images and --sweep-trained-steps."""
+    images = [int(v) for v in opts.sweep_images.split(",")] if opts.sweep_images else []
+    steps = [int(v) for v in opts.sweep_trained_steps.split(",")] if opts.sweep_trained_steps else []
+    points = [(n, opts.trained_steps) for n in images] + [(opts.prompts * opts.samples, t) for t in steps]
+    for n, _ in points:
+        if n % opts.samples:
+            raise SystemExit(f"--sweep-images {n}: not a multiple of --samples {opts.samples}")
+    return list(dict.fromkeys(points))
+
+
+def print_growth(title: str, points: list[tuple[int, int, dict[str, dict]]], steps: int) -> None:
+    """How an iteration grows with the rollout's size and the trained steps: one line per point and path."""
+    print(f"\n### {title}: growth\n")
+    print("| images | trained steps | pairs | path | s / iteration | rollout s | train s | images/s (rollout) "
+          "| pairs/s (train) | vs plain |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for images, trained, rows in points:
+        pairs = images * (trained or steps)
+        base = rows.get("plain", {}).get("iteration")
+        for name, row in rows.items():
+            rollout, train = row["phases"].get("rollout", 0.0), row["phases"].get("train", 0.0)
+            cells = [str(images), str(trained or steps), str(pairs), name, f"{row['iteration']:.2f}",
+                     f"{rollout:.2f}", f"{train:.2f}", f"{images / rollout:.1f}" if rollout else "–",
+                     f"{pairs / train:.1f}" if train else "–", f"{base / row['iteration']:.2f}x" if base else "–"]
+            print("| " + " | ".join(cells) + " |")
+    sys.stdout.flush()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -314,12 +376,17 @@ def main() -> None:
     parser.add_argument("--skip-plain", action="store_true")
     parser.add_argument("--compiled-launches", type=int, default=2,
                         help="launches per compiled mode, the last one measured (1: when the compile caches are warm)")
+    parser.add_argument("--sweep-images", help="comma list of images per rollout (multiples of --samples), e.g. "
+                        "16,32,64,128: each is measured as above and a growth table follows")
+    parser.add_argument("--sweep-trained-steps", help="comma list of trained steps per sample (0: all), e.g. 2,0")
+    parser.add_argument("--rows-jsonl", help="append every measured row to this file as soon as it is measured")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("extra_flags", nargs="*", help="after --: more train_diffusion.py flags")
     opts = parser.parse_args()
     pixels = 512 if opts.real_size else 32
     opts.height = opts.height or pixels
     opts.width = opts.width or pixels
+    points = sweep_points(opts)
     workdir = opts.workdir or tempfile.mkdtemp(prefix="bench_e2e_")
     os.makedirs(workdir, exist_ok=True)
     checkpoint = opts.checkpoint
@@ -330,26 +397,28 @@ def main() -> None:
             if opts.real_size:
                 command += ["--real-size", "--device", opts.device]
             subprocess.run(command, cwd=REPO_ROOT, check=True)
-    prompts = [f"a photo of object number {i} on a table" for i in range(opts.prompts)]
+    most_prompts = max([opts.prompts] + [n // opts.samples for n, _ in points])
     prompt_file = os.path.join(workdir, "prompts.jsonl")
     with open(prompt_file, "w") as handle:
-        for i in range(max(opts.prompts * opts.iterations, opts.prompts)):
+        for i in range(most_prompts * opts.iterations):
             handle.write(json.dumps({"input": f"a photo of object number {i} on a table"}) + "\n")
     print(f"device {torch.cuda.get_device_name() if opts.device == 'cuda' else 'cpu'}, torch {torch.__version__}, "
           f"{opts.prompts} prompts x {opts.samples} samples, {opts.steps} steps, {opts.height}x{opts.width}, "
           f"micro-batch {opts.micro_batch_size}, {opts.iterations} iterations", flush=True)
     for setup in opts.setups.split(","):
         lora = setup == "lora"
-        rows: dict[str, dict] = {}
-        if not opts.skip_plain:
-            rows["plain"] = plain_loop(opts, checkpoint, prompts, lora)
-            gc.collect()  # the loop's last graph and closures are gone only now: give their memory back
-            if opts.device == "cuda":
-                torch.cuda.empty_cache()
-        for mode in opts.miles_modes.split(","):
-            rows[f"miles {mode}"] = run_miles(opts, checkpoint, prompt_file, lora, mode, workdir)
-        print_table(f"{'LoRA r32' if lora else 'full fine-tune'}", rows)
-
+        title = "LoRA r32" if lora else "full fine-tune"
+        if not points:
+            print_table(title, measure_setup(opts, checkpoint, prompt_file, lora, workdir))
+            continue
+        measured = []
+        for images, trained in points:
+            point = argparse.Namespace(**{**vars(opts), "prompts": images // opts.samples, "trained_steps": trained})
+            rows = measure_setup(point, checkpoint, prompt_file, lora,
+                                 os.path.join(workdir, f"{images}-images-{trained or opts.steps}-steps"))
+            print_table(f"{title}, {images} images, {trained or opts.steps} trained steps", rows)
+            measured.append((images, trained, rows))
+        print_growth(title, measured, opts.steps)
 
 if __name__ == "__main__":
     main()
