@@ -426,6 +426,7 @@ class DiffusionTrainer:
 
     def _train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
         started = time.perf_counter()
+        allocator_before = allocator_counts(self.device)
         config = self.config
         skip_step = config.debug.debug_skip_optimizer_step
         _stage_on_device(samples, self.device)
@@ -484,6 +485,8 @@ class DiffusionTrainer:
             result["train/ema_num_updates"] = float(self.ema.num_updates)
         result.update(self._perf_metrics(plan, time.perf_counter() - started))
         result["perf/train_prepare_s"] = staged
+        for key, value in allocator_counts(self.device).items():
+            result[f"perf/train_{key}"] = float(value - allocator_before[key])
         return result
 
     def _save_debug_train_data(self, rollout_id: int, plan) -> None:
@@ -573,6 +576,16 @@ class DiffusionTrainer:
             torch.cuda.synchronize()
             if str(device) == "cpu":
                 torch.cuda.empty_cache()
+
+
+def allocator_counts(device: torch.device) -> dict[str, int]:
+    """The CUDA caching allocator's running counts: `cuda_mallocs` (device allocations; a warm cache makes none,
+    and each one may synchronise the device) and `alloc_retries` (allocations that freed the cache and retried:
+    memory pressure). Empty off CUDA."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {"cuda_mallocs": stats.get("num_device_alloc", 0), "alloc_retries": stats.get("num_alloc_retries", 0)}
 
 
 def _shallow_copy(pair):
