@@ -1,8 +1,13 @@
-"""One process's view of its GPU's memory, as the colocation policy (miles/ray/colocation.py) reads it."""
+"""One process's view of its GPU's memory: what the colocation policy (miles/ray/colocation.py) reads, and the
+caching allocator's counts a train step reports (`perf/train_cuda_mallocs`, `perf/train_alloc_retries`)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -31,3 +36,15 @@ def current_device_memory() -> DeviceMemory | None:
         reserved=int(torch.cuda.memory_reserved()),
         peak_reserved=int(torch.cuda.max_memory_reserved()),
     )
+
+
+def allocator_counts(device: torch.device) -> dict[str, int]:
+    """The CUDA caching allocator's running counts: `cuda_mallocs` (device allocations; a warm cache makes none,
+    and each one may synchronise the device) and `alloc_retries` (allocations that freed the cache and retried:
+    memory pressure). Empty off CUDA."""
+    import torch
+
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {"cuda_mallocs": stats.get("num_device_alloc", 0), "alloc_retries": stats.get("num_alloc_retries", 0)}

@@ -32,6 +32,7 @@ from miles.config.sections import RunConfig
 from miles.models.base import GenerationShape
 from miles.models.batch_invariant import patch_lora_layers, pin_attention, predict_velocity_in_tiles
 from miles.types import GuidanceConfig, Sample
+from miles.utils.device_memory import allocator_counts
 from miles.utils.errors import MilesUserError
 from miles.utils.imports import load_function
 from miles.utils.profiling import profile_train_step
@@ -576,16 +577,6 @@ class DiffusionTrainer:
             torch.cuda.synchronize()
             if str(device) == "cpu":
                 torch.cuda.empty_cache()
-
-
-def allocator_counts(device: torch.device) -> dict[str, int]:
-    """The CUDA caching allocator's running counts: `cuda_mallocs` (device allocations; a warm cache makes none,
-    and each one may synchronise the device) and `alloc_retries` (allocations that freed the cache and retried:
-    memory pressure). Empty off CUDA."""
-    if device.type != "cuda":
-        return {}
-    stats = torch.cuda.memory_stats(device)
-    return {"cuda_mallocs": stats.get("num_device_alloc", 0), "alloc_retries": stats.get("num_alloc_retries", 0)}
 
 
 def _shallow_copy(pair):
