@@ -306,14 +306,13 @@ def measure_setup(opts, checkpoint: str, prompt_file: str, lora: bool, workdir: 
     rows: dict[str, dict] = {}
     if not opts.skip_plain:
         rows["plain"] = plain_loop(opts, checkpoint, prompts, lora)
+        record_row(opts, lora, "plain", rows["plain"])
         gc.collect()  # the loop's last graph and closures are gone only now: give their memory back
         if opts.device == "cuda":
             torch.cuda.empty_cache()
     for mode in opts.miles_modes.split(","):
         rows[f"miles {mode}"] = run_miles(opts, checkpoint, prompt_file, lora, mode, workdir)
         record_row(opts, lora, f"miles {mode}", rows[f"miles {mode}"])
-    if "plain" in rows:
-        record_row(opts, lora, "plain", rows["plain"])
     return rows
 
 
@@ -420,6 +419,7 @@ def main() -> None:
             print_table(f"{title}, {images} images, {trained or opts.steps} trained steps", rows)
             measured.append((images, trained, rows))
         print_growth(title, measured, opts.steps)
+
 
 if __name__ == "__main__":
     main()

@@ -37,7 +37,7 @@ from miles.testing.real_size import (  # noqa: E402
     random_sd35_medium_transformer,
     synchronize,
 )
-from miles.utils.profiling import PROFILE_DIR_ENV, PROFILE_ROLLOUTS_ENV  # noqa: E402
+from miles.utils.profiling import PROFILE_DIR_ENV, PROFILE_ROLLOUTS_ENV, profile_report_path  # noqa: E402
 
 # flops_per_pair: forward + backward of one CFG pair (two 2.5 TFLOP forwards, backward twice that), counted with
 # torch.utils.flop_counter on an H200; used for the MFU column when no row counted it (compiled blocks).
@@ -199,7 +199,7 @@ def run_miles(rank: int, opts) -> dict:
         with tempfile.TemporaryDirectory() as directory:
             os.environ.update({PROFILE_DIR_ENV: directory, PROFILE_ROLLOUTS_ENV: str(profiled)})
             trainer.train(profiled, samples)
-            with open(os.path.join(directory, f"train_rollout{profiled}_rank{rank}.txt")) as handle:
+            with open(profile_report_path(directory, profiled, rank)) as handle:
                 result["profile"] = handle.read()
     return result
 

@@ -40,6 +40,10 @@ def profiled_rollouts() -> set[int]:
         raise ValueError(f"{PROFILE_ROLLOUTS_ENV}={raw!r}: expected a comma list of rollout ids") from None
 
 
+def profile_report_path(directory: str, rollout_id: int, rank: int) -> str:
+    return os.path.join(directory, f"train_rollout{rollout_id}_rank{rank}.txt")
+
+
 def scheduling_summary() -> str:
     """Niceness, CPU affinity and intra-op threads of this process: what decides how fast it launches work."""
     affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -81,5 +85,5 @@ def profile_train_step(rollout_id: int, rank: int, device: torch.device) -> Iter
                                                     max_name_column_width=60)]
     directory = os.environ[PROFILE_DIR_ENV]
     os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, f"train_rollout{rollout_id}_rank{rank}.txt"), "w") as handle:
+    with open(profile_report_path(directory, rollout_id, rank), "w") as handle:
         handle.write("\n".join(lines) + "\n")

@@ -329,9 +329,10 @@ def _stack(tensors: list[torch.Tensor], what: str, device) -> torch.Tensor:
 
 
 def _scalar_rows(rows: list[list[float]], device) -> list[torch.Tensor]:
-    """One row per quantity, one column per pair: the micro-batch's scalars on `device` in one copy. On CUDA it goes through pinned memory
-    without waiting: a plain host-to-device copy synchronises the stream, and a sync before every micro-batch
-    stops the host from queueing the next forward while the GPU still runs the last backward."""
+    """One row per quantity, one column per pair: the micro-batch's scalars on `device` in one copy. On CUDA it
+    goes through pinned memory without waiting: a plain host-to-device copy synchronises the stream, and a sync
+    before every micro-batch stops the host from queueing the next forward while the GPU still runs the last
+    backward."""
     table = torch.tensor(rows, dtype=torch.float32)
     if torch.device(device).type == "cuda":
         return list(table.pin_memory().to(device, non_blocking=True).unbind(0))
