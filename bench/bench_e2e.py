@@ -310,7 +310,7 @@ def measure_setup(opts, checkpoint: str, prompt_file: str, lora: bool, workdir: 
         gc.collect()  # the loop's last graph and closures are gone only now: give their memory back
         if opts.device == "cuda":
             torch.cuda.empty_cache()
-    for mode in opts.miles_modes.split(","):
+    for mode in filter(None, opts.miles_modes.split(",")):  # --miles-modes '': the plain loop alone
         rows[f"miles {mode}"] = run_miles(opts, checkpoint, prompt_file, lora, mode, workdir)
         record_row(opts, lora, f"miles {mode}", rows[f"miles {mode}"])
     return rows
@@ -372,7 +372,8 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--setups", default="lora,full", help="comma list of lora, full")
-    parser.add_argument("--miles-modes", default="eager,compiled", help="comma list of eager, compiled")
+    parser.add_argument("--miles-modes", default="eager,compiled",
+                        help="comma list of eager, compiled ('': the plain loop alone)")
     parser.add_argument("--skip-plain", action="store_true")
     parser.add_argument("--compiled-launches", type=int, default=2,
                         help="launches per compiled mode, the last one measured (1: when the compile caches are warm)")
