@@ -19,6 +19,7 @@ every sample as a train pair (Flow-GRPO clipped loss), micro-batches of `--micro
 Growth: `--sweep-images 16,32,64,128` and `--sweep-trained-steps 2,0` measure each point the same way (one table
 each) and end with one growth table per setup (seconds per iteration, rollout images/s, train pairs/s).
 `--rows-jsonl FILE` appends every row the moment it is measured, so a long sweep cut short keeps what it measured.
+`--miles-modes ''` measures the plain loop alone (at each sweep point too).
 
 Prints one table per setup: steady-state seconds per iteration (mean over the iterations after the first), the
 phase split (from the run's `perf/*_time` metrics), unaccounted time, peak GPU memory (device-wide, polled),
