@@ -82,6 +82,62 @@ class PeakMemory:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# the floor: the iteration's FLOPs at the device's measured peak
+# ---------------------------------------------------------------------------------------------------------
+def measured_peak_tflops(device: str) -> float:
+    """The dense matmul rate this device reaches (bf16 on CUDA, fp32 on CPU), measured here: the floor's
+    denominator is what the hardware does, not a datasheet."""
+    size, dtype, repeats = (8192, torch.bfloat16, 20) if device == "cuda" else (1024, torch.float32, 5)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(3):
+        _sync(device)
+        began = time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        _sync(device)
+        best = min(best, (time.perf_counter() - began) / repeats)
+    return 2 * size**3 / best / 1e12
+
+
+def forward_tflop_per_sequence(opts, checkpoint: str) -> float:
+    """FLOPs of one DiT forward of one sequence at the run's geometry (torch's formulas: matmuls, attention)."""
+    from diffusers import StableDiffusion3Pipeline
+    from torch.utils.flop_counter import FlopCounterMode
+
+    dtype = torch.bfloat16 if opts.device == "cuda" else torch.float32
+    pipe = StableDiffusion3Pipeline.from_pretrained(checkpoint, torch_dtype=dtype).to(opts.device)
+    with torch.no_grad():
+        embeds, _, pooled, _ = pipe.encode_prompt("a photo", None, None, do_classifier_free_guidance=False,
+                                                  device=opts.device)
+        factor = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+        config = pipe.transformer.config
+        x = torch.randn(1, config.in_channels, opts.height // factor, opts.width // factor, device=opts.device,
+                        dtype=dtype)
+        counter = FlopCounterMode(display=False)
+        with counter:
+            pipe.transformer(hidden_states=x, timestep=torch.ones(1, device=opts.device), encoder_hidden_states=embeds,
+                             pooled_projections=pooled, return_dict=False)
+    del pipe
+    gc.collect()
+    if opts.device == "cuda":
+        torch.cuda.empty_cache()
+    return counter.get_total_flops() / 1e12
+
+
+def iteration_floor(opts, lora: bool, tflop: float, peak: float) -> dict:
+    """Seconds of an iteration at the peak: the rollout's forwards, the trainer's forward and backward (LoRA: the
+    input gradients only, ≈ 2 forwards; full: the weight gradients too, ≈ 3 forwards). VAE decode left out."""
+    cfg = 2 if opts.guidance > 1 else 1
+    images = opts.prompts * opts.samples
+    pairs = images * (opts.trained_steps or opts.steps)
+    rollout = images * cfg * opts.steps * tflop / peak
+    train = pairs * cfg * (2 if lora else 3) * tflop / peak
+    return {"rollout": rollout, "train": train, "iteration": rollout + train}
+
+
+# ---------------------------------------------------------------------------------------------------------
 # the plain loop
 # ---------------------------------------------------------------------------------------------------------
 def _sync(device: str) -> None:
@@ -89,8 +145,10 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def plain_loop(opts, checkpoint: str, prompts: list[str], lora: bool) -> dict:
-    """The reference: one process, eager, batched prompts, CFG as one doubled batch. Returns timings."""
+def plain_loop(opts, checkpoint: str, prompts: list[str], lora: bool, compiled: bool) -> dict:
+    """The reference: one process, batched prompts, CFG as one doubled batch; eager, or `compiled` as diffusers'
+    regional-compilation docs show (`.compile()` on each transformer block and on the VAE decoder). Returns
+    timings."""
     from diffusers import StableDiffusion3Pipeline
     from peft import LoraConfig
 
@@ -113,6 +171,14 @@ def plain_loop(opts, checkpoint: str, prompts: list[str], lora: bool) -> dict:
                 param.data = param.data.float()  # adapters in fp32, the frozen base in bf16
     else:
         transformer.float().requires_grad_(True)  # fp32 master weights, bf16 autocast
+    if compiled:
+        # diffusers' regional compilation: each repeated block compiled in place, and the VAE decoder. The
+        # dynamo cache limit is raised as its docs advise when a loop sees several shapes (rollout and train
+        # batches, with and without grad): without it dynamo falls back to eager after 8 graphs.
+        torch._dynamo.config.cache_size_limit = 64
+        for block in transformer.transformer_blocks:
+            block.compile()
+        pipe.vae.decoder.compile()
     params = [p for p in transformer.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5, fused=device == "cuda")
     sde = build_sde_backend("sde", opts.noise_level, False)
@@ -189,7 +255,7 @@ def plain_loop(opts, checkpoint: str, prompts: list[str], lora: bool) -> dict:
         _sync(device)
         t3 = time.perf_counter()
         timings.append({"rollout": t1 - t0, "reward": t2 - t1, "train": t3 - t2, "iteration": t3 - t0})
-        print(f"  plain {'lora' if lora else 'full'} iteration {iteration}: " +
+        print(f"  plain {'compiled' if compiled else 'eager'} {'lora' if lora else 'full'} iteration {iteration}: " +
               " ".join(f"{k}={v:.2f}" for k, v in timings[-1].items()), flush=True)
     peak = torch.cuda.max_memory_reserved() / (1 << 30) if device == "cuda" else None
     first_iteration = timings[0]["iteration"]
@@ -229,12 +295,15 @@ def miles_flags(opts, checkpoint: str, prompt_file: str, out: str, lora: bool, m
     if lora:
         flags += ["--use-lora", "--lora-rank", "32", "--lora-alpha", "64"]
     if mode == "compiled":  # docs/quickstart.md's GPU command
-        flags += ["--fsdp-torch-compile", "--sglang-enable-torch-compile", "--diffusion-recompute-old-log-prob"]
+        flags += ["--fsdp-torch-compile", "--sglang-enable-torch-compile"]
+    elif mode == "compiled-free":  # the compiled command before it was exact: free batching, ratio hidden by recompute
+        flags += ["--fsdp-torch-compile", "--sglang-enable-torch-compile", "--rollout-patch-group", "none",
+                  "--diffusion-recompute-old-log-prob"]
     return flags + list(opts.extra_flags)
 
 
 def run_miles(opts, checkpoint: str, prompt_file: str, lora: bool, mode: str, workdir: str) -> dict:
-    launches = opts.compiled_launches if mode == "compiled" else 1  # the first compiled launch fills the caches
+    launches = opts.compiled_launches if mode.startswith("compiled") else 1  # the first compiled launch fills the caches
     for launch in range(launches):
         out = os.path.join(workdir, f"miles-{'lora' if lora else 'full'}-{mode}-{launch}")
         argv = [sys.executable, os.path.join(REPO_ROOT, "train_diffusion.py"),
@@ -277,22 +346,30 @@ def run_miles(opts, checkpoint: str, prompt_file: str, lora: bool, mode: str, wo
 # ---------------------------------------------------------------------------------------------------------
 # the table
 # ---------------------------------------------------------------------------------------------------------
-def print_table(title: str, rows: dict[str, dict]) -> None:
+def print_table(title: str, rows: dict[str, dict], floor: dict | None = None) -> None:
+    """Rows side by side; ratios against the compiled plain loop (the strongest loop a user writes from the
+    libraries' docs) and the eager one; MFU = the floor's seconds over the row's."""
     phases = []
     for row in rows.values():
         phases += [p for p in row["phases"] if p not in phases]
     print(f"\n### {title}\n")
     head = ["path", "s / iteration", *[f"{p} s" for p in phases], "unaccounted s", "peak GiB", "startup s",
-            "first iteration s", "clipfrac", "vs plain"]
+            "first iteration s", "clipfrac", "log-prob diff", "MFU", "vs plain compiled", "vs plain eager"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
-    base = rows.get("plain", {}).get("iteration")
+    bases = [rows.get(f"plain {mode}", {}).get("iteration") for mode in ("compiled", "eager")]
+    if floor:
+        cells = ["floor (FLOPs at the measured peak)", f"{floor['iteration']:.2f}",
+                 *[f"{floor[p]:.2f}" if p in floor else "–" for p in phases], *["–"] * 6, "100%", "–", "–"]
+        print("| " + " | ".join(cells) + " |")
     for name, row in rows.items():
         cells = [name, f"{row['iteration']:.2f}", *[f"{row['phases'].get(p, 0.0):.2f}" for p in phases],
                  f"{row['unaccounted']:.2f}", "–" if row["peak_gib"] is None else f"{row['peak_gib']:.1f}",
                  "–" if row.get("startup") is None else f"{row['startup']:.1f}", f"{row['first_iteration']:.1f}",
                  "–" if row.get("clipfrac") is None else f"{row['clipfrac']:.3f}",
-                 f"{base / row['iteration']:.2f}x" if base else "–"]
+                 "–" if row.get("log_prob_diff") is None else f"{row['log_prob_diff']:.2g}",
+                 f"{100 * floor['iteration'] / row['iteration']:.0f}%" if floor else "–",
+                 *[f"{base / row['iteration']:.2f}x" if base else "–" for base in bases]]
         print("| " + " | ".join(cells) + " |")
     for name, row in rows.items():
         if row.get("inside"):
@@ -305,12 +382,13 @@ def measure_setup(opts, checkpoint: str, prompt_file: str, lora: bool, workdir: 
     prompts = [f"a photo of object number {i} on a table" for i in range(opts.prompts)]
     os.makedirs(workdir, exist_ok=True)
     rows: dict[str, dict] = {}
-    if not opts.skip_plain:
-        rows["plain"] = plain_loop(opts, checkpoint, prompts, lora)
-        record_row(opts, lora, "plain", rows["plain"])
+    for mode in [] if opts.skip_plain else list(filter(None, opts.plain_modes.split(","))):
+        rows[f"plain {mode}"] = plain_loop(opts, checkpoint, prompts, lora, compiled=mode == "compiled")
+        record_row(opts, lora, f"plain {mode}", rows[f"plain {mode}"])
         gc.collect()  # the loop's last graph and closures are gone only now: give their memory back
         if opts.device == "cuda":
             torch.cuda.empty_cache()
+        torch._dynamo.reset()  # the next loop compiles its own graphs
     for mode in filter(None, opts.miles_modes.split(",")):  # --miles-modes '': the plain loop alone
         rows[f"miles {mode}"] = run_miles(opts, checkpoint, prompt_file, lora, mode, workdir)
         record_row(opts, lora, f"miles {mode}", rows[f"miles {mode}"])
@@ -343,11 +421,11 @@ def print_growth(title: str, points: list[tuple[int, int, dict[str, dict]]], ste
     """How an iteration grows with the rollout's size and the trained steps: one line per point and path."""
     print(f"\n### {title}: growth\n")
     print("| images | trained steps | pairs | path | s / iteration | rollout s | train s | images/s (rollout) "
-          "| pairs/s (train) | vs plain |")
+          "| pairs/s (train) | vs plain (compiled if measured) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for images, trained, rows in points:
         pairs = images * (trained or steps)
-        base = rows.get("plain", {}).get("iteration")
+        base = rows.get("plain compiled", rows.get("plain eager", {})).get("iteration")
         for name, row in rows.items():
             rollout, train = row["phases"].get("rollout", 0.0), row["phases"].get("train", 0.0)
             cells = [str(images), str(trained or steps), str(pairs), name, f"{row['iteration']:.2f}",
@@ -375,7 +453,11 @@ def main() -> None:
     parser.add_argument("--setups", default="lora,full", help="comma list of lora, full")
     parser.add_argument("--miles-modes", default="eager,compiled",
                         help="comma list of eager, compiled ('': the plain loop alone)")
+    parser.add_argument("--plain-modes", default="compiled,eager",
+                        help="comma list of the plain loop's modes: compiled (regional compilation as diffusers' docs "
+                        "show: the reference every ratio is against), eager")
     parser.add_argument("--skip-plain", action="store_true")
+    parser.add_argument("--skip-floor", action="store_true", help="do not measure the FLOP floor")
     parser.add_argument("--compiled-launches", type=int, default=2,
                         help="launches per compiled mode, the last one measured (1: when the compile caches are warm)")
     parser.add_argument("--sweep-images", help="comma list of images per rollout (multiples of --samples), e.g. "
@@ -407,18 +489,25 @@ def main() -> None:
     print(f"device {torch.cuda.get_device_name() if opts.device == 'cuda' else 'cpu'}, torch {torch.__version__}, "
           f"{opts.prompts} prompts x {opts.samples} samples, {opts.steps} steps, {opts.height}x{opts.width}, "
           f"micro-batch {opts.micro_batch_size}, {opts.iterations} iterations", flush=True)
+    tflop = peak = None
+    if not opts.skip_floor:
+        tflop, peak = forward_tflop_per_sequence(opts, checkpoint), measured_peak_tflops(opts.device)
+        print(f"floor: one DiT forward of one sequence is {tflop:.4g} TFLOP; measured dense peak {peak:.1f} TFLOP/s "
+              f"({'bf16' if opts.device == 'cuda' else 'fp32'} matmul)", flush=True)
     for setup in opts.setups.split(","):
         lora = setup == "lora"
         title = "LoRA r32" if lora else "full fine-tune"
         if not points:
-            print_table(title, measure_setup(opts, checkpoint, prompt_file, lora, workdir))
+            floor = iteration_floor(opts, lora, tflop, peak) if tflop else None
+            print_table(title, measure_setup(opts, checkpoint, prompt_file, lora, workdir), floor)
             continue
         measured = []
         for images, trained in points:
             point = argparse.Namespace(**{**vars(opts), "prompts": images // opts.samples, "trained_steps": trained})
             rows = measure_setup(point, checkpoint, prompt_file, lora,
                                  os.path.join(workdir, f"{images}-images-{trained or opts.steps}-steps"))
-            print_table(f"{title}, {images} images, {trained or opts.steps} trained steps", rows)
+            floor = iteration_floor(point, lora, tflop, peak) if tflop else None
+            print_table(f"{title}, {images} images, {trained or opts.steps} trained steps", rows, floor)
             measured.append((images, trained, rows))
         print_growth(title, measured, opts.steps)
 

@@ -56,10 +56,12 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def engine(family, pipe, checkpoint: str, device: str, dtype: str, tile: int) -> ModelRunner:
-    """An engine's model runner over an already loaded pipeline; `tile` > 0 turns the group on."""
+def engine(family, pipe, checkpoint: str, device: str, dtype: str, tile: int, compile: bool = False) -> ModelRunner:
+    """An engine's model runner over an already loaded pipeline; `tile` > 0 turns the group on; `compile`: each
+    block compiled, as `--sglang-enable-torch-compile` does."""
     server_args = ServerArgs(model_path=checkpoint, device=device, dtype=dtype, forward_tile=tile,
-                             rollout_patch_group="batch_invariant" if tile else None, max_batch_size=256)
+                             rollout_patch_group="batch_invariant" if tile else None, max_batch_size=256,
+                             enable_torch_compile=compile)
     return ModelRunner(server_args, loaded=(family, pipe))
 
 
@@ -108,7 +110,8 @@ def trainer_for(family, checkpoint: str, opts, tile: int, micro_batch_size: int,
         checkpoint, diffusion_debug_mode=True, lr=0.0, micro_batch_size=micro_batch_size,
         rollout_patch_group=["batch_invariant" if tile else "none"],
         diffusion_guidance_scale=opts.guidance, diffusion_num_steps=opts.steps, diffusion_forward_dtype=opts.dtype,
-        diffusion_height=height, diffusion_width=width, diffusion_output_num_frames=frames, **overrides,
+        diffusion_height=height, diffusion_width=width, diffusion_output_num_frames=frames,
+        fsdp_torch_compile=opts.compile, **overrides,
     )
     trainer = DiffusionTrainer(args, family, device=opts.device)
     trainer.init()
@@ -157,8 +160,9 @@ def cost_at_checkpoint(opts) -> None:
     warm = rollout(engine(family, pipe, opts.checkpoint, opts.device, opts.dtype, 0), opts, prompts[:1], 2,
                    opts.shape)  # kernels, allocator
     del warm
-    for label, mode_tile in (("off (batched freely)", 0), (f"on (tiles of {tile})", tile)):
-        runner = engine(family, pipe, opts.checkpoint, opts.device, opts.dtype, mode_tile)
+    modes = (("off (batched freely)", 0), (f"on (tiles of {tile})", tile))
+    for label, mode_tile in modes[1:] if opts.probe_only else modes:
+        runner = engine(family, pipe, opts.checkpoint, opts.device, opts.dtype, mode_tile, opts.compile)
         samples, phases = rollout(runner, opts, prompts, opts.samples, opts.shape)
         _, phases = rollout(runner, opts, prompts, opts.samples, opts.shape)  # the second one is timed
         trainer = trainer_for(family, opts.checkpoint, opts, mode_tile, tile, **lora)
@@ -175,6 +179,11 @@ def cost_at_checkpoint(opts) -> None:
         del trainer, runner
         if opts.device == "cuda":
             torch.cuda.empty_cache()
+    if opts.probe_only:
+        print(f"\n## probe at {opts.checkpoint} ({'compiled' if opts.compile else 'eager'}, group on): "
+              f"log_prob mean diff / output mean / output max / clipfrac / approx_kl")
+        print(f"LoRA B = 0: {rows[0][5]}\ntrained adapter: {probe_trained}", flush=True)
+        return
     off, on = rows
     print(f"\n## batch_invariant at {opts.checkpoint}: {opts.prompts} prompts x {opts.samples} samples, "
           f"{opts.shape[0]}x{opts.shape[1]}, {opts.steps} steps, CFG {opts.guidance}, {opts.dtype}, LoRA "
@@ -233,6 +242,9 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--lora-rank", type=int, default=32)
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--compile", action="store_true",
+                        help="compile each block on both sides (--sglang-enable-torch-compile, --fsdp-torch-compile)")
+    parser.add_argument("--probe-only", action="store_true", help="with --checkpoint: only the group-on probes")
     opts = parser.parse_args()
     opts.shape = (opts.height, opts.width, 1)
     if opts.device == "cpu":

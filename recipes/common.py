@@ -100,8 +100,8 @@ def lora(rank: int = 32, alpha: int = 64, lr: str = "3e-4") -> list[str]:
     return ["--use-lora", "--lora-rank", str(rank), "--lora-alpha", str(alpha), "--lr", lr]
 
 
-# docs/quickstart.md's fast GPU mode: both sides compiled, ratio 1 at the first window by construction
-FAST = ["--fsdp-torch-compile", "--sglang-enable-torch-compile", "--diffusion-recompute-old-log-prob"]
+# docs/quickstart.md's fast GPU mode: both sides compiled, bitwise on-policy (the batch_invariant group's opaque kernels)
+FAST = ["--fsdp-torch-compile", "--sglang-enable-torch-compile"]
 COLOCATED = ["--colocate"]
 PICKSCORE = ["--rm-type", "pickscore", "--pickscore-model-path", "yuvalkirstain/PickScore_v1",
              "--pickscore-processor-path", "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"]

@@ -430,12 +430,12 @@ def _rule_overlap(args: argparse.Namespace) -> None:
 
 
 def _rule_parity(args: argparse.Namespace) -> None:
-    """`--rollout-patch-group` unset means exact rollout/train parity (`batch_invariant`) on eager runs; compiled
-    forwards fuse differently on the two sides, so there it buys no exactness and is left off. `none`: no group."""
+    """`--rollout-patch-group` unset means exact rollout/train parity (`batch_invariant`), eager or compiled (a
+    compiled side keeps its matmuls and norms opaque to the compiler: miles/models/opaque_kernels.py). `none`: no
+    group (the engine batches freely; its log-probs then differ from the trainer's by the kernels' rounding)."""
     groups = args.rollout_patch_group
     if groups is None:
-        compiled = args.fsdp_torch_compile or getattr(args, "sglang_enable_torch_compile", None)
-        groups = [] if compiled else [BATCH_INVARIANT_GROUP]
+        groups = [BATCH_INVARIANT_GROUP]
     elif isinstance(groups, str):
         groups = [g.strip() for g in groups.split(",") if g.strip()]
     groups = [g for g in groups if g != "none"]

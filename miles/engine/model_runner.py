@@ -42,6 +42,7 @@ from miles.engine.sequence_parallel import (
 from miles.engine.server_args import ServerArgs
 from miles.models.base import GenerationShape, SequenceParallelLayout, TrainPipelineConfig, condition_image_mismatch
 from miles.models.batch_invariant import predict_velocity_in_tiles
+from miles.models.opaque_kernels import install_in_blocks
 from miles.models.common import build_train_pipeline_config, combine_cfg, generators_from_seeds, parse_dtype
 from miles.utils.compile import compile_blocks
 from miles.types import GuidanceConfig
@@ -234,6 +235,8 @@ class ModelRunner:
         for name, module in self.modules.items():
             block_lists = self.family.transformer_block_lists(module)
             if block_lists:
+                if self.server_args.forward_tile:  # the batch_invariant group, compiled: the trainer's bits
+                    install_in_blocks(block_lists)
                 compile_blocks(block_lists, mode)
             else:
                 self.forward_modules[name] = torch.compile(module, mode=mode, dynamic=False)

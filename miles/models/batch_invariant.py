@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from miles.models.opaque_kernels import opaque_linear
+
 logger = logging.getLogger(__name__)
 
 GROUP = "batch_invariant"
@@ -145,6 +147,20 @@ def merged_lora_weight(
     return merged.to(dtype)
 
 
+@torch.library.custom_op("miles::merged_lora_weight", mutates_args=())
+def opaque_merged_lora_weight(
+    base: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], scalings: list[float]
+) -> torch.Tensor:
+    """`merged_lora_weight` as an opaque op for compiled blocks: fused into a graph, W + s·B·A would round
+    differently (one fused multiply-add) from the weight export the engine runs. Takes detached tensors."""
+    return merged_lora_weight(base, list(zip(lora_a, lora_b, scalings)), base.dtype)
+
+
+@opaque_merged_lora_weight.register_fake
+def _(base, lora_a, lora_b, scalings):
+    return torch.empty_like(base)
+
+
 def lora_adapters(layer: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
     """(A, B, scaling) of each active adapter of a PEFT LoRA layer."""
     return [
@@ -162,8 +178,13 @@ def _merged_value_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tenso
         return self._miles_unpatched_forward(x, *args, **kwargs)
     base = self.base_layer
     adapters = lora_adapters(self)
-    weight = merged_lora_weight(base.weight, adapters, base.weight.dtype).detach()
-    result = F.linear(x.to(weight.dtype), weight, base.bias)
+    if getattr(self, "_miles_opaque", False):  # compiled: the merge and the matmul outside the graph's fusions
+        weight = opaque_merged_lora_weight(base.weight.detach(), [a.detach() for a, _, _ in adapters],
+                                           [b.detach() for _, b, _ in adapters], [s for _, _, s in adapters])
+        result = opaque_linear(x.to(weight.dtype), weight, base.bias)
+    else:
+        weight = merged_lora_weight(base.weight, adapters, base.weight.dtype).detach()
+        result = F.linear(x.to(weight.dtype), weight, base.bias)
     lora = None
     detached = x.detach()
     for name in self.active_adapters:

@@ -635,11 +635,11 @@ def test_entry_point_dry_run_checks_user_paths():
     assert "--prompt-data" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_parity_group_is_the_eager_default_and_sets_the_forward_tile():
+def test_parity_group_is_the_default_eager_or_compiled_and_sets_the_forward_tile():
     args = parse("--micro-batch-size", "4")
     assert args.rollout_patch_group == ["batch_invariant"] and args.parity_forward_tile == 4
-    compiled = parse("--micro-batch-size", "4", "--fsdp-torch-compile")
-    assert compiled.rollout_patch_group == [] and compiled.parity_forward_tile == 0
+    compiled = parse("--micro-batch-size", "4", "--fsdp-torch-compile", "--sglang-enable-torch-compile")
+    assert compiled.rollout_patch_group == ["batch_invariant"] and compiled.parity_forward_tile == 4
     off = parse("--micro-batch-size", "4", "--rollout-patch-group", "none")
     assert off.rollout_patch_group == [] and off.parity_forward_tile == 0
     engine_only = parse("--rollout-patch-group", "sgld")

@@ -182,7 +182,8 @@ class DiffusionTrainer:
             else:
                 module.requires_grad_(True)
                 self.family.freeze_untrained(name, module)
-            parallelize_module(module, self.family, config.trainer, self.dims, self.mesh, name, self.device)
+            parallelize_module(module, self.family, config.trainer, self.dims, self.mesh, name, self.device,
+                               opaque_kernels=bool(self.forward_tile))
         self.model = nn.ModuleDict(modules)
         self.trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         if not self.trainable:

@@ -19,6 +19,7 @@ from torch import nn
 
 from miles.backends.fsdp_utils.parallel_dims import ParallelDims
 from miles.models.batch_invariant import engine_holds_in_forward_dtype
+from miles.models.opaque_kernels import install_in_blocks
 from miles.utils.compile import compile_blocks
 from miles.utils.errors import MilesUserError
 
@@ -156,9 +157,11 @@ def frozen_params_kept_whole(module: nn.Module, trainer: TrainerConfig, dims: Pa
 
 
 def parallelize_module(
-    module: nn.Module, family, trainer: TrainerConfig, dims: ParallelDims, mesh, name: str, device
+    module: nn.Module, family, trainer: TrainerConfig, dims: ParallelDims, mesh, name: str, device,
+    opaque_kernels: bool = False,
 ) -> nn.Module:
-    """Shard one denoiser module in place (per block, then the root); returns it (now an FSDPModule)."""
+    """Shard one denoiser module in place (per block, then the root); returns it (now an FSDPModule).
+    `opaque_kernels`: compiled blocks get the batch_invariant group's opaque kernels (miles/models/opaque_kernels.py)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     forward_dtype, master_dtype, reduce_dtype = trainer_dtypes(trainer)
@@ -200,6 +203,8 @@ def parallelize_module(
     if offload:
         fsdp_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     if trainer.fsdp_torch_compile:
+        if opaque_kernels:  # the batch_invariant group, compiled: the engine's bits
+            install_in_blocks(blocks)
         compile_blocks(blocks)  # per block, before sharding (torchtitan order): one graph reused by every layer
     for block_list in blocks:
         for block in block_list:
