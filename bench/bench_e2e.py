@@ -7,13 +7,19 @@ Both sides run the same iteration: P prompts × M samples, n steps of the SDE sa
 batch), VAE decode, the built-in `brightness` reward, group-normalised advantages, then every trained step of
 every sample as a train pair (Flow-GRPO clipped loss), micro-batches of `--micro-batch-size`, one optimizer step.
 
-- plain: what a competent user writes in one process (the reference): the diffusers pipeline in bf16, the
-  prompts batched, CFG as one doubled batch, eager, LoRA through PEFT (or every parameter in fp32 with bf16
-  autocast), AdamW; the SDE step and log-prob formulas of `miles.diffusion.sde`.
+- plain: what a competent user writes in one process: the diffusers pipeline in bf16, the prompts batched, CFG
+  as one doubled batch, LoRA through PEFT (or every parameter in fp32 with bf16 autocast), fused AdamW; the SDE
+  step and log-prob formulas of `miles.diffusion.sde`. In each `--plain-modes` mode: `compiled` (the reference
+  every ratio is against: `.compile()` on each transformer block and on the VAE decoder, as diffusers'
+  regional-compilation docs show), `eager`.
 - miles: `train_diffusion.py` itself, as docs/quickstart.md shows it (`--colocate`, real Ray, an engine
   process, HTTP, weight sync), in each requested `--miles-modes` (`eager`; `compiled` adds
-  `--fsdp-torch-compile --sglang-enable-torch-compile --diffusion-recompute-old-log-prob`, the documented GPU
-  command). A compiled mode is launched twice (`--compiled-launches`): the first launch fills the compile caches,
+  `--fsdp-torch-compile --sglang-enable-torch-compile`, the documented GPU command, exact through the default
+  `batch_invariant` group; `compiled-free` turns the group off and recomputes the old log-probs, the fast
+  command before it was exact).
+
+The floor (`--skip-floor` leaves it out): the iteration's FLOPs (one DiT forward counted by torch's FLOP counter)
+at the dense matmul peak measured in the same call; each row's MFU is the floor over its seconds. A compiled mode is launched twice (`--compiled-launches`): the first launch fills the compile caches,
   the second is the one measured (time to the first iteration on a second launch).
 
 Growth: `--sweep-images 16,32,64,128` and `--sweep-trained-steps 2,0` measure each point the same way (one table
