@@ -11,7 +11,7 @@ op that the compiler cannot look into:
 
 - every `nn.Linear` (and the trainer's merged-weight LoRA value): the same cuBLAS call, on the same tile shapes
   (the group's fixed forward tiles), on both sides;
-- every `nn.LayerNorm`: ATen's fused layer norm;
+- every `nn.LayerNorm` (and diffusers' `FP32LayerNorm`): ATen's fused layer norm;
 - the one reduction of diffusers' `RMSNorm` (the mean of squares); its element-wise rest stays compiled.
 
 What is left to the compiler is element-wise, and `emulate_precision_casts` makes it round after every op as eager
@@ -138,6 +138,13 @@ def _layer_norm_forward(self: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
     return opaque_layer_norm(x, self.weight, self.bias, self.eps)[0]
 
 
+def _fp32_layer_norm_forward(self: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    """diffusers' FP32LayerNorm (Wan, LTX): the norm in fp32, cast back."""
+    weight = self.weight.float() if self.weight is not None else None
+    bias = self.bias.float() if self.bias is not None else None
+    return opaque_layer_norm(x.float(), weight, bias, self.eps)[0].to(x.dtype)
+
+
 def _rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """diffusers' RMSNorm, op for op, with its reduction opaque."""
     input_dtype = hidden_states.dtype
@@ -171,6 +178,9 @@ def install_opaque_kernels(module: nn.Module) -> dict[str, int]:
             counts["linear"] += 1
         elif type(sub) is nn.LayerNorm and len(sub.normalized_shape) == 1:
             sub.forward = types.MethodType(_layer_norm_forward, sub)
+            counts["layer_norm"] += 1
+        elif type(sub).__name__ == "FP32LayerNorm" and len(sub.normalized_shape) == 1:
+            sub.forward = types.MethodType(_fp32_layer_norm_forward, sub)
             counts["layer_norm"] += 1
         elif type(sub).__name__ == "RMSNorm" and hasattr(sub, "eps") and not isinstance(sub, nn.RMSNorm):
             sub.forward = types.MethodType(_rms_norm_forward, sub)

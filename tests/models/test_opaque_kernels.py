@@ -13,6 +13,14 @@ from torch import nn
 from miles.models.opaque_kernels import install_opaque_kernels, opaque_layer_norm, opaque_linear, opaque_mean_square
 
 
+def _fp32_layer_norm(width: int):
+    from diffusers.models.normalization import FP32LayerNorm
+
+    norm = FP32LayerNorm(width, eps=1e-6)
+    nn.init.normal_(norm.weight)
+    return norm
+
+
 def _rms_norm(width: int):
     from diffusers.models.normalization import RMSNorm
 
@@ -32,13 +40,14 @@ class _Block(nn.Module):
         self.norm_q, self.norm_k = _rms_norm(width), _rms_norm(width)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(approximate="tanh"), nn.Linear(4 * width, width))
         self.out_norm = nn.LayerNorm(width)
+        self.fp32_norm = _fp32_layer_norm(width)
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
         scale, shift = self.modulation(temb).unsqueeze(1).chunk(2, dim=-1)
         h = self.norm(x) * (1 + scale) + shift
         q, k = self.norm_q(self.q(h)), self.norm_k(self.k(h))
         h = h + torch.softmax(q @ k.transpose(1, 2) / q.shape[-1] ** 0.5, dim=-1) @ h
-        return self.out_norm(x + self.mlp(h))
+        return self.fp32_norm(self.out_norm(x + self.mlp(h)))
 
 
 def _inputs(dtype: torch.dtype, width: int = 32):
@@ -50,7 +59,7 @@ def _inputs(dtype: torch.dtype, width: int = 32):
 
 def test_installed_kernels_count_each_kind():
     counts = install_opaque_kernels(_Block())
-    assert counts == {"linear": 5, "layer_norm": 2, "rms_norm": 2, "lora": 0}
+    assert counts == {"linear": 5, "layer_norm": 3, "rms_norm": 2, "lora": 0}
     assert install_opaque_kernels(_Block().requires_grad_(False)) == counts
     block = _Block()
     install_opaque_kernels(block)
