@@ -66,7 +66,7 @@ def comma_list(text: str) -> list[str]:
 
 
 REWARD_TYPE_NAMES = ("pickscore", "ocr", "remote_rm", "jpeg_compressibility", "brightness", "clipscore", "aesthetic",
-                     "vlm_judge", "geneval")
+                     "vlm_judge", "geneval", "shapes")
 
 
 class RewardTypeChoices(tuple):

@@ -61,6 +61,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "aesthetic": _lazy_reward("aesthetic", "aesthetic_rm"),
     "vlm_judge": _lazy_reward("vlm_judge", "vlm_judge_rm"),
     "geneval": _lazy_reward("geneval", "geneval_rm"),
+    "shapes": _lazy_reward("shapes", "shapes_rm"),
 }
 
 
