@@ -1,8 +1,8 @@
 """Stable Diffusion 3 / 3.5 (`StableDiffusion3Pipeline`): MMDiT on [C, H/8, W/8] latents, three text encoders.
 
 Mirrors `StableDiffusion3Pipeline.__call__` (diffusers 0.42): prompts through two CLIP encoders and T5
-(CLIP hidden states padded to the T5 width, concatenated along the sequence: 77 + `max_sequence_length`
-tokens, a fixed length, so any samples stack), pooled CLIP projections, standard CFG with the negative
+(CLIP hidden states padded to the T5 width, concatenated along the sequence: the CLIP tokenizer's length (77) +
+`t5_sequence_length` tokens, a fixed length, so any samples stack), pooled CLIP projections, standard CFG with the negative
 branch first, static shift (SD3.5: 3.0) on the scheduler's own grid, DiT time input t = 1000·σ
 (docs/algorithms.md §1), and latents decoded as `x / scaling_factor + shift_factor`
 (SFT encodes images by the inverse, `encode_images`).
@@ -64,6 +64,13 @@ class SD3TrainPipelineConfig(DiffusersTrainPipelineConfig):
     )
     max_sequence_length: ClassVar[int] = 256  # the pipeline's default T5 length
 
+    def t5_sequence_length(self, pipe: Any) -> int:
+        """`max_sequence_length`, or the T5 tokenizer's own `model_max_length` when that is shorter (a small
+        checkpoint whose prompts are a few words, miles/tasks/shapes; SD3.5's tokenizer says 512)."""
+        tokenizer = getattr(pipe, "tokenizer_3", None)
+        limit = getattr(tokenizer, "model_max_length", None) if tokenizer is not None else None
+        return min(self.max_sequence_length, int(limit)) if limit else self.max_sequence_length
+
     # ---- conditioning -------------------------------------------------------------------------------
     def encode_prompt(
         self,
@@ -74,7 +81,7 @@ class SD3TrainPipelineConfig(DiffusersTrainPipelineConfig):
         *,
         shape: GenerationShape | None = None,
     ) -> dict[str, torch.Tensor]:
-        """`prompt_embeds` [B, 77 + T5 length, D], `pooled_prompt_embeds` [B, P]; with CFG also the negatives.
+        """`prompt_embeds` [B, CLIP length + T5 length, D], `pooled_prompt_embeds` [B, P]; with CFG also the negatives.
 
         The negative prompt (diffusers' default "" when None) is encoded once and repeated to the batch.
         """
@@ -85,7 +92,7 @@ class SD3TrainPipelineConfig(DiffusersTrainPipelineConfig):
                 prompt_2=None,
                 prompt_3=None,
                 do_classifier_free_guidance=False,
-                max_sequence_length=self.max_sequence_length,
+                max_sequence_length=self.t5_sequence_length(pipe),
             )
             return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
 

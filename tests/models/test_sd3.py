@@ -177,3 +177,13 @@ def test_encode_images_is_the_inverse_of_decode(family, pipe):
     odd = 3 * pipe.vae_scale_factor  # an odd latent size: the DiT's 2×2 patches cannot tile it
     with pytest.raises(MilesUserError, match="must be multiples of"):
         family.encode_images(pipe, gradient_pixels(1, 1, odd, odd), GenerationShape(height=odd, width=odd))
+
+
+def test_a_t5_tokenizer_shorter_than_256_sets_the_t5_length(family):
+    """A small checkpoint whose T5 tokenizer says 16 (miles/tasks/shapes) gets 16 T5 tokens; SD3.5's says 512."""
+    from miles.tasks.shapes import PRETRAINED_SD3
+
+    pipe = family.load_pipeline(PRETRAINED_SD3, torch.float32)
+    assert family.t5_sequence_length(pipe) == 16
+    cond = family.encode_prompt(pipe, PROMPTS, None, GuidanceConfig(guidance_scale=1.0))
+    assert cond["prompt_embeds"].shape[1] == pipe.tokenizer.model_max_length + 16 == 32

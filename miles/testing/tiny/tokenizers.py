@@ -43,12 +43,18 @@ def build_t5_tokenizer(model_max_length: int = 512, extra_ids: int = 0) -> T5Tok
     Every piece exists both word-initially (`▁a`) and inside a word (`a`), so any ASCII text tokenizes
     without falling back to `<unk>` (non-ASCII characters become `<unk>`, as in a real T5 vocabulary).
     """
+    vocab = t5_character_pieces()
+    vocab += [(f"<extra_id_{i}>", 0.0) for i in range(extra_ids - 1, -1, -1)]
+    return T5Tokenizer(vocab=vocab, extra_ids=extra_ids, model_max_length=model_max_length)
+
+
+def t5_character_pieces() -> list[tuple[str, float]]:
+    """The Unigram pieces of `build_t5_tokenizer` (pad, eos, unk, the word-start marker, ASCII characters)."""
     characters = string.ascii_lowercase + string.ascii_uppercase + string.digits + string.punctuation
     vocab: list[tuple[str, float]] = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
     vocab += [("▁" + ch, -3.0) for ch in characters]
     vocab += [(ch, -4.0) for ch in characters]
-    vocab += [(f"<extra_id_{i}>", 0.0) for i in range(extra_ids - 1, -1, -1)]
-    return T5Tokenizer(vocab=vocab, extra_ids=extra_ids, model_max_length=model_max_length)
+    return vocab
 
 
 QWEN2_SPECIAL_TOKENS: tuple[str, ...] = (

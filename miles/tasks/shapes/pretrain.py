@@ -1,0 +1,201 @@
+"""Pretrain the `shapes` base model on the renderer's images, on CPU, deterministically.
+
+    python -m miles.tasks.shapes.pretrain --out miles/tasks/shapes/pretrained/sd3
+
+Three stages, each seeded (`--seed`), single-threaded for bitwise repeatability (`torch.set_num_threads(1)`
+unless `--threads`):
+
+1. data: `--images-per-scene` renders of every train scene of `split_scenes` (never a held-out one), at the
+   model's image size;
+2. VAE: the AutoencoderKL trained as a plain autoencoder (posterior mean, L2 reconstruction in [-1, 1], a
+   small KL term keeping the latents near a unit Gaussian) for `--vae-steps`; then `shift_factor` and
+   `scaling_factor` are set to the latents' mean and 1/std, as SD3's are;
+3. denoiser: the transformer trained by flow matching (docs/algorithms.md §1, §7) on the cached latents, with
+   the random text encoders frozen and each scene's prompt encoded once: σ from SD3.5's shifted uniform
+   schedule, x_σ = (1 − σ)·x0 + σ·ε, loss ‖v_θ(x_σ, σ, c) − (ε − x0)‖²; 10 % of the prompts dropped to the
+   empty prompt so that guidance is possible. The saved transformer is the exponential moving average of the
+   trained one (decay `EMA_DECAY`), which samples cleaner shapes than the last iterate. `--dit-steps` sets how much it learns: the shipped model stops
+   early on purpose, drawing recognisable shapes with counts and relations often wrong (held-out score in
+   docs/shapes.md), which is what leaves room for RL.
+
+The pipeline is saved with `save_pretrained` (safetensors) into `--out`, the layout of a real SD3 checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import numpy as np
+import torch
+
+from miles.tasks.shapes.model import LARGE, SMALL, ModelSize, build_untrained_pipeline
+from miles.tasks.shapes.render import render
+from miles.tasks.shapes.spec import split_scenes
+
+logger = logging.getLogger(__name__)
+SIZES = {"small": SMALL, "large": LARGE}
+CONDITION_DROPOUT = 0.1
+EMA_DECAY = 0.999
+
+
+def render_dataset(size: int, images_per_scene: int, seed: int) -> tuple[torch.Tensor, list[str]]:
+    """([N, 3, size, size] in [-1, 1], the N prompts), train scenes only."""
+    train, _ = split_scenes(seed=0)
+    images, prompts = [], []
+    for copy in range(images_per_scene):
+        for index, scene in enumerate(train):
+            images.append(render(scene, size, seed=seed * 1_000_003 + copy * 10_007 + index))
+            prompts.append(scene.prompt())
+    pixels = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
+    return pixels, prompts
+
+
+def train_vae(vae, pixels: torch.Tensor, steps: int, batch_size: int, lr: float, generator: torch.Generator) -> None:
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
+    vae.train()
+    for step in range(steps):
+        batch = pixels[torch.randint(len(pixels), (batch_size,), generator=generator)].to(vae.device)
+        posterior = vae.encode(batch).latent_dist
+        reconstruction = vae.decode(posterior.mean).sample
+        loss = (reconstruction - batch).pow(2).mean() + 1e-4 * posterior.kl().mean() / posterior.mean[0].numel()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if step % 50 == 0 or step == steps - 1:
+            logger.info("vae step %d/%d: loss %.4f", step + 1, steps, loss.item())
+    vae.eval()
+
+
+@torch.no_grad()
+def encode_latents(vae, pixels: torch.Tensor, batch_size: int = 64) -> torch.Tensor:
+    """Posterior means, normalised by setting the VAE's shift and scaling factors (SD3's convention)."""
+    means = torch.cat([vae.encode(pixels[i:i + batch_size].to(vae.device)).latent_dist.mean.cpu()
+                       for i in range(0, len(pixels), batch_size)])
+    shift, scale = means.mean().item(), 1.0 / means.std().item()
+    vae.register_to_config(shift_factor=shift, scaling_factor=scale)
+    return (means - shift) * scale
+
+
+@torch.no_grad()
+def encode_prompts(pipe, prompts: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each distinct prompt (and "") once: (prompt_embeds [L, D], pooled [P])."""
+    unique = sorted(set(prompts) | {""})
+    embeds, _, pooled, _ = pipe.encode_prompt(prompt=unique, prompt_2=None, prompt_3=None,
+                                              do_classifier_free_guidance=False,
+                                              max_sequence_length=pipe.tokenizer_3.model_max_length)
+    return {prompt: (embeds[i].cpu(), pooled[i].cpu()) for i, prompt in enumerate(unique)}
+
+
+def shifted_sigmas(u: torch.Tensor, shift: float) -> torch.Tensor:
+    """SD3's static time shift of a uniform u (the schedule the scheduler samples on)."""
+    return shift * u / (1 + (shift - 1) * u)
+
+
+def train_denoiser(pipe, latents: torch.Tensor, prompts: list[str], steps: int, batch_size: int, lr: float,
+                   generator: torch.Generator, snapshot=None, snapshot_steps: tuple[int, ...] = ()) -> None:
+    """`snapshot(step)` is called after each step of `snapshot_steps`, the EMA weights swapped in."""
+    transformer = pipe.transformer
+    average = [p.detach().clone() for p in transformer.parameters()]
+    encoded = encode_prompts(pipe, prompts)
+    optimizer = torch.optim.AdamW(transformer.parameters(), lr=lr, weight_decay=0.0)
+    shift = float(pipe.scheduler.config.shift)
+    transformer.train()
+    for step in range(steps):
+        rows = torch.randint(len(latents), (batch_size,), generator=generator)
+        dropped = torch.rand(batch_size, generator=generator) < CONDITION_DROPOUT
+        texts = ["" if drop else prompts[row] for row, drop in zip(rows.tolist(), dropped.tolist())]
+        embeds = torch.stack([encoded[text][0] for text in texts])
+        pooled = torch.stack([encoded[text][1] for text in texts])
+        x0 = latents[rows]
+        noise = torch.randn(x0.shape, generator=generator)
+        sigma = shifted_sigmas(torch.rand(batch_size, generator=generator), shift)
+        noisy = (1 - sigma[:, None, None, None]) * x0 + sigma[:, None, None, None] * noise
+        device = transformer.device
+        velocity = transformer(hidden_states=noisy.to(device), timestep=(1000 * sigma).to(device),
+                               encoder_hidden_states=embeds.to(device), pooled_projections=pooled.to(device),
+                               return_dict=False)[0]
+        loss = (velocity - (noise - x0).to(device)).pow(2).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
+        optimizer.step()
+        decay = min(EMA_DECAY, (1 + step) / (10 + step))
+        with torch.no_grad():
+            torch._foreach_lerp_(average, [p.detach() for p in transformer.parameters()], 1 - decay)
+        if snapshot is not None and step + 1 in snapshot_steps:
+            with swapped_in(transformer, average):
+                snapshot(step + 1)
+        if step % 50 == 0 or step == steps - 1:
+            logger.info("denoiser step %d/%d: loss %.4f", step + 1, steps, loss.item())
+    with torch.no_grad():
+        for param, value in zip(transformer.parameters(), average):
+            param.copy_(value)
+    transformer.eval()
+
+
+class swapped_in:
+    """Within the block the module holds `values` (the EMA), then its own parameters again."""
+
+    def __init__(self, module, values):
+        self.params, self.values = list(module.parameters()), values
+
+    def __enter__(self):
+        self.saved = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for param, value in zip(self.params, self.values):
+                param.copy_(value)
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for param, value in zip(self.params, self.saved):
+                param.copy_(value)
+
+
+def pretrain(out_dir: str, size: ModelSize = SMALL, seed: int = 0, images_per_scene: int = 8, vae_steps: int = 200,
+             dit_steps: int = 12000, batch_size: int = 16, vae_lr: float = 2e-3, dit_lr: float = 1e-3,
+             snapshot_steps: tuple[int, ...] = (), device: str = "cpu") -> str:
+    """Pretrain into `out_dir`; `snapshot_steps` also saves the pipeline after those denoiser steps into
+    `<out_dir>-step<N>` (to choose how far to train)."""
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)  # on the CPU: the same draws whatever --device
+    pipe = build_untrained_pipeline(size, seed).to(device)
+    start = time.monotonic()
+    pixels, prompts = render_dataset(size.image_size, images_per_scene, seed)
+    logger.info("rendered %d images in %.1fs", len(pixels), time.monotonic() - start)
+    train_vae(pipe.vae, pixels, vae_steps, batch_size, vae_lr, generator)
+    latents = encode_latents(pipe.vae, pixels)
+    logger.info("vae done at %.1fs", time.monotonic() - start)
+
+    def snapshot(step: int) -> None:
+        pipe.save_pretrained(f"{out_dir}-step{step}")
+
+    train_denoiser(pipe, latents, prompts, dit_steps, batch_size, dit_lr, generator, snapshot, snapshot_steps)
+    logger.info("denoiser done at %.1fs", time.monotonic() - start)
+    pipe.save_pretrained(out_dir)
+    return out_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="output folder (diffusers format)")
+    parser.add_argument("--size", choices=tuple(SIZES), default="small",
+                        help="small: 32 px, the shipped CPU model; large: 128 px, the GPU benchmark's")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--images-per-scene", type=int, default=8)
+    parser.add_argument("--vae-steps", type=int, default=200)
+    parser.add_argument("--dit-steps", type=int, default=12000)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--snapshot-steps", default="", help="comma-separated denoiser steps to save as <out>-step<N>")
+    parser.add_argument("--device", default="cpu", help="cpu (bitwise repeatable) or cuda (the large model)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: bitwise repeatable)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    torch.set_num_threads(args.threads)
+    print(pretrain(args.out, SIZES[args.size], args.seed, args.images_per_scene, args.vae_steps, args.dit_steps,
+                   args.batch_size, snapshot_steps=tuple(int(s) for s in args.snapshot_steps.split(",") if s), device=args.device))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""The shapes base model: the shipped folder is the architecture `model.py` builds, and pretraining repeats
+bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import load_file
+
+from miles.tasks.shapes import PRETRAINED_SD3
+from miles.tasks.shapes.model import SMALL, TEXT_LENGTH, build_clip_tokenizer, build_t5_tokenizer, prompt_words
+from miles.tasks.shapes.pretrain import pretrain
+
+
+def test_every_prompt_word_is_one_token():
+    clip, t5 = build_clip_tokenizer(), build_t5_tokenizer()
+    for word in prompt_words():
+        assert clip.tokenize(word) == [word + "</w>"]
+        assert t5.tokenize(word) == ["▁" + word]
+    assert clip.model_max_length == t5.model_max_length == TEXT_LENGTH
+
+
+def test_the_shipped_model_is_safetensors_of_the_small_architecture():
+    files = [os.path.join(root, name) for root, _, names in os.walk(PRETRAINED_SD3) for name in names]
+    weights = [f for f in files if not f.endswith((".json", ".txt"))]
+    assert weights and all(f.endswith(".safetensors") for f in weights), weights
+    config = json.load(open(os.path.join(PRETRAINED_SD3, "transformer", "config.json")))
+    assert (config["num_layers"], config["num_attention_heads"]) == (SMALL.num_layers, SMALL.num_heads)
+    assert sum(os.path.getsize(f) for f in files) < 4 * 2**20
+
+
+def test_pretraining_is_deterministic(tmp_path):
+    first, second = str(tmp_path / "a"), str(tmp_path / "b")
+    for out in (first, second):
+        pretrain(out, images_per_scene=1, vae_steps=2, dit_steps=3, batch_size=4)
+    for component in ("transformer", "vae"):
+        a = load_file(os.path.join(first, component, "diffusion_pytorch_model.safetensors"))
+        b = load_file(os.path.join(second, component, "diffusion_pytorch_model.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    vae = json.load(open(os.path.join(first, "vae", "config.json")))
+    assert vae["scaling_factor"] != 1.0 and vae["shift_factor"] != 0.0  # set from the latents' statistics
