@@ -1,0 +1,255 @@
+"""Wall-clock time to a target held-out score on the `shapes` task (docs/shapes.md), one table.
+
+    python bench/bench_learning.py --device cpu                        # the shipped 32 px model: a smoke test
+    python bench/bench_learning.py --device cuda --size large \
+        --checkpoint /tmp/shapes-large --target 0.6 --max-rollouts 200  # 128 px, pretrained first if missing
+
+Methods, each from the same pretrained base, the same prompts, seeds and batch (P prompts × G samples):
+- `flow_grpo`: `train_diffusion.py` with every step an SDE step (on CUDA the documented fast command:
+  `--fsdp-torch-compile --sglang-enable-torch-compile --diffusion-recompute-old-log-prob`);
+- `flow_grpo_window`: the same with a window of `--window` SDE steps (`--diffusion-num-sde-steps`, the
+  `sde_window` strategy with `--diffusion-sde-window-range 0,<steps>`);
+- `nft`: DiffusionNFT (ODE rollouts with the EMA, `--loss-type nft`);
+- `plain`: a single-process Flow-GRPO loop over the same pipeline (the diffusers modules, the math of
+  `miles.diffusion.sde` / `losses`, AdamW; `torch.compile` of the transformer on CUDA), evaluated with
+  `miles.tasks.shapes.evaluate` at the same seeds as the framework's eval.
+
+Each run evaluates the held-out set every `--eval-interval` rollouts; a method's time to target is the
+wall-clock from its launch (start-up included) to the end of the first eval at or above `--target`, and its
+training time the same without the evals. A run that never reaches it shows its best score. Rows are printed
+as they finish and kept in `--rows-jsonl` when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from miles.tasks.shapes import PRETRAINED_SD3  # noqa: E402
+
+METHODS = ("flow_grpo", "flow_grpo_window", "nft", "plain")
+CORRECT = "eval/heldout/reward/shapes_correct_mean"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--size", choices=("small", "large"), default="small",
+                        help="small: the shipped 32 px model; large: 128 px, 8 blocks (pretrained into --checkpoint)")
+    parser.add_argument("--checkpoint", default=None, help="the base model (default: the shipped small one)")
+    parser.add_argument("--pretrain-steps", type=int, default=20000, help="denoiser steps when pretraining --size large")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--target", type=float, default=0.3, help="held-out shapes_correct to reach")
+    parser.add_argument("--max-rollouts", type=int, default=12)
+    parser.add_argument("--eval-interval", type=int, default=4)
+    parser.add_argument("--eval-samples", type=int, default=2, help="samples per held-out prompt")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per rollout")
+    parser.add_argument("--group", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--steps", type=int, default=8, help="denoising steps")
+    parser.add_argument("--window", type=int, default=2, help="SDE steps of flow_grpo_window")
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--nft-lr", type=float, default=3e-4)
+    parser.add_argument("--noise-level", type=float, default=0.7)
+    parser.add_argument("--clip-range", type=float, default=1e-3)
+    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--rows-jsonl", default=None)
+    return parser.parse_args()
+
+
+def image_size(opts) -> int:
+    return 32 if opts.size == "small" else 128
+
+
+def ensure_checkpoint(opts) -> str:
+    if opts.checkpoint is None and opts.size == "small":
+        return PRETRAINED_SD3
+    path = opts.checkpoint or os.path.join(tempfile.gettempdir(), "shapes-large")
+    if not os.path.exists(os.path.join(path, "model_index.json")):
+        print(f"pretraining the {opts.size} model into {path} ({opts.pretrain_steps} steps)", flush=True)
+        subprocess.run([sys.executable, "-m", "miles.tasks.shapes.pretrain", "--out", path, "--size", opts.size,
+                        "--dit-steps", str(opts.pretrain_steps), "--device", opts.device], check=True, cwd=REPO_ROOT)
+    return path
+
+
+def framework_flags(opts, method: str, checkpoint: str, data: str, out: str) -> list[str]:
+    size = str(image_size(opts))
+    flags = [
+        "--hf-checkpoint", checkpoint, "--diffusion-model-family", "sd3", "--prompt-data", f"{data}/train.jsonl",
+        "--rm-type", "shapes", "--reward-key", "shapes", "--eval-reward-key", "shapes_correct",
+        "--eval-prompt-data", "heldout", f"{data}/heldout.jsonl", "--eval-interval", str(opts.eval_interval),
+        "--n-samples-per-eval-prompt", str(opts.eval_samples),
+        "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--num-gpus-per-node", "1", "--colocate",
+        "--rollout-batch-size", str(opts.prompts), "--n-samples-per-prompt", str(opts.group),
+        "--global-batch-size", str(opts.prompts * opts.group), "--rollout-microgroup-size", str(opts.group),
+        "--micro-batch-size", str(opts.micro_batch_size), "--num-rollout", str(opts.max_rollouts),
+        "--diffusion-num-steps", str(opts.steps), "--diffusion-height", size, "--diffusion-width", size,
+        "--diffusion-guidance-scale", "1.0", "--diffusion-generator-device", opts.device,
+        "--seed", "1", "--rollout-seed", "42", "--output-dir", out,
+    ]
+    if opts.device == "cpu":
+        flags += ["--diffusion-forward-dtype", "fp32"]
+    if method in ("flow_grpo", "flow_grpo_window"):
+        flags += ["--loss-type", "policy_loss", "--diffusion-noise-level", str(opts.noise_level),
+                  "--diffusion-clip-range", str(opts.clip_range), "--lr", str(opts.lr)]
+        if opts.device == "cuda":
+            flags += ["--fsdp-torch-compile", "--sglang-enable-torch-compile", "--diffusion-recompute-old-log-prob"]
+    if method == "flow_grpo_window":
+        flags += ["--diffusion-step-strategy-path", "miles.rollout.step_strategy_hub.sde_window",
+                  "--diffusion-num-sde-steps", str(opts.window), "--diffusion-sde-window-range", f"0,{opts.steps}"]
+    if method == "nft":
+        flags += ["--loss-type", "nft", "--diffusion-sde-type", "ode", "--diffusion-noise-level", "0", "--use-ema",
+                  "--ema-rollout-policy", "ema", "--globalize-reward-std", "--lr", str(opts.nft_lr)]
+    return flags
+
+
+def run_framework(opts, method: str, checkpoint: str, data: str) -> dict:
+    out = tempfile.mkdtemp(prefix=f"bench-learning-{method}-")
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    if opts.device == "cpu":
+        env["OMP_NUM_THREADS"] = "1"
+    started = time.time()
+    result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "train_diffusion.py"),
+                             *framework_flags(opts, method, checkpoint, data, out)],
+                            cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"{method}: train_diffusion.py failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if line.strip()]
+    evals, eval_seconds = [], 0.0
+    for record in records:
+        eval_seconds += record.get("perf/eval_time", 0.0)
+        if CORRECT in record:
+            evals.append((record["rollout_id"], record[CORRECT], record["time"] - started, eval_seconds))
+    return summarise(opts, method, evals)
+
+
+def summarise(opts, method: str, evals: list[tuple[int, float, float, float]]) -> dict:
+    """evals: (rollout, score, seconds since launch at the end of that eval, eval seconds so far)."""
+    row = {"method": method, "start": evals[0][1], "best": max(e[1] for e in evals), "rollouts": None,
+           "wall_s": None, "train_s": None}
+    for rollout, score, wall, eval_seconds in evals:
+        if score >= opts.target:
+            row.update(rollouts=rollout, wall_s=wall, train_s=wall - eval_seconds)
+            break
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def run_plain(opts, checkpoint: str, data: str) -> dict:
+    """Flow-GRPO in this process: every step an SDE step, the dense reward, per-group advantages, one AdamW step
+    per rollout on the clipped loss (the framework's defaults: grad clip 1, advantage clip 5)."""
+    from miles.diffusion.losses import policy_loss
+    from miles.diffusion.sde import build_sde_backend
+    from miles.tasks.shapes.evaluate import heldout_score, load_pipeline, read_scenes
+    from miles.tasks.shapes.score import score_scene
+
+    started = time.time()
+    device, size = opts.device, image_size(opts)
+    family, pipe = load_pipeline(checkpoint)
+    pipe.to(device)
+    transformer = pipe.transformer
+    forward = torch.compile(transformer) if device == "cuda" else transformer
+    optimizer = torch.optim.AdamW(transformer.parameters(), lr=opts.lr)
+    sde = build_sde_backend("sde", opts.noise_level, False)
+    pipe.scheduler.set_timesteps(opts.steps, device=device)
+    sigmas = pipe.scheduler.sigmas.float().to(device)
+    train_scenes, heldout = read_scenes(f"{data}/train.jsonl"), read_scenes(f"{data}/heldout.jsonl")
+    order, walk = random.Random(42), []
+    batch = opts.prompts * opts.group
+    evals, eval_seconds = [], 0.0
+
+    def velocity(x, sigma, embeds, pooled):
+        return forward(hidden_states=x, timestep=(1000 * sigma).expand(len(x)), encoder_hidden_states=embeds,
+                       pooled_projections=pooled, return_dict=False)[0].float()
+
+    def evaluate(rollout: int) -> None:
+        nonlocal eval_seconds
+        begin = time.time()
+        score = heldout_score(family, pipe, heldout, num_steps=opts.steps, samples_per_prompt=opts.eval_samples,
+                              size=size).correct
+        eval_seconds += time.time() - begin
+        evals.append((rollout, score, time.time() - started, eval_seconds))
+
+    for rollout in range(opts.max_rollouts):
+        if rollout % opts.eval_interval == 0:
+            evaluate(rollout)
+        groups = []
+        for _ in range(opts.prompts):
+            walk = walk or order.sample(train_scenes, len(train_scenes))
+            groups.append(walk.pop())
+        prompts = [prompt for prompt, _ in groups for _ in range(opts.group)]
+        with torch.no_grad():
+            embeds, _, pooled, _ = pipe.encode_prompt(prompts, None, None, do_classifier_free_guidance=False,
+                                                      max_sequence_length=pipe.tokenizer_3.model_max_length,
+                                                      device=device)
+            generators = [torch.Generator(device).manual_seed(1000 * rollout + b) for b in range(batch)]
+            x = torch.stack([torch.randn((4, size // 2, size // 2), generator=g, device=device) for g in generators])
+            trajectory, log_probs = [x], []
+            for k in range(opts.steps):
+                out = sde.sample(x, velocity(x, sigmas[k], embeds, pooled), sigmas[k].expand(batch),
+                                 sigmas[k + 1].expand(batch), sigmas[1].expand(batch), generators)
+                x = out.next_latents
+                trajectory.append(x)
+                log_probs.append(out.log_prob)
+            images = family.decode(pipe, x, None)[:, 0].cpu().numpy()
+        rewards = torch.tensor([score_scene(groups[b // opts.group][1], images[b]).dense for b in range(batch)],
+                               dtype=torch.float64).view(opts.prompts, opts.group)
+        advantages = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).flatten()
+        advantages = advantages.float().to(device)
+        optimizer.zero_grad(set_to_none=True)
+        for k in range(opts.steps):
+            for start in range(0, batch, opts.micro_batch_size):
+                rows = slice(start, start + opts.micro_batch_size)
+                xs = trajectory[k][rows]
+                v = velocity(xs, sigmas[k], embeds[rows], pooled[rows])
+                new = sde.log_prob(xs, v, trajectory[k + 1][rows], sigmas[k].expand(len(xs)),
+                                   sigmas[k + 1].expand(len(xs)), sigmas[1].expand(len(xs))).log_prob
+                loss, _ = policy_loss(new, log_probs[k][rows], advantages[rows], opts.clip_range, 5.0)
+                (loss.sum() / (batch * opts.steps)).backward()
+        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
+        optimizer.step()
+    evaluate(opts.max_rollouts)
+    return summarise(opts, "plain", evals)
+
+
+def main() -> None:
+    opts = parse_args()
+    from miles.tasks.shapes.data import write_prompt_files
+
+    checkpoint = ensure_checkpoint(opts)
+    data = tempfile.mkdtemp(prefix="bench-learning-data-")
+    write_prompt_files(data)
+    rows = []
+    for method in [m.strip() for m in opts.methods.split(",") if m.strip()]:
+        if method not in METHODS:
+            raise SystemExit(f"--methods: unknown method {method!r}; known: {', '.join(METHODS)}")
+        row = run_plain(opts, checkpoint, data) if method == "plain" else run_framework(opts, method, checkpoint, data)
+        rows.append(row)
+        if opts.rows_jsonl:
+            with open(opts.rows_jsonl, "a") as f:
+                f.write(json.dumps({**row, "size": opts.size, "device": opts.device, "target": opts.target}) + "\n")
+    print(f"\ntime to held-out shapes_correct >= {opts.target} ({opts.size}, {opts.device}, "
+          f"{opts.prompts}x{opts.group} samples per rollout, {opts.steps} steps)")
+    print(f"| method | start | best | rollouts to target | wall s (with start-up) | train s (no eval) |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        reached = row["rollouts"] is not None
+        cells = [f"{row['rollouts']}" if reached else "not reached",
+                 f"{row['wall_s']:.1f}" if reached else "–", f"{row['train_s']:.1f}" if reached else "–"]
+        print(f"| {row['method']} | {row['start']:.3f} | {row['best']:.3f} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
