@@ -50,7 +50,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--size", choices=("small", "large"), default="small",
                         help="small: the shipped 32 px model; large: 128 px, 8 blocks (pretrained into --checkpoint)")
     parser.add_argument("--checkpoint", default=None, help="the base model (default: the shipped small one)")
-    parser.add_argument("--pretrain-steps", type=int, default=20000, help="denoiser steps when pretraining --size large")
+    parser.add_argument("--pretrain-steps", type=int, default=20000,
+                        help="denoiser steps when pretraining --size large")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--target", type=float, default=0.3, help="held-out shapes_correct to reach")
     parser.add_argument("--max-rollouts", type=int, default=12)

@@ -17,13 +17,13 @@ rm -rf "$OUT/metrics.jsonl" "$OUT/export"
 .venv/bin/python train_diffusion.py \
   --hf-checkpoint "$BASE" --diffusion-model-family sd3 \
   --prompt-data "$OUT/data/train.jsonl" --rm-type shapes --reward-key shapes \
-  --eval-prompt-data heldout "$OUT/data/heldout.jsonl" --eval-interval 4 --n-samples-per-eval-prompt 2 \
+  --eval-prompt-data heldout "$OUT/data/heldout.jsonl" --eval-interval 8 --n-samples-per-eval-prompt 2 \
   --eval-reward-key shapes_correct \
   --actor-num-nodes 1 --actor-num-gpus-per-node 1 --num-gpus-per-node 1 --colocate \
   --rollout-batch-size 4 --n-samples-per-prompt 8 --global-batch-size 32 --rollout-microgroup-size 8 \
-  --num-rollout "$ROLLOUTS" --diffusion-num-steps 8 --diffusion-num-sde-steps 2 \
+  --num-rollout "$ROLLOUTS" --diffusion-num-steps 8 \
   --diffusion-height 32 --diffusion-width 32 --diffusion-guidance-scale 1.0 --diffusion-noise-level 0.7 \
   --diffusion-forward-dtype fp32 --diffusion-generator-device cpu \
-  --loss-type policy_loss --diffusion-clip-range 1e-3 --lr 3e-4 --micro-batch-size 8 \
+  --loss-type policy_loss --diffusion-clip-range 1e-3 --lr 3e-5 --micro-batch-size 8 \
   --export-interval "$ROLLOUTS" --output-dir "$OUT" "$@"
 .venv/bin/python -m miles.tasks.shapes.report --run "$OUT" --base "$BASE" --prompts "$OUT/data/heldout.jsonl"

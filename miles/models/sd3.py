@@ -1,9 +1,9 @@
 """Stable Diffusion 3 / 3.5 (`StableDiffusion3Pipeline`): MMDiT on [C, H/8, W/8] latents, three text encoders.
 
 Mirrors `StableDiffusion3Pipeline.__call__` (diffusers 0.42): prompts through two CLIP encoders and T5
-(CLIP hidden states padded to the T5 width, concatenated along the sequence: the CLIP tokenizer's length (77) +
-`t5_sequence_length` tokens, a fixed length, so any samples stack), pooled CLIP projections, standard CFG with the negative
-branch first, static shift (SD3.5: 3.0) on the scheduler's own grid, DiT time input t = 1000·σ
+(CLIP hidden states padded to the T5 width, concatenated along the sequence: the CLIP tokenizer's length (77)
++ `t5_sequence_length` tokens, a fixed length, so any samples stack), pooled CLIP projections, standard CFG
+with the negative branch first, static shift (SD3.5: 3.0) on the scheduler's own grid, DiT time input t = 1000·σ
 (docs/algorithms.md §1), and latents decoded as `x / scaling_factor + shift_factor`
 (SFT encodes images by the inverse, `encode_images`).
 """

@@ -52,7 +52,8 @@ def heldout_score(family, pipe, scenes: list[tuple[str, Scene]], *, num_steps: i
     seeds = [seed + i for i in range(len(prompts))]
     images = []
     for start in range(0, len(prompts), batch_size):
-        output = sample_reference(family, pipe, prompts[start:start + batch_size], seeds=seeds[start:start + batch_size],
+        rows = slice(start, start + batch_size)
+        output = sample_reference(family, pipe, prompts[rows], seeds=seeds[rows],
                                   num_steps=num_steps, shape=GenerationShape(size, size),
                                   guidance=GuidanceConfig(guidance_scale=guidance_scale))
         images.append(output.images[:, 0])

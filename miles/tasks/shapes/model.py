@@ -88,7 +88,8 @@ def build_t5_tokenizer():
 
 def build_untrained_pipeline(size: ModelSize = SMALL, seed: int = 0):
     """A `StableDiffusion3Pipeline` with random weights of the given size."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
+                           StableDiffusion3Pipeline)
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     torch.manual_seed(seed)

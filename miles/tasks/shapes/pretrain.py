@@ -14,7 +14,8 @@ unless `--threads`):
    the random text encoders frozen and each scene's prompt encoded once: σ from SD3.5's shifted uniform
    schedule, x_σ = (1 − σ)·x0 + σ·ε, loss ‖v_θ(x_σ, σ, c) − (ε − x0)‖²; 10 % of the prompts dropped to the
    empty prompt so that guidance is possible. The saved transformer is the exponential moving average of the
-   trained one (decay `EMA_DECAY`), which samples cleaner shapes than the last iterate. `--dit-steps` sets how much it learns: the shipped model stops
+   trained one (decay `EMA_DECAY`), which samples cleaner shapes than the last iterate. `--dit-steps` sets
+   how much it learns: the shipped model stops
    early on purpose, drawing recognisable shapes with counts and relations often wrong (held-out score in
    docs/shapes.md), which is what leaves room for RL.
 
