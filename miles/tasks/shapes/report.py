@@ -50,7 +50,7 @@ def save_curve(run_dir: str) -> str:
     axis.set_ylabel("held-out score")
     axis.set_ylim(0, 1)
     axis.grid(alpha=0.3)
-    axis.legend(loc="lower right")
+    axis.legend(loc="upper right")
     figure.tight_layout()
     path = os.path.join(run_dir, "heldout_curve.png")
     figure.savefig(path, dpi=120)
