@@ -25,6 +25,7 @@ The pipeline is saved with `save_pretrained` (safetensors) into `--out`, the lay
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import time
 
@@ -136,21 +137,19 @@ def train_denoiser(pipe, latents: torch.Tensor, prompts: list[str], steps: int, 
     transformer.eval()
 
 
-class swapped_in:
+@contextlib.contextmanager
+def swapped_in(module, values):
     """Within the block the module holds `values` (the EMA), then its own parameters again."""
-
-    def __init__(self, module, values):
-        self.params, self.values = list(module.parameters()), values
-
-    def __enter__(self):
-        self.saved = [p.detach().clone() for p in self.params]
+    params = list(module.parameters())
+    saved = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for param, value in zip(params, values):
+            param.copy_(value)
+    try:
+        yield
+    finally:
         with torch.no_grad():
-            for param, value in zip(self.params, self.values):
-                param.copy_(value)
-
-    def __exit__(self, *exc):
-        with torch.no_grad():
-            for param, value in zip(self.params, self.saved):
+            for param, value in zip(params, saved):
                 param.copy_(value)
 
 

@@ -32,12 +32,16 @@ def test_the_shipped_model_is_safetensors_of_the_small_architecture():
 
 
 def test_pretraining_is_deterministic(tmp_path):
-    first, second = str(tmp_path / "a"), str(tmp_path / "b")
-    for out in (first, second):
-        pretrain(out, images_per_scene=1, vae_steps=2, dit_steps=3, batch_size=4)
-    for component in ("transformer", "vae"):
-        a = load_file(os.path.join(first, component, "diffusion_pytorch_model.safetensors"))
-        b = load_file(os.path.join(second, component, "diffusion_pytorch_model.safetensors"))
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    """Two runs give the same bits, and a snapshot after N denoiser steps is what `--dit-steps N` saves (so the
+    shipped model, a snapshot, is reproduced by a plain run)."""
+    first, second, shorter = str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "c")
+    pretrain(first, images_per_scene=1, vae_steps=2, dit_steps=3, batch_size=4, snapshot_steps=(2,))
+    pretrain(second, images_per_scene=1, vae_steps=2, dit_steps=3, batch_size=4)
+    pretrain(shorter, images_per_scene=1, vae_steps=2, dit_steps=2, batch_size=4)
+    for one, other in ((first, second), (first + "-step2", shorter)):
+        for component in ("transformer", "vae"):
+            a = load_file(os.path.join(one, component, "diffusion_pytorch_model.safetensors"))
+            b = load_file(os.path.join(other, component, "diffusion_pytorch_model.safetensors"))
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (one, other, component)
     vae = json.load(open(os.path.join(first, "vae", "config.json")))
     assert vae["scaling_factor"] != 1.0 and vae["shift_factor"] != 0.0  # set from the latents' statistics
