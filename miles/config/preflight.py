@@ -20,22 +20,42 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+from dataclasses import dataclass
 
 from miles.utils.errors import MilesUserError
 
 PROMPT_ROWS_CHECKED = 100
 
 
-def check_run_inputs(args: argparse.Namespace) -> None:
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where the run starts: after the `--load` checkpoint (`checkpoint_dir`), at `--start-rollout-id`, or at 0."""
+
+    start_rollout_id: int
+    checkpoint_dir: str | None
+
+
+def check_run_inputs(args: argparse.Namespace) -> ResumePoint:
     _check_prompt_files(args)
     for flag, path in (("--save", args.save), ("--output-dir", args.output_dir)):
         if path:
             check_writable_folder(path, flag)
+    return resume_point(args)
+
+
+def resume_point(args: argparse.Namespace) -> ResumePoint:
+    """The checked `--load` checkpoint (`checkpoint.checkpoint_to_resume`) and the first rollout after it."""
+    start, directory = 0, None
     if args.load:
         from miles.backends.fsdp_utils.checkpoint import checkpoint_to_resume
         from miles.config.sections import RunConfig
 
-        checkpoint_to_resume(RunConfig.from_args(args))
+        resume = checkpoint_to_resume(RunConfig.from_args(args))
+        if resume is not None:
+            start, directory = int(resume.meta["rollout_id"]) + 1, resume.directory
+    if args.start_rollout_id is not None:
+        start = args.start_rollout_id
+    return ResumePoint(start, directory)
 
 
 def _check_prompt_files(args: argparse.Namespace) -> None:

@@ -494,9 +494,7 @@ def export_lora(trainer, path: str) -> None:
 
 
 def should_save(config: RunConfig, rollout_id: int) -> bool:
-    """The loop's rule: with `--save`, every `--save-interval` rollouts and after the last one."""
-    if not config.checkpoint.save:
-        return False
-    interval = config.checkpoint.save_interval
-    last = config.data.num_rollout - 1
-    return bool(interval and (rollout_id + 1) % int(interval) == 0) or rollout_id == last
+    """The loop's rule (miles.config.schedule): with `--save`, every `--save-interval` rollouts and after the last."""
+    from miles.config.schedule import save_due
+
+    return save_due(config.checkpoint.save, config.checkpoint.save_interval, config.data.num_rollout, rollout_id)
