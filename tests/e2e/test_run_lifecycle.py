@@ -1,9 +1,9 @@
-"""A run's life as a user sees it, on CPU with real Ray, engines and HTTP (tiny SD3): two runs started at once on
-one machine both finish (each owns its Ray), the console says started / evaluated / saved / exported /
-finished and no warning, the exports are readable by the group, and a finished run asked to continue says so in
-one line before Ray starts.
+"""A run's life as a user sees it, on CPU with real Ray, engines and HTTP (tiny SD3 and LTX-Video): runs started
+at once on one machine all finish (each owns its Ray), the console says started / evaluated / saved / exported /
+finished and no warning, the exports are readable by the group, Ctrl-C leaves the pictures, a video family writes
+MP4 files, and a finished run asked to continue says so in one line before Ray starts.
 
-The two runs are started once for the module; the tests read what they left.
+The runs are started once for the module, all at the same moment; the tests read what they left.
 """
 
 from __future__ import annotations
@@ -51,23 +51,38 @@ def start(flags: list[str], folder: Path) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def two_runs(tiny_checkpoint, tmp_path_factory) -> dict[str, tuple[list[str], Path, int]]:
-    """Two runs started at the same moment on this machine: name -> (flags, folder, exit status)."""
+def runs(tiny_checkpoint, tmp_path_factory) -> dict[str, tuple[list[str], Path, int]]:
+    """Three runs started at the same moment on this machine, each with its own Ray: "a" (SD3) and "b" (LTX-Video,
+    a video family) run to the end, "c" gets SIGINT (Ctrl-C) once its first rollout is logged.
+    name -> (flags, folder, exit status)."""
+    import signal
+
     from miles.testing.make_prompts import write_prompts
 
-    root = tmp_path_factory.mktemp("two-runs")
+    root = tmp_path_factory.mktemp("runs")
     prompts = write_prompts(str(root / "prompts.jsonl"), count=4)
-    flags = {name: run_flags(tiny_checkpoint("sd3"), prompts, root / name) for name in ("a", "b")}
+    flags = {
+        "a": run_flags(tiny_checkpoint("sd3"), prompts, root / "a"),
+        "b": [*run_flags(tiny_checkpoint("ltx"), prompts, root / "b"), "--diffusion-model-family", "ltx",
+              "--diffusion-output-num-frames", "9"],
+        "c": [*run_flags(tiny_checkpoint("sd3"), prompts, root / "c"), "--num-rollout", "1000"],
+    }
     drivers = {name: start(flags[name], root / name) for name in flags}
     results = {}
-    for name, driver in drivers.items():
-        try:
-            status = driver.wait(timeout=600)
-        finally:
+    try:
+        deadline = time.monotonic() + 600
+        while "rollout 0 |" not in stderr_of(root / "c"):
+            assert drivers["c"].poll() is None, stderr_of(root / "c")[-4000:]
+            assert time.monotonic() < deadline, "run c logged no rollout within 600 s"
+            time.sleep(0.2)  # the log line is the only sign its loop runs
+        drivers["c"].send_signal(signal.SIGINT)
+        for name, driver in drivers.items():
+            results[name] = (flags[name], root / name, driver.wait(timeout=600))
+    finally:
+        for driver in drivers.values():
             if driver.poll() is None:
                 driver.kill()
                 driver.wait()
-        results[name] = (flags[name], root / name, status)
     return results
 
 
@@ -75,15 +90,16 @@ def stderr_of(folder: Path) -> str:
     return (folder / "stderr.txt").read_text()
 
 
-def test_two_runs_started_at_once_both_finish(two_runs):
-    for name, (_, folder, status) in two_runs.items():
+def test_runs_started_at_once_all_finish(runs):
+    for name in ("a", "b"):
+        _, folder, status = runs[name]
         assert status == 0, f"run {name} failed ({status}):\n{stderr_of(folder)[-6000:]}"
         lines = (folder / "out" / "metrics.jsonl").read_text().splitlines()
         assert len([line for line in lines if '"rollout/reward_mean"' in line]) == NUM_ROLLOUT
 
 
-def test_the_console_tells_the_story_and_warns_of_nothing(two_runs):
-    _, folder, status = two_runs["a"]
+def test_the_console_tells_the_story_and_warns_of_nothing(runs):
+    _, folder, status = runs["a"]
     assert status == 0
     text = stderr_of(folder)
     ckpt, export = folder / "ckpt", folder / "out" / "export"
@@ -106,8 +122,8 @@ def test_the_console_tells_the_story_and_warns_of_nothing(two_runs):
     assert noisy == [], "a clean run printed warnings:\n" + "\n".join(noisy)
 
 
-def test_exports_and_pictures_are_readable_by_the_group(two_runs):
-    _, folder, status = two_runs["a"]
+def test_exports_and_pictures_are_readable_by_the_group(runs):
+    _, folder, status = runs["a"]
     assert status == 0
     files = [p for p in (folder / "out" / "export").rglob("*") if p.is_file()]
     assert files
@@ -117,8 +133,8 @@ def test_exports_and_pictures_are_readable_by_the_group(two_runs):
         assert (folder / "out" / picture).is_file()
 
 
-def test_a_finished_run_asked_to_continue_says_so_before_ray_starts(two_runs):
-    flags, folder, status = two_runs["b"]
+def test_a_finished_run_asked_to_continue_says_so_before_ray_starts(runs):
+    flags, folder, status = runs["b"]
     assert status == 0
     began = time.monotonic()
     again = subprocess.run([sys.executable, str(REPO / "train_diffusion.py"), *flags], cwd=REPO, env=run_env(),
@@ -129,3 +145,32 @@ def test_a_finished_run_asked_to_continue_says_so_before_ray_starts(two_runs):
         f"--load {folder / 'ckpt'}: checkpoint at rollout {NUM_ROLLOUT} ({folder / 'ckpt' / 'iter_0000001'}), "
         f"--num-rollout {NUM_ROLLOUT}: nothing to train (raise --num-rollout to continue)"]
     assert "Ray" not in again.stderr and seconds < 60, (seconds, again.stderr[-3000:])
+
+
+def test_ctrl_c_mid_run_leaves_the_captioned_grid_and_the_curve(runs):
+    """SIGINT once a rollout is logged: exit 130 after the cleanup, and the pictures are there."""
+    import signal
+
+    from PIL import Image
+
+    from miles.logging.plots import CAPTION_LINE_PIXELS, MIN_TILE_PIXELS
+
+    _, folder, status = runs["c"]
+    assert status == 128 + signal.SIGINT, stderr_of(folder)[-4000:]
+    assert stderr_of(folder).splitlines()[-1] == ("error: stopped by SIGINT; the run's engines, router and workers "
+                                                 "were shut down")
+    out = folder / "out"
+    assert (out / "reward_curve.png").is_file() and (out / "samples" / "first_rollout.png").is_file()
+    grid = Image.open(out / "samples.png").convert("L")
+    first_caption = grid.crop((0, CAPTION_LINE_PIXELS + 2 + MIN_TILE_PIXELS, MIN_TILE_PIXELS, grid.height // 2))
+    assert min(first_caption.getdata()) < 100  # the caption's text is drawn under the first tile
+
+
+def test_a_video_family_writes_video_files(runs):
+    av = pytest.importorskip("av")
+    _, folder, status = runs["b"]
+    assert status == 0, stderr_of(folder)[-4000:]
+    videos = sorted((folder / "out" / "videos").glob("*.mp4"))
+    assert [v.name for v in videos][:1] == [f"rollout_{NUM_ROLLOUT - 1:07d}_0.mp4"], videos
+    with av.open(str(videos[0])) as container:
+        assert sum(1 for _ in container.decode(video=0)) == 9
