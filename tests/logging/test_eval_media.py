@@ -71,3 +71,23 @@ def test_tensorboard_gets_every_scalar_at_the_rollout_step(tmp_path):
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("rollout/reward_mean")] == [(0, 0.25), (1, 0.75)]
     assert [e.value for e in events.Scalars("rollout/reward/ocr_mean")] == [0.125, 0.375]
+
+
+def test_tensorboard_gets_the_sample_grid_each_time_it_is_drawn(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from test_run_logger import make_sample
+
+    logger = RunLogger(make_args(tmp_path, use_tensorboard=True, plot_interval=2))
+    for rollout_id in range(4):
+        logger.log(rollout_id, {"rollout/reward_mean": 0.1})
+        logger.log_samples(rollout_id, [make_sample(30 + rollout_id)])
+        logger.flush(rollout_id)
+    logger.finish()
+    events = EventAccumulator(str(tmp_path / "out" / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    grid = Image.open(tmp_path / "out" / "samples.png")
+    # drawn after rollouts 1 and 3 (--plot-interval 2) and once more at the end
+    assert [(e.step, e.width, e.height) for e in events.Images("samples")] == [(1, *grid.size), (3, *grid.size),
+                                                                             (3, *grid.size)]
