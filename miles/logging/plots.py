@@ -165,11 +165,13 @@ EVAL_GRID_MAX_COLUMNS = 8
 
 
 def save_eval_grid(groups: Sequence[Sequence[Any]], folder: str, name: str) -> str | None:
-    """`<folder>/<name>.png`: one row per eval prompt (its samples side by side, the first frame of a video), at
-    most 16 prompts x 8 samples; and `<folder>/<name>.jsonl`: each row's prompt and the rewards shown."""
+    """`<folder>/<name>.png`: one row per eval prompt (its samples side by side, the first frame of a video, an
+    edit beside its input image), at most 16 prompts x 8 samples; and `<folder>/<name>.jsonl`: each row's prompt and the rewards shown."""
     shown = [[s for s in group if s.image is not None][:EVAL_GRID_MAX_COLUMNS] for group in groups]
     shown = [row for row in shown if row][:EVAL_GRID_MAX_ROWS]
-    grid = _save_tiles([[s.image for s in row] for row in shown], os.path.join(folder, f"{name}.png"))
+    # an editing task's tile is its input image beside the edit (sample_tile)
+    tiles = [[torch.from_numpy(sample_tile(s).pixels[None].copy()) for s in row] for row in shown]
+    grid = _save_tiles(tiles, os.path.join(folder, f"{name}.png"))
     if grid is None:
         return None
     with open(os.path.join(folder, f"{name}.jsonl"), "w") as f:

@@ -91,3 +91,14 @@ def test_tensorboard_gets_the_sample_grid_each_time_it_is_drawn(tmp_path):
     # drawn after rollouts 1 and 3 (--plot-interval 2) and once more at the end
     assert [(e.step, e.width, e.height) for e in events.Images("samples")] == [(1, *grid.size), (3, *grid.size),
                                                                              (3, *grid.size)]
+
+
+def test_an_edit_eval_grid_shows_each_input_image_beside_its_edit(tmp_path):
+    Image.new("RGB", (6, 4), (0, 0, 250)).save(tmp_path / "input.png")
+    groups = _groups(1, 2)
+    for sample in groups[0]:
+        sample.input_image = str(tmp_path / "input.png")
+    pixels = np.asarray(Image.open(save_eval_grid(groups, str(tmp_path / "eval"), "edits")))
+    scale = 128 // 12  # each tile is 12 px wide now: input and edit
+    assert pixels.shape == (4 * scale, 2 * 12 * scale, 3)
+    assert tuple(pixels[0, 0]) == (0, 0, 250) and pixels[0, 6 * scale, 0] == 0  # input, then the edit (value 0)
