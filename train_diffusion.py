@@ -14,15 +14,20 @@ import time
 PROCESS_START = time.perf_counter()  # perf/startup_time counts from here
 
 from miles.config.arguments import check_user_paths, format_dry_run, parse_args
+from miles.config.preflight import ResumePoint
+from miles.config.schedule import resolve_num_rollout
 from miles.utils.errors import exit_on_user_error
 
 logger = logging.getLogger("miles")
 
 
-def train(args) -> None:
+def train(args, resume: ResumePoint) -> None:
     # Heavy imports only after the command line is known to be good (a bad flag fails in a second).
     from miles.backends.fsdp_utils.checkpoint import should_save
+    from miles.config.batch_geometry import batch_geometry
+    from miles.config.schedule import run_schedule
     from miles.config.sections import RunConfig
+    from miles.logging import lifecycle
     from miles.logging.ci_check import check_ci_metric
     from miles.logging.run_logger import RunLogger
     from miles.ray.colocation import ColocationPolicy
@@ -30,115 +35,133 @@ def train(args) -> None:
     from miles.ray.rollout_manager import RolloutManager
     from miles.ray.train_actor import TrainActorGroup
 
-    if args.num_rollout is None:  # one pass (or --num-epoch passes) over the prompt data
-        from miles.rollout.data_source import num_rollout_from_args
-
-        args.num_rollout = num_rollout_from_args(args)
     config = RunConfig.from_args(args)  # the typed sections, built once; every part below reads them
     init_ray(config)
     run_logger = RunLogger(config, started_at=PROCESS_START)
-    placement = create_placement_groups(config)
-    rollout_manager = RolloutManager(config, placement, run_logger)
-    actor = None
-    if not config.debug.debug_rollout_only:
-        slots = placement.train
-        actor = TrainActorGroup(config, slots.placement_group, gpu_share=slots.gpu_share or None,
-                                cpu_share=slots.cpu_share)
+    try:  # the pictures and curves are written however the run ends (an error, Ctrl-C): see RunLogger.finish
+        placement = create_placement_groups(config)
+        rollout_manager = RolloutManager(config, placement, run_logger)
+        actor = None
+        if not config.debug.debug_rollout_only:
+            slots = placement.train
+            actor = TrainActorGroup(config, slots.placement_group, gpu_share=slots.gpu_share or None,
+                                    cpu_share=slots.cpu_share)
 
-    # Engines load while the trainer does (they only need the trainer's weights at the first sync below).
-    rollout_manager.launch_engines()
-    start_rollout_id = 0
-    if actor is not None:
-        start_rollout_id = actor.init()
-        rollout_manager.load_state_dict((actor.loaded_extra_state or {}).get("data_source"))
-    if config.data.start_rollout_id is not None:
-        start_rollout_id = config.data.start_rollout_id
-    rollout_manager.wait_for_engines()
-    if actor is not None and rollout_manager.has_engines:
-        # The engines start from the trainer's weights (LoRA-initialised or loaded from --load).
-        with run_logger.phase("weight_sync"):
-            actor.update_weights(rollout_manager.engine_urls(), weight_version=start_rollout_id)
-        # A restarted engine gets the current weights before it rejoins the router.
-        rollout_manager.watch_engines(lambda url: actor.update_weights([url], rollout_manager.weight_version))
-    rollout_manager.weight_version = start_rollout_id
-    # Colocated: trainer and engines take turns on the GPUs while they must (see miles/ray/colocation.py).
-    turns = ColocationPolicy(
-        config.placement.colocate_offload_policy,
-        offload_train=config.placement.offload_train and actor is not None,
-        offload_rollout=config.placement.offload_rollout and rollout_manager.has_engines and actor is not None,
-        margin_gb=config.placement.colocate_memory_margin_gb,
-    )
-    if turns.trainer_offloads:
-        actor.offload()  # the engines generate first
-
-    for rollout_id in range(start_rollout_id, config.data.num_rollout):
-        run_logger.begin_iteration()
-        if rollout_manager.should_eval(rollout_id):
-            with run_logger.phase("eval"):
-                rollout_manager.eval(rollout_id)
-
-        with run_logger.phase("rollout"):
-            samples = rollout_manager.generate(rollout_id)
-        if config.placement.overlap_rollout and rollout_id + 1 < config.data.num_rollout:
-            rollout_manager.generate_ahead(rollout_id + 1)  # on the current weights, while this one trains
-        if actor is None:
-            run_logger.flush(rollout_id)
-            continue
-
-        if turns.engines_release:
-            with run_logger.phase("release"):
-                rollout_manager.release_memory()
-        if turns.trainer_offloads:
-            with run_logger.phase("onload"):
-                actor.onload()
-        with run_logger.phase("train"):
-            train_metrics = actor.train(rollout_id, samples)
-        run_logger.log(rollout_id, train_metrics)
-
-        if should_save(config, rollout_id):
-            with run_logger.phase("save"):
-                actor.save(rollout_id, extra_state={"data_source": rollout_manager.state_dict()})
-        actor.export_if_due(rollout_id, run_logger.phase)  # --export-interval: <output-dir>/export/, for inference
-
-        if rollout_manager.has_engines:
-            if config.placement.overlap_rollout:
-                with run_logger.phase("overlap_wait"):
-                    rollout_manager.wait_ahead()  # the engines finish it before their weights change
-            if turns.engines_release:
-                with run_logger.phase("resume"):
-                    rollout_manager.resume_memory()
+        # Engines load while the trainer does (they only need the trainer's weights at the first sync below).
+        rollout_manager.launch_engines()
+        start_rollout_id = 0
+        if actor is not None:
+            start_rollout_id = actor.init()
+            rollout_manager.load_state_dict((actor.loaded_extra_state or {}).get("data_source"))
+        if config.data.start_rollout_id is not None:
+            start_rollout_id = config.data.start_rollout_id
+        schedule = run_schedule(args, start_rollout_id)
+        run_logger.resume_history(start_rollout_id)  # the curves and grids cover the rollouts before the resume too
+        if start_rollout_id and resume.checkpoint_dir:
+            logger.info(lifecycle.resumed_line(resume.checkpoint_dir, start_rollout_id, config.data.num_rollout))
+        rollout_manager.wait_for_engines()
+        logger.info(lifecycle.started_line(
+            config.model.diffusion_model_family_resolved, config.model.hf_checkpoint, placement.device,
+            config.placement.train_world_size if actor is not None else 0, placement.num_engines,
+            config.placement.colocate, batch_geometry(args), schedule, config.logging.output_dir))
+        if actor is not None and rollout_manager.has_engines:
+            # The engines start from the trainer's weights (LoRA-initialised or loaded from --load).
             with run_logger.phase("weight_sync"):
-                actor.update_weights(rollout_manager.engine_urls(), weight_version=rollout_id + 1)
-            run_logger.log(rollout_id, actor.weight_sync_metrics)  # weight_sync/*: transports, bytes, checks
-            rollout_manager.weight_version = rollout_id + 1
-        if not turns.decided:
-            with run_logger.phase("offload"):  # measured once, with the trainer resident and the engines resumed
-                turns.decide(actor.memory_stats(), rollout_manager.engine_memory())
+                actor.update_weights(rollout_manager.engine_urls(), weight_version=start_rollout_id)
+            # A restarted engine gets the current weights before it rejoins the router.
+            rollout_manager.watch_engines(lambda url: actor.update_weights([url], rollout_manager.weight_version))
+        rollout_manager.weight_version = start_rollout_id
+        # Colocated: trainer and engines take turns on the GPUs while they must (see miles/ray/colocation.py).
+        turns = ColocationPolicy(
+            config.placement.colocate_offload_policy,
+            offload_train=config.placement.offload_train and actor is not None,
+            offload_rollout=config.placement.offload_rollout and rollout_manager.has_engines and actor is not None,
+            margin_gb=config.placement.colocate_memory_margin_gb,
+        )
         if turns.trainer_offloads:
-            with run_logger.phase("offload"):
-                actor.offload()
-        run_logger.flush(rollout_id)
+            actor.offload()  # the engines generate first
 
-    if rollout_manager.should_eval(config.data.num_rollout, final=True):
-        rollout_manager.eval(config.data.num_rollout)
-        run_logger.flush(config.data.num_rollout)
-    rollout_manager.shutdown()
-    run_logger.finish()
+        last_checkpoint = None
+        for rollout_id in range(start_rollout_id, config.data.num_rollout):
+            run_logger.begin_iteration()
+            if rollout_manager.should_eval(rollout_id):
+                with run_logger.phase("eval"):
+                    rollout_manager.eval(rollout_id)
+
+            with run_logger.phase("rollout"):
+                samples = rollout_manager.generate(rollout_id)
+            if config.placement.overlap_rollout and rollout_id + 1 < config.data.num_rollout:
+                rollout_manager.generate_ahead(rollout_id + 1)  # on the current weights, while this one trains
+            if actor is None:
+                run_logger.flush(rollout_id)
+                continue
+
+            if turns.engines_release:
+                with run_logger.phase("release"):
+                    rollout_manager.release_memory()
+            if turns.trainer_offloads:
+                with run_logger.phase("onload"):
+                    actor.onload()
+            with run_logger.phase("train"):
+                train_metrics = actor.train(rollout_id, samples)
+            run_logger.log(rollout_id, train_metrics)
+
+            if should_save(config, rollout_id):
+                with run_logger.phase("save"):
+                    last_checkpoint = actor.save(rollout_id, extra_state={"data_source": rollout_manager.state_dict()})
+                logger.info(lifecycle.saved_line(rollout_id, last_checkpoint))
+            exported = actor.export_if_due(rollout_id, run_logger.phase)  # --export-interval: <output-dir>/export/
+            if exported:
+                logger.info(lifecycle.exported_line(rollout_id, exported))
+
+            if rollout_manager.has_engines:
+                if config.placement.overlap_rollout:
+                    with run_logger.phase("overlap_wait"):
+                        rollout_manager.wait_ahead()  # the engines finish it before their weights change
+                if turns.engines_release:
+                    with run_logger.phase("resume"):
+                        rollout_manager.resume_memory()
+                with run_logger.phase("weight_sync"):
+                    actor.update_weights(rollout_manager.engine_urls(), weight_version=rollout_id + 1)
+                run_logger.log(rollout_id, actor.weight_sync_metrics)  # weight_sync/*: transports, bytes, checks
+                rollout_manager.weight_version = rollout_id + 1
+            if not turns.decided:
+                with run_logger.phase("offload"):  # measured once, with the trainer resident and the engines resumed
+                    turns.decide(actor.memory_stats(), rollout_manager.engine_memory())
+            if turns.trainer_offloads:
+                with run_logger.phase("offload"):
+                    actor.offload()
+            run_logger.flush(rollout_id)
+
+        if rollout_manager.should_eval(config.data.num_rollout, final=True):
+            rollout_manager.eval(config.data.num_rollout)
+            run_logger.flush(config.data.num_rollout)
+        rollout_manager.shutdown()
+    finally:
+        run_logger.finish()
+    logger.info(lifecycle.finished_line(run_logger.history, schedule, PROCESS_START, config.logging.output_dir,
+                                        last_checkpoint))
     check_ci_metric(config.logging, run_logger.history)  # --ci-test: the run fails here when its metric missed the bar
 
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    check_user_paths(args)
+    resume = check_user_paths(args)
+    length_rule = resolve_num_rollout(args)  # --num-rollout, or --num-epoch passes over the prompt data
     if args.dry_run:
-        print(format_dry_run(args))
+        print(format_dry_run(args, length_rule, resume.start_rollout_id))
+        return
+    if resume.checkpoint_dir and resume.start_rollout_id >= args.num_rollout:  # a finished run asked to continue
+        from miles.logging.lifecycle import nothing_to_train_line
+
+        print(nothing_to_train_line(args.load, resume.checkpoint_dir, resume.start_rollout_id, args.num_rollout))
         return
     from miles.ray.shutdown import begin_run, stop_run
 
     begin_run()  # SIGINT/SIGTERM become an exception, so the finally below runs
     try:
-        train(args)
+        train(args, resume)
     finally:
         stop_run()  # engines, router, workers, shared memory: nothing outlives the run, however it ended
 

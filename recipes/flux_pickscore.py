@@ -4,7 +4,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import COLOCATED, FAST, FLOW_GRPO, PICKSCORE, PROMPTS, Recipe, lora, main  # noqa: E402
+from common import COLOCATED, FAST, FLOW_GRPO, PICKSCORE, PROMPTS, Recipe, lora, main, schedule  # noqa: E402
 
 RECIPE = Recipe(
     name="flux_pickscore",
@@ -19,6 +19,7 @@ RECIPE = Recipe(
         "algorithm": [*FLOW_GRPO, *lora(rank=64, alpha=128), "--micro-batch-size", "8"],
         "reward": PICKSCORE,
         "performance": FAST,
+        "schedule": schedule(num_rollout=500, eval_interval=50, save_interval=50),
     },
 )
 

@@ -4,7 +4,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import COLOCATED, FAST, FLOW_GRPO, PICKSCORE, PROMPTS, Recipe, lora, main  # noqa: E402
+from common import COLOCATED, FAST, FLOW_GRPO, PICKSCORE, PROMPTS, Recipe, lora, main, schedule  # noqa: E402
 
 RECIPE = Recipe(
     name="hunyuan_video_t2v",
@@ -20,6 +20,7 @@ RECIPE = Recipe(
         "algorithm": [*FLOW_GRPO, *lora(), "--micro-batch-size", "4"],
         "reward": PICKSCORE,
         "performance": FAST,
+        "schedule": schedule(num_rollout=300, eval_interval=30, save_interval=30),
     },
 )
 

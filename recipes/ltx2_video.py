@@ -8,7 +8,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import COLOCATED, FAST, PICKSCORE, PROMPTS, Recipe, lora, main  # noqa: E402
+from common import COLOCATED, FAST, PICKSCORE, PROMPTS, Recipe, lora, main, schedule  # noqa: E402
 
 FLOW_GRPO_CPS = ["--loss-type", "policy_loss", "--diffusion-sde-type", "cps", "--diffusion-noise-level", "0.7",
                  "--diffusion-kl-beta", "0.01", "--globalize-reward-std"]
@@ -27,6 +27,7 @@ RECIPE = Recipe(
         "algorithm": [*FLOW_GRPO_CPS, *lora(), "--micro-batch-size", "4"],
         "reward": PICKSCORE,
         "performance": FAST,
+        "schedule": schedule(num_rollout=300, eval_interval=30, save_interval=30),
     },
 )
 

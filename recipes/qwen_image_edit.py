@@ -9,7 +9,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import COLOCATED, FAST, FLOW_GRPO, PICKSCORE, PROMPTS, Recipe, lora, main  # noqa: E402
+from common import COLOCATED, FAST, FLOW_GRPO, PICKSCORE, PROMPTS, Recipe, lora, main, schedule  # noqa: E402
 
 RECIPE = Recipe(
     name="qwen_image_edit",
@@ -25,6 +25,7 @@ RECIPE = Recipe(
         "algorithm": [*FLOW_GRPO, *lora(rank=64, alpha=128), "--micro-batch-size", "4", "--gradient-checkpointing"],
         "reward": PICKSCORE,
         "performance": FAST,
+        "schedule": schedule(num_rollout=300, eval_interval=30, save_interval=30),
     },
 )
 

@@ -1,10 +1,13 @@
-"""SD3.5-Medium, DiffusionNFT (ODE rollouts, EMA reference and rollout policy) with LoRA against PickScore."""
+"""SD3.5-Medium, DiffusionNFT (ODE rollouts without CFG, EMA reference and rollout policy) with LoRA against
+PickScore: DiffusionNFT's sd3_pickscore setup (recipes/README.md maps each of its keys)."""
 
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import COLOCATED, PICKSCORE, PROMPTS, SD35M_MODEL, SD35M_ROLLOUT, Recipe, lora, main  # noqa: E402
+from common import (  # noqa: E402
+    COLOCATED, PICKSCORE, PROMPTS, REFERENCE_OPTIMIZER, SD35M_MODEL, SD35M_ROLLOUT, Recipe, lora, main, schedule,
+)
 
 RECIPE = Recipe(
     name="sd35m_nft",
@@ -13,12 +16,15 @@ RECIPE = Recipe(
     blocks={
         "model": SD35M_MODEL,
         "placement": COLOCATED,
-        "rollout": SD35M_ROLLOUT,
+        # DiffusionNFT samples at guidance 1.0 (no CFG) and takes one optimizer step per epoch for PickScore
+        "rollout": [*SD35M_ROLLOUT, "--diffusion-guidance-scale", "1.0", "--num-steps-per-rollout", "1"],
         "algorithm": ["--loss-type", "nft", "--diffusion-sde-type", "ode", "--diffusion-noise-level", "0",
+                      "--diffusion-nft-beta", "1.0", "--diffusion-nft-timestep-fraction", "0.99",
                       "--use-ema", "--ema-rollout-policy", "ema", "--globalize-reward-std",
-                      *lora(lr="1e-4"), "--micro-batch-size", "8"],
+                      *lora(rank=32, alpha=64, lr="3e-4"), *REFERENCE_OPTIMIZER, "--micro-batch-size", "8"],
         "reward": PICKSCORE,
         "performance": ["--fsdp-torch-compile", "--sglang-enable-torch-compile"],
+        "schedule": schedule(num_rollout=1000, eval_interval=10, save_interval=30),
     },
 )
 

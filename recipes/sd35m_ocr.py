@@ -1,10 +1,14 @@
-"""SD3.5-Medium, Flow-GRPO with LoRA against the OCR reward (render the quoted text), one node, colocated."""
+"""SD3.5-Medium, Flow-GRPO with LoRA against the OCR reward (render the quoted text): flow_grpo's general_ocr_sd3
+setup (KL 0.04; recipes/README.md maps each of its keys), one node, colocated."""
 
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import COLOCATED, FAST, FLOW_GRPO, OCR, PROMPTS, SD35M_MODEL, SD35M_ROLLOUT, Recipe, lora, main  # noqa: E402
+from common import (  # noqa: E402
+    COLOCATED, FAST, FLOW_GRPO, OCR, PROMPTS, REFERENCE_OPTIMIZER, SD35M_FLOW_GRPO_STEPS, SD35M_MODEL, SD35M_ROLLOUT,
+    Recipe, lora, main, schedule,
+)
 
 RECIPE = Recipe(
     name="sd35m_ocr",
@@ -13,10 +17,12 @@ RECIPE = Recipe(
     blocks={
         "model": SD35M_MODEL,
         "placement": COLOCATED,
-        "rollout": SD35M_ROLLOUT,
-        "algorithm": [*FLOW_GRPO, *lora(), "--micro-batch-size", "8"],
+        "rollout": [*SD35M_ROLLOUT, *SD35M_FLOW_GRPO_STEPS],
+        "algorithm": [*FLOW_GRPO, "--diffusion-kl-beta", "0.04", *lora(rank=32, alpha=64, lr="3e-4"),
+                      *REFERENCE_OPTIMIZER, "--micro-batch-size", "8"],
         "reward": OCR,
         "performance": FAST,
+        "schedule": schedule(num_rollout=1000, eval_interval=60, save_interval=60),
     },
 )
 

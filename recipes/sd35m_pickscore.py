@@ -1,10 +1,14 @@
-"""SD3.5-Medium, Flow-GRPO with LoRA against PickScore (the flow_grpo setup), one node, colocated, fast mode."""
+"""SD3.5-Medium, Flow-GRPO with LoRA against PickScore: flow_grpo's pickscore_sd3 setup (recipes/README.md maps each
+of its keys), one node, colocated, fast mode."""
 
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import COLOCATED, FAST, FLOW_GRPO, PICKSCORE, PROMPTS, SD35M_MODEL, SD35M_ROLLOUT, Recipe, lora, main  # noqa: E402
+from common import (  # noqa: E402
+    COLOCATED, FAST, FLOW_GRPO, PICKSCORE, PROMPTS, REFERENCE_OPTIMIZER, SD35M_FLOW_GRPO_STEPS, SD35M_MODEL,
+    SD35M_ROLLOUT, Recipe, lora, main, schedule,
+)
 
 RECIPE = Recipe(
     name="sd35m_pickscore",
@@ -13,11 +17,11 @@ RECIPE = Recipe(
     blocks={
         "model": SD35M_MODEL,
         "placement": COLOCATED,
-        "rollout": SD35M_ROLLOUT,
-        "algorithm": [*FLOW_GRPO, *lora(), "--micro-batch-size", "8"],
+        "rollout": [*SD35M_ROLLOUT, *SD35M_FLOW_GRPO_STEPS],
+        "algorithm": [*FLOW_GRPO, *lora(rank=32, alpha=64, lr="3e-4"), *REFERENCE_OPTIMIZER, "--micro-batch-size", "8"],
         "reward": PICKSCORE,
         "performance": FAST,
-        "checkpoints": ["--save-interval", "20"],
+        "schedule": schedule(num_rollout=1000, eval_interval=60, save_interval=60),
     },
 )
 

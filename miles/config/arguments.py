@@ -18,7 +18,7 @@ import argparse
 import difflib
 import logging
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles.config.batch_geometry import (  # noqa: F401 - re-exported
     STEP_STRATEGY_HUB,
@@ -53,6 +53,9 @@ from miles.config.validation import (  # noqa: F401 - re-exported
     validate_args,
 )
 from miles.utils.errors import MilesUserError
+
+if TYPE_CHECKING:
+    from miles.config.preflight import ResumePoint
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +204,7 @@ def apply_config_file(args: argparse.Namespace) -> None:
 
 
 # ---- parsing ------------------------------------------------------------------------------------------------
-def check_user_paths(args: argparse.Namespace) -> None:
+def check_user_paths(args: argparse.Namespace) -> "ResumePoint":
     """Import every user-given dotted path (defaults are the project's own), then check the files and folders the
     run will use (`miles.config.preflight`: prompt files, --save/--output-dir writable, the --load checkpoint).
 
@@ -215,7 +218,7 @@ def check_user_paths(args: argparse.Namespace) -> None:
         value = getattr(args, dest, None)
         if flag.dotted and value and value != flag.default:
             load_object(value, flag.name)
-    check_run_inputs(args)
+    return check_run_inputs(args)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -230,8 +233,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def format_dry_run(args: argparse.Namespace) -> str:
-    """The resolved configuration and the batch geometry, as `--dry-run` prints them."""
+def format_dry_run(args: argparse.Namespace, length_rule: str = "--num-rollout", start_rollout_id: int = 0) -> str:
+    """The resolved configuration, the batch geometry and the run's schedule, as `--dry-run` prints them."""
     from miles.config.cli_docs import render_dry_run
 
-    return render_dry_run(args)
+    return render_dry_run(args, length_rule, start_rollout_id)

@@ -13,6 +13,7 @@ import sys
 
 from miles.config.batch_geometry import batch_geometry
 from miles.config.flags import Flag, all_flags, default_text, flag_groups
+from miles.config.schedule import format_rollout_ids, run_schedule
 from miles.config.validation import DERIVED_ATTRIBUTES
 
 HEADER = """\
@@ -94,8 +95,9 @@ def _value_text(value) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
 
-def render_dry_run(args: argparse.Namespace) -> str:
-    """Resolved configuration, derived values and the batch geometry of one rollout (docs/algorithms.md §3, §5)."""
+def render_dry_run(args: argparse.Namespace, length_rule: str = "--num-rollout", start_rollout_id: int = 0) -> str:
+    """Resolved configuration, derived values, the batch geometry of one rollout (docs/algorithms.md §3, §5) and
+    the run's schedule (miles.config.schedule: `args.num_rollout` resolved, `length_rule` says how)."""
     out = ["train_diffusion.py --dry-run: the command line is valid; nothing was started.", "",
            "Resolved configuration (* = not the default)"]
     known = all_flags()
@@ -136,7 +138,26 @@ def render_dry_run(args: argparse.Namespace) -> str:
         "   (each doubled in batch when CFG is on)",
         f"  global batch: {args.global_batch_size} samples per optimizer step",
     ]
+    if args.num_rollout is not None:
+        out += ["", *render_schedule(args, length_rule, start_rollout_id)]
     return "\n".join(out)
+
+
+def render_schedule(args: argparse.Namespace, length_rule: str, start_rollout_id: int) -> list[str]:
+    """The `Run schedule` block of the dry run: length, resume point, and every save, eval and export."""
+    schedule = run_schedule(args, start_rollout_id)
+    start = (f"rollout {start_rollout_id} (after the --load checkpoint)" if start_rollout_id
+             else "rollout 0")
+    return [
+        "Run schedule",
+        f"    rollouts                                           {schedule.num_rollout}   ({length_rule})",
+        f"    starts at                                          {start}",
+        f"    rollouts to train                                  {schedule.rollouts_left}",
+        f"    optimizer steps                                    {schedule.rollouts_left * args.num_steps_per_rollout}",
+        f"    checkpoints after rollouts (--save-interval)       {format_rollout_ids(schedule.saves)}",
+        f"    evals before rollouts (--eval-interval)            {format_rollout_ids(schedule.evals)}",
+        f"    exports after rollouts (--export-interval)         {format_rollout_ids(schedule.exports)}",
+    ]
 
 
 def main() -> None:

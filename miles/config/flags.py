@@ -17,6 +17,7 @@ import math
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Callable, get_args, get_origin, get_type_hints
 
+from miles.config.schedule import DEFAULT_EVAL_INTERVAL
 from miles.utils.defaults import DEFAULT_NOISE_LEVEL
 
 MIB = 1024 * 1024
@@ -253,6 +254,10 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
           "engines of their own (not --colocate).", extension=True),
         F("--colocate-memory-margin-gb", float, 8.0, "GiB that must stay free on each GPU for "
           "--colocate-offload-policy auto to keep trainer and engines resident.", ge=0, extension=True),
+        F("--ray-address", str, None, "The Ray cluster to join (the address `ray start --head` printed, or `auto` "
+          "on a node of it; docs/cluster.md). Unset: $RAY_ADDRESS when set, else the run starts a Ray instance of "
+          "its own that ends with it, so several runs (and other Ray users) share a machine without meeting. "
+          "`local` also means a private instance.", extension=True, metavar="ADDRESS"),
         F("--distributed-backend", str, "nccl", "torch.distributed backend of the trainer's process group on GPU "
           "(with --fsdp-cpu-offload, its cuda part). A CPU run uses gloo whatever the value, and logs it once.",
           choices=("nccl", "gloo")),
@@ -380,8 +385,10 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
           extension=True),
     ]),
     ("Evaluation", [
-        F("--eval-interval", int, None, "Evaluate every N rollouts. Requires --eval-prompt-data or --eval-config.",
-          ge=1),
+        F("--eval-interval", int, None, "Evaluate every N rollouts (before rollout 0 too, unless "
+          "--skip-eval-before-train, and after the last one). Requires --eval-prompt-data or --eval-config; with "
+          f"them, unset means every {DEFAULT_EVAL_INTERVAL} rollouts.", ge=1,
+          default_text=f"{DEFAULT_EVAL_INTERVAL} with eval sets"),
         F("--eval-prompt-data", str, None, "Repeatable NAME PATH pairs.", nargs="+", action="extend",
           metavar="NAME PATH", type_name="str+"),
         F("--eval-config", str, None, "OmegaConf YAML/JSON eval config; overrides --eval-prompt-data."),
@@ -520,8 +527,13 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
         F("--wandb-log-num-images", int, 0, "Images/videos per rollout sent to wandb; 0 disables. Every eval's images "
           "are written to <output-dir>/eval/<rollout_id>/ whatever this says.", ge=0),
         F("--wandb-log-image-interval", int, 1, "Send media every N rollouts.", ge=1),
-        S("--use-tensorboard", "Also write every metric (scalars) to TensorBoard under <output-dir>/tensorboard "
-          "(needs the tensorboard package).", extension=True),
+        S("--use-tensorboard", "Also write every metric (scalars) and the sample grid to TensorBoard under "
+          "<output-dir>/tensorboard (needs the tensorboard package).", extension=True),
+        F("--plot-interval", int, 10, "Every N rollouts, rewrite <output-dir>/samples.png (captioned samples of the "
+          "first and the latest rollout), reward_curve.png (rollout and eval rewards since the run's first "
+          "rollout, across resumes) and, for video families, the latest samples as videos/*.mp4; the grid also "
+          "goes to TensorBoard and wandb. They are written again when the run ends, however it ends.", ge=1,
+          extension=True),
         S("--use-miles-dashboard", "Async phase/trajectory telemetry."),
         F("--miles-dashboard-workspace", str, "./miles_dashboard", "Dashboard output folder."),
     ]),

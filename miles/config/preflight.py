@@ -11,8 +11,13 @@ train from scratch) is one `MilesUserError` naming the flag and the file, printe
   Only the first `PROMPT_ROWS_CHECKED` rows are read, so a huge file costs nothing; the data source checks the
   rest when it loads the file.
 - `--save` and `--output-dir`: a folder (or creatable under one) in which a probe file can be created and removed.
-- `--load`: the checkpoint it names is complete and matches the run (`checkpoint.checkpoint_to_resume`); a
-  missing `--load` is an error unless it is the `--save` folder (resume-if-present).
+- `--load`: the checkpoint it names is complete and matches the run (`checkpoint.checkpoint_to_resume`: family,
+  --use-lora, the LoRA rank and alpha); a missing `--load` is an error unless it is the `--save` folder
+  (resume-if-present). `resume_point` says where the run starts, which the entry point's finished-run line and
+  `--dry-run`'s schedule read.
+- the rollout hooks: each imports with its signature (an async `--custom-rm-path`, the arity of every hook), as
+  the rollout manager checks them once Ray runs (`miles.rollout.hooks.load_rollout_hooks`);
+- a reward: an RL run names one (--rm-type, --custom-rm-path, or metadata.rm_type in the first prompt rows).
 """
 
 from __future__ import annotations
@@ -20,22 +25,44 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+from dataclasses import dataclass
 
 from miles.utils.errors import MilesUserError
 
 PROMPT_ROWS_CHECKED = 100
 
 
-def check_run_inputs(args: argparse.Namespace) -> None:
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where the run starts: after the `--load` checkpoint (`checkpoint_dir`), at `--start-rollout-id`, or at 0."""
+
+    start_rollout_id: int
+    checkpoint_dir: str | None
+
+
+def check_run_inputs(args: argparse.Namespace) -> ResumePoint:
     _check_prompt_files(args)
+    _check_hooks(args)
+    _check_reward_is_named(args)
     for flag, path in (("--save", args.save), ("--output-dir", args.output_dir)):
         if path:
             check_writable_folder(path, flag)
+    return resume_point(args)
+
+
+def resume_point(args: argparse.Namespace) -> ResumePoint:
+    """The checked `--load` checkpoint (`checkpoint.checkpoint_to_resume`) and the first rollout after it."""
+    start, directory = 0, None
     if args.load:
         from miles.backends.fsdp_utils.checkpoint import checkpoint_to_resume
         from miles.config.sections import RunConfig
 
-        checkpoint_to_resume(RunConfig.from_args(args))
+        resume = checkpoint_to_resume(RunConfig.from_args(args))
+        if resume is not None:
+            start, directory = int(resume.meta["rollout_id"]) + 1, resume.directory
+    if args.start_rollout_id is not None:
+        start = args.start_rollout_id
+    return ResumePoint(start, directory)
 
 
 def _check_prompt_files(args: argparse.Namespace) -> None:
@@ -61,6 +88,36 @@ def _check_prompt_files(args: argparse.Namespace) -> None:
                           _condition_image_check(args))
     if args.eval_config and not os.path.isfile(args.eval_config):
         raise MilesUserError(f"--eval-config {args.eval_config!r}: no such file")
+
+
+def _check_hooks(args: argparse.Namespace) -> None:
+    """Every rollout-side hook imports and has its signature (an async reward, the arity of each), as the rollout
+    manager will check it after Ray started (miles.rollout.hooks)."""
+    from miles.rollout.hooks import load_rollout_hooks
+
+    load_rollout_hooks(args)
+
+
+def _check_reward_is_named(args: argparse.Namespace) -> None:
+    """An RL run scores its samples: --rm-type, --custom-rm-path, or `metadata.rm_type` in the prompt rows (checked
+    on the first `PROMPT_ROWS_CHECKED`), unless a custom generate function or data source brings its own."""
+    if args.loss_type == "sft_loss" or args.train_only:
+        return
+    own_rollout = not args.rollout_function_path.startswith("miles.rollout.")  # it may score its samples itself
+    if (args.rm_type or args.custom_rm_path or args.custom_generate_function_path or own_rollout
+            or args.disable_rollout_global_dataset):
+        return
+    if args.prompt_data:
+        from itertools import islice
+
+        from miles.rollout.data_source import iter_prompt_rows
+
+        rows = islice(iter_prompt_rows(args.prompt_data, args.input_key or "input", args.metadata_key or "metadata",
+                                       "--prompt-data", input_images=False), PROMPT_ROWS_CHECKED)
+        if any(isinstance(row.metadata, dict) and row.metadata.get("rm_type") for row in rows):
+            return
+    raise MilesUserError(f"--loss-type {args.loss_type} needs a reward and none is named: set --rm-type (e.g. "
+                         "--rm-type pickscore) or --custom-rm-path, or give the prompt rows a metadata.rm_type")
 
 
 def _condition_image_check(args: argparse.Namespace):

@@ -67,6 +67,7 @@ class PlacementConfig:
     colocate_offload_policy: str
     overlap_rollout: bool
     colocate_memory_margin_gb: float
+    ray_address: str | None  # None: $RAY_ADDRESS, else a private Ray instance (miles.ray.placement)
     distributed_backend: str
     distributed_timeout_minutes: int
     train_world_size: int  # derived: actor_num_nodes x actor_num_gpus_per_node
@@ -316,6 +317,7 @@ class LoggingConfig:
     wandb_log_num_images: int
     wandb_log_image_interval: int
     use_tensorboard: bool
+    plot_interval: int
     use_miles_dashboard: bool
     miles_dashboard_workspace: str
     ci_test: bool

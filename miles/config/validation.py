@@ -384,9 +384,16 @@ def _rule_eval(args: argparse.Namespace) -> None:
     if len(set(names)) != len(names):
         _fail(f"--eval-prompt-data repeats a dataset name: {names}")
     args.eval_prompt_data_pairs = list(zip(names, pairs[1::2]))
-    if args.eval_interval is not None and not args.eval_prompt_data_pairs and not args.eval_config:
+    has_eval_sets = bool(args.eval_prompt_data_pairs or args.eval_config)
+    if args.eval_interval is not None and not has_eval_sets:
         _fail(f"--eval-interval {args.eval_interval} needs eval datasets: --eval-prompt-data NAME PATH or "
               "--eval-config FILE")
+    if has_eval_sets and args.eval_interval is None:
+        from miles.config.schedule import DEFAULT_EVAL_INTERVAL
+
+        args.eval_interval = DEFAULT_EVAL_INTERVAL
+        logger.info("eval sets without --eval-interval: evaluating every %d rollouts (and after the last one)",
+                    DEFAULT_EVAL_INTERVAL)
 
 
 def _rule_outputs(args: argparse.Namespace) -> None:

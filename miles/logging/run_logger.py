@@ -12,7 +12,14 @@ the `perf/log_time` phase of the next record and the records tile the run's wall
 `perf/startup_time` (process start to the first iteration) comes with the first record.
 
 `--use-tensorboard` writes every record's scalars, at step = rollout id, to `<output-dir>/tensorboard`
-(torch.utils.tensorboard; scalars only: images stay on disk and in wandb).
+(torch.utils.tensorboard), and the sample grid whenever it is redrawn.
+
+Pictures (`write_pictures`): every `--plot-interval` rollouts and once more when the run ends, however it ends
+(`finish` runs in the loop's `finally`), the output folder gets `samples.png` (captioned samples of the run's first
+rollout above those of the latest; the first row is kept in `samples/first_rollout.png`, so a resumed run shows
+its real first rollout), `reward_curve.png` (the rollout and eval rewards of every rollout since the first, read
+back from the metrics JSONL after a resume: `resume_history`) and, for a video family, the latest rollout's
+samples as `videos/rollout_<id>_<k>.mp4` (miles.logging.video_files).
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ import torch
 
 from miles.config.sections import RunConfig
 from miles.logging.dashboard import PhaseTimeline
-from miles.logging.plots import save_reward_curve, save_sample_grid
+from miles.logging.plots import render_strip, sample_tile, save_image, save_reward_curve, stack_strips
+from miles.logging.video_files import write_video
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +60,11 @@ class RunLogger:
         os.makedirs(os.path.dirname(os.path.abspath(self.metrics_path)), exist_ok=True)
         self._pending: dict[str, float] = {}
         self._history: list[dict[str, Any]] = []
-        self._sample_images: list[tuple[int, str, torch.Tensor]] = []  # (rollout id, prompt, uint8 [F,H,W,3])
+        self._earlier: list[dict[str, Any]] = []  # records of the rollouts before a resume (for the curves)
+        self._latest_samples: tuple[int, list] | None = None  # (rollout id, the samples the grid shows)
+        self._first_strip = None  # the grid's first row (PIL image): the run's first rollout
+        self._videos_written: set[int] = set()
+        self._finished = False
         logging_config = config.logging
         self.timeline = (PhaseTimeline(logging_config.miles_dashboard_workspace) if logging_config.use_miles_dashboard
                          else None)
@@ -112,19 +124,45 @@ class RunLogger:
                 self._pending[key] = float(value)
 
     def log_samples(self, rollout_id: int, samples: list, prefix: str = "rollout") -> None:
-        """Keep a few images for the final grid and, on the image interval, send them to wandb."""
+        """Keep a few samples for the pictures and, on the image interval, send them to wandb."""
         keep = max(self.config.logging.wandb_log_num_images, 4)
         chosen = [s for s in samples if s.image is not None][:keep]
-        if prefix == "rollout":
-            self._sample_images = [(rollout_id, s.prompt, s.image) for s in chosen] if chosen else self._sample_images
-            if rollout_id == 0 or not hasattr(self, "_first_images"):
-                self._first_images = [(rollout_id, s.prompt, s.image) for s in chosen]
+        if prefix == "rollout" and chosen:
+            self._latest_samples = (rollout_id, chosen)
+            if self._first_strip is None:
+                self._first_strip = render_strip(f"rollout {rollout_id} (first)", [sample_tile(s) for s in chosen])
+                save_image(self._first_strip, self._first_strip_path)
         if self.wandb is None or self.config.logging.wandb_log_num_images <= 0:
             return
         if rollout_id % self.config.logging.wandb_log_image_interval != 0:
             return
         media = [self._to_wandb_media(s) for s in chosen[: self.config.logging.wandb_log_num_images]]
         self.wandb.log({f"{prefix}/samples": media}, step=rollout_id)
+
+    def resume_history(self, start_rollout_id: int) -> None:
+        """A resumed run's pictures cover the whole run: the records of rollouts before `start_rollout_id` from the
+        metrics JSONL (later ones belong to an attempt that did not reach its next checkpoint), and the first
+        rollout's grid row."""
+        if start_rollout_id <= 0:
+            return
+        if os.path.isfile(self.metrics_path):
+            with open(self.metrics_path) as handle:
+                for line in handle:
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError:  # a line cut short by a killed run
+                        continue
+                    if isinstance(record, dict) and record.get("rollout_id", start_rollout_id) < start_rollout_id:
+                        self._earlier.append(record)
+        if self._first_strip is None and os.path.isfile(self._first_strip_path):
+            from PIL import Image
+
+            with Image.open(self._first_strip_path) as strip:
+                self._first_strip = strip.convert("RGB")
+
+    @property
+    def _first_strip_path(self) -> str:
+        return os.path.join(self.output_dir, "samples", "first_rollout.png")
 
     # ---- writing ------------------------------------------------------------------------------------
     def flush(self, rollout_id: int) -> dict[str, Any]:
@@ -150,19 +188,64 @@ class RunLogger:
             self.tensorboard.flush()
         if self.timeline is not None:
             self.timeline.flush()
+        if (rollout_id + 1) % self.config.logging.plot_interval == 0:
+            self.write_pictures()
         self._next_iteration_start = flush_start
         self._last_flush_seconds = time.perf_counter() - flush_start
         return record
 
-    def finish(self) -> None:
-        """Leave the reward curve and a grid of first and last samples in the output folder."""
-        curve = save_reward_curve(self._history, os.path.join(self.output_dir, "reward_curve.png"))
+    def write_pictures(self) -> dict[str, str]:
+        """(Re)write the reward curve, the sample grid and the latest videos; returns what was written."""
+        out = self.output_dir
+        written = {}
+        curve = save_reward_curve([*self._earlier, *self._history], os.path.join(out, "reward_curve.png"))
         if curve:
-            logger.info("reward curve: %s", curve)
-        first = getattr(self, "_first_images", [])
-        grid = save_sample_grid(first, self._sample_images, os.path.join(self.output_dir, "samples.png"))
-        if grid:
-            logger.info("sample grid: %s", grid)
+            written["reward curve"] = curve
+        latest = None
+        if self._latest_samples is not None:
+            rollout_id, samples = self._latest_samples
+            latest = render_strip(f"rollout {rollout_id} (latest)", [sample_tile(s) for s in samples])
+            written.update(self._write_videos(rollout_id, samples))
+        grid = stack_strips([self._first_strip, latest])
+        if grid is not None:
+            written["sample grid"] = save_image(grid, os.path.join(out, "samples.png"))
+            step = self._history[-1]["rollout_id"] if self._history else 0
+            if self.tensorboard is not None:
+                import numpy as np
+
+                self.tensorboard.add_image("samples", np.asarray(grid), global_step=step, dataformats="HWC")
+                self.tensorboard.flush()
+            if self.wandb is not None:
+                import wandb
+
+                self.wandb.log({"samples_grid": wandb.Image(grid, caption="first and latest rollout")}, step=step)
+        return written
+
+    def _write_videos(self, rollout_id: int, samples: list) -> dict[str, str]:
+        """Each shown sample of a video family as an MP4, once per rollout."""
+        if rollout_id in self._videos_written or all(s.image.shape[0] == 1 for s in samples):
+            return {}
+        self._videos_written.add(rollout_id)
+        fps = self.config.sampling.diffusion_fps
+        written = {}
+        for k, sample in enumerate(samples):
+            path = write_video(sample.image.numpy(), os.path.join(self.output_dir, "videos",
+                                                                  f"rollout_{rollout_id:07d}_{k}.mp4"), fps)
+            if path:
+                written[f"video {k}"] = path
+        return written
+
+    def finish(self) -> None:
+        """Leave the pictures in the output folder and close wandb and TensorBoard; runs however the run ends
+        (the loop's `finally`), so it never raises over the error that ended the run. Idempotent."""
+        if self._finished:
+            return
+        self._finished = True
+        try:
+            for what, path in self.write_pictures().items():
+                logger.info("%s: %s", what, path)
+        except Exception:  # noqa: BLE001 - an error that ended the run must stay the one reported
+            logger.exception("could not write the run's pictures to %s", self.output_dir)
         if self.wandb is not None:
             self.wandb.finish()
         if self.tensorboard is not None:
@@ -175,9 +258,10 @@ class RunLogger:
     # ---- helpers ------------------------------------------------------------------------------------
     @staticmethod
     def _console_summary(record: dict[str, Any]) -> str:
+        eval_keys = sorted(k for k in record if k.startswith("eval/") and k.endswith("/reward_mean"))
         keys = [
             "rollout/reward_mean",
-            "eval/reward_mean",
+            *eval_keys,
             "train/loss",
             "train/approx_kl",
             "train/clipfrac",
@@ -188,7 +272,8 @@ class RunLogger:
             "perf/iteration_time",
             "perf/unaccounted_time",
         ]
-        parts = [f"{k.split('/', 1)[1]}={record[k]:.4g}" for k in keys if k in record]
+        parts = [f"{k.removeprefix('rollout/').removeprefix('train/').removeprefix('perf/')}={record[k]:.4g}"
+                 for k in keys if k in record]
         return " ".join(parts) if parts else "(no metrics)"
 
     def _init_wandb(self, config: RunConfig):

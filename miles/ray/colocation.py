@@ -66,6 +66,9 @@ class ColocationPolicy:
             return
         self.decided = True
         self.resident = fits_resident(trainers, engines, self.margin_bytes)
+        if not trainers:  # a CPU run: no device memory to measure, so the turns stay (they cost little there)
+            logger.debug("colocation: no GPU memory readings; trainer and engines keep taking turns")
+            return
         trainer_gib = max(t.reserved for t in trainers) / GIB if trainers else 0.0
         engine_gib = max(e.peak_reserved for e in engines) / GIB if engines else 0.0
         total_gib = min(t.total for t in trainers) / GIB if trainers else 0.0

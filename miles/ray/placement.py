@@ -5,7 +5,8 @@ how tests and the quick start run. The trainer takes the first `train_world_size
 the next `rollout_num_gpus` (or, under `--colocate`, share the trainer's: fractional GPUs, trainer 0.7 +
 engine 0.25 + reward 0.05 with `--colocate-reward`). Reward workers take fractional GPUs on their own.
 
-Ray may spread the bundles over several nodes (a cluster joined through RAY_ADDRESS, docs/cluster.md). The
+Each run starts a Ray instance of its own unless it is told to join a cluster (`--ray-address` or $RAY_ADDRESS,
+`start_or_join_ray`). Ray may spread the bundles over several nodes of such a cluster (docs/cluster.md). The
 placement records each bundle's node: a run whose processes span nodes has its engines bind their node's
 address instead of loopback, since the driver's router and the trainer must reach them.
 """
@@ -70,8 +71,8 @@ class Placement:
 
 
 def init_ray(config: RunConfig) -> None:
-    """Start (no address) or join (RAY_ADDRESS set) a Ray cluster, forwarding the offline environment and the
-    run's API key (created here unless $MILES_API_KEY is set)."""
+    """Start the run's own Ray instance, or join the cluster the user named (`start_or_join_ray`), forwarding the
+    offline environment and the run's API key (created here unless $MILES_API_KEY is set)."""
     import ray
 
     from miles.utils.auth import ensure_run_api_key
@@ -80,18 +81,51 @@ def init_ray(config: RunConfig) -> None:
     api_key = ensure_run_api_key()
     if ray.is_initialized():
         return
-    runtime_env = {"env_vars": worker_env_vars(config, api_key)}
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=True)
-    else:
-        # A CPU machine gets logical CPU slots for every process the job starts (they mostly wait on each other).
-        placement = config.placement
-        slots = placement.train_world_size + _num_engines(config) * placement.rollout_num_gpus_per_engine + 8
-        num_cpus = None if use_gpus() else max(slots, os.cpu_count() or 1)
-        num_gpus = _local_gpu_budget(config) if use_gpus() else None  # --num-gpus-per-node caps this node's GPUs
-        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=runtime_env, include_dashboard=False,
-                 log_to_driver=True)
+    start_or_join_ray(config, {"env_vars": worker_env_vars(config, api_key)})
     reinstall_signal_handlers()  # ray.init made SIGTERM a bare sys.exit, which would skip the run's cleanup
+
+
+RAY_ADDRESS_ENV = "RAY_ADDRESS"
+_RAY_AUTH_SETUP_LOGGER = "ray._private.authentication.authentication_token_setup"
+LOCAL_RAY = "local"  # as an address: a private instance, the same as naming none
+
+
+def cluster_address(config: RunConfig, environ=os.environ) -> str | None:
+    """The Ray cluster the run joins: `--ray-address`, else $RAY_ADDRESS; None (or `local`): the run starts a
+    Ray instance of its own, whatever other Ray instances run on the machine (docs/cluster.md)."""
+    address = config.placement.ray_address or environ.get(RAY_ADDRESS_ENV) or None
+    return None if address == LOCAL_RAY else address
+
+
+def start_or_join_ray(config: RunConfig, runtime_env: dict) -> None:
+    """`ray.init` for the run. Joining a cluster is explicit (`cluster_address`); otherwise the run starts a
+    private instance in its own temp folder (`miles.ray.shutdown.make_run_ray_temp_dir`), so two runs on one
+    machine, or a run beside someone's `ray start`, never attach to each other (a bare `ray.init()` would attach
+    to the newest instance on the machine and then refuse the resources this run asks for)."""
+    import ray
+
+    from miles.ray.shutdown import make_run_ray_temp_dir
+
+    address = cluster_address(config)
+    if address:
+        logger.info("joining the Ray cluster at %s (--ray-address / $%s)", address, RAY_ADDRESS_ENV)
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        return
+    # A CPU machine gets logical CPU slots for every process the job starts (they mostly wait on each other).
+    placement = config.placement
+    slots = placement.train_world_size + _num_engines(config) * placement.rollout_num_gpus_per_engine + 8
+    num_cpus = None if use_gpus() else max(slots, os.cpu_count() or 1)
+    num_gpus = _local_gpu_budget(config) if use_gpus() else None  # --num-gpus-per-node caps this node's GPUs
+    # A new local instance turns token authentication on (Ray's default, which the run keeps) and warns about
+    # it on every start; the warning is not news to a miles user, so that one logger is quiet during the start.
+    auth_logger = logging.getLogger(_RAY_AUTH_SETUP_LOGGER)
+    level = auth_logger.level
+    auth_logger.setLevel(logging.ERROR)
+    try:
+        ray.init(address=LOCAL_RAY, num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=runtime_env,
+                 include_dashboard=False, log_to_driver=True, _temp_dir=make_run_ray_temp_dir())
+    finally:
+        auth_logger.setLevel(level)
 
 
 def _local_gpu_budget(config: RunConfig) -> int:

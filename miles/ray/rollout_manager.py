@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from miles.config.sections import RunConfig
+from miles.logging.lifecycle import evaluated_line
 from miles.logging.plots import save_eval_grid
 from miles.ray.engines import EngineFleet
 from miles.ray.shutdown import on_run_exit
@@ -215,13 +216,14 @@ class RolloutManager:
 
     # ---- eval ---------------------------------------------------------------------------------------
     def should_eval(self, rollout_id: int, final: bool = False) -> bool:
-        if not self.eval_datasets or self.fleet is None or not self.config.evaluation.eval_interval:
+        """The schedule's rule (miles.config.schedule.eval_due); `final`: the eval after the last rollout."""
+        from miles.config.schedule import eval_due
+
+        if not self.eval_datasets or self.fleet is None:
             return False
-        if final:
-            return True
-        if rollout_id == 0:
-            return not self.config.evaluation.skip_eval_before_train
-        return rollout_id % self.config.evaluation.eval_interval == 0
+        evaluation, num_rollout = self.config.evaluation, self.config.data.num_rollout
+        return eval_due(evaluation.eval_interval, evaluation.skip_eval_before_train,
+                        num_rollout if final else rollout_id, num_rollout)
 
     def eval(self, rollout_id: int) -> dict[str, float]:
         metrics: dict[str, float] = {}
@@ -242,8 +244,7 @@ class RolloutManager:
                 self.run_logger.log_samples(rollout_id, samples, prefix=f"eval/{dataset.name}")
                 folder = os.path.join(self.config.logging.output_dir, "eval", str(rollout_id))
                 grid = save_eval_grid(groups, folder, dataset.name)
-                if grid:
-                    logger.info("eval %s images: %s", dataset.name, grid)
+                logger.info(evaluated_line(rollout_id, dataset.name, dataset_metrics, len(samples), grid))
             metrics.update(dataset_metrics)
         return metrics
 

@@ -7,7 +7,8 @@ driver as its stdin. It waits on that pipe:
 - `stop` (sent by `stop_run`, which stops and sweeps the run itself): it exits;
 - end of file without `stop`: the driver is gone, so it does the part of `stop_run` that needs no driver: SIGTERM,
   then SIGKILL, to every local process that carries the run id, and removal of the shared-memory files of the
-  driver and of the processes it ended. It says so in one line on stderr (the driver's, inherited).
+  driver and of the processes it ended and of the run's Ray temp folder. It says so in one line on stderr (the
+  driver's, inherited).
 
 The router and the engines also end by themselves when their parent dies (`miles.utils.parent_death`), and the
 local Ray cluster shares the driver's fate; what the reaper adds is the rest: Ray's agent processes, which wait
@@ -24,6 +25,7 @@ from miles.ray.shutdown import (
     RUN_ID_ENV,
     end_processes,
     marked_processes,
+    remove_ray_temp_dir,
     remove_shared_memory,
 )
 
@@ -41,6 +43,7 @@ def reap(run_id: str, driver_pid: int) -> list[int]:
         end_processes(leftovers)
         ended += leftovers
     remove_shared_memory({driver_pid, *ended})
+    remove_ray_temp_dir(run_id)
     return ended
 
 

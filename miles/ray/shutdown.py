@@ -30,6 +30,10 @@ run's reaper (`miles.ray.run_reaper`), a small process that outlives the driver,
 pipe, and then does the sweep itself; the router and the engines end with their parent anyway
 (`miles.utils.parent_death`). `stop_run` dismisses the reaper before its own sweep.
 
+A run that starts its own Ray instance gives it a private temp folder (`make_run_ray_temp_dir`: Ray's sessions,
+sockets and logs, named after the run id, mode 0700); `stop_run` and the reaper remove it once the run's
+processes are gone, so runs do not pile their Ray sessions up in the temp folder.
+
 Only processes on this machine are swept; on other nodes of a cluster the Ray actors' own stops and Ray's
 job cleanup apply.
 """
@@ -39,9 +43,11 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -54,9 +60,13 @@ logger = logging.getLogger(__name__)
 RUN_ID_ENV = "MILES_RUN_ID"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 SWEEP_GRACE_SECONDS = 5.0  # between SIGTERM and SIGKILL for a leftover process
+# Ray workers killed by the stops (ray.kill returns at once) may take a moment to exit after ray.shutdown():
+# that is their normal end, not a leftover to warn about.
+EXIT_GRACE_SECONDS = 3.0
 SHM_DIR = "/dev/shm"
 REAPER_STOP_TIMEOUT_SECONDS = 5.0
 REAPER_STOP_COMMAND = "stop"  # the line that dismisses the reaper (miles.ray.run_reaper)
+RAY_TEMP_PREFIX = "miles-ray-"
 
 _stops: list[tuple[str, Callable[[], None]]] = []
 _run_id: str | None = None
@@ -122,6 +132,27 @@ def _raise_run_interrupted(signum: int, frame) -> None:
     raise RunInterrupted(signum)
 
 
+def run_ray_temp_dir(run_id: str) -> str:
+    """The temp folder of the run's own Ray instance. Short and directly under the system's temp folder (or
+    $RAY_TMPDIR): Ray puts unix sockets in it, whose paths may not exceed ~100 bytes."""
+    return os.path.join(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir(), RAY_TEMP_PREFIX + run_id)
+
+
+def make_run_ray_temp_dir() -> str:
+    """Create the run's Ray temp folder (only its user may enter it); outside a run (a test starting Ray through
+    the run's code) a fresh folder that nothing removes."""
+    if _run_id is None:
+        return tempfile.mkdtemp(prefix=RAY_TEMP_PREFIX)
+    path = run_ray_temp_dir(_run_id)
+    os.mkdir(path, 0o700)  # fails on anything already there: the run id is fresh, so nothing should be
+    return path
+
+
+def remove_ray_temp_dir(run_id: str) -> None:
+    """Remove the run's Ray temp folder, once no process of the run is left to write in it."""
+    shutil.rmtree(run_ray_temp_dir(run_id), ignore_errors=True)
+
+
 def on_run_exit(what: str, stop: Callable[[], None]) -> None:
     """Register `stop` (idempotent, bounded in time) for `stop_run`; `what` names it in a failure warning.
 
@@ -158,12 +189,13 @@ def stop_run() -> None:
                                type(err).__name__, err)
         _shutdown_ray()
         _stop_reaper()  # before the sweep, which would otherwise end it as a leftover of the run
-        leftovers = marked_processes(marker)
+        leftovers = still_running(marked_processes(marker), EXIT_GRACE_SECONDS)
         if leftovers:
             logger.warning("processes of the run still alive after the stops, ending them: %s",
                            ", ".join(f"{pid} ({_command(pid)})" for pid in leftovers))
             end_processes(leftovers)
         remove_shared_memory(seen | set(leftovers))
+        remove_ray_temp_dir(_run_id)
     finally:
         _stop_reaper()  # no-op after the one above; here for a cleanup that raised before it
         _run_id = None
@@ -198,6 +230,17 @@ def marked_processes(marker: bytes) -> list[int]:
         if marker in environ and _alive(int(entry)):
             pids.append(int(entry))
     return pids
+
+
+def still_running(pids: list[int], grace: float) -> list[int]:
+    """Those of `pids` still running after up to `grace` seconds of waiting for them to exit by themselves."""
+    deadline = time.monotonic() + grace
+    while True:
+        _reap(pids)
+        alive = [pid for pid in pids if _alive(pid)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.05)  # polling other processes' exit: there is no portable event to wait on
 
 
 def _alive(pid: int) -> bool:

@@ -282,7 +282,7 @@ async def generate_rollout_async(
         "rollout/num_retries": stats["retries"],
         **{f"rollout/engine_{name}_seconds": value for name, value in rollout.engine_seconds.items()},
     }
-    logger.info("rollout %d: %s", rollout_id, metrics)
+    logger.debug("rollout %d: %s", rollout_id, metrics)  # the run logger's line shows the main ones
     return kept, metrics
 
 

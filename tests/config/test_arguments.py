@@ -517,9 +517,10 @@ def test_validate_args_is_idempotent():
 def test_check_user_paths(tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"input": "a cat"}\n')
-    base = [*without("--prompt-data"), "--prompt-data", str(data)]
+    base = [*without("--prompt-data"), "--prompt-data", str(data), "--rm-type", "brightness"]
     check_user_paths(parse(base=base))  # the defaults point at project modules and are not imported here
-    check_user_paths(parse("--custom-rm-path", "os.path.join", base=base))
+    with pytest.raises(MilesUserError, match="--custom-rm-path 'os.path.join': must be an async function"):
+        check_user_paths(parse("--custom-rm-path", "os.path.join", base=base))
     with pytest.raises(MilesUserError, match="--custom-rm-path 'no_such_pkg.rm'"):
         check_user_paths(parse("--custom-rm-path", "no_such_pkg.rm", base=base))
     with pytest.raises(MilesUserError, match="--buffer-filter-path 'os.path.no_such_fn'.*no attribute"):
@@ -624,9 +625,27 @@ def test_entry_point_dry_run_exits_0(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"input": "a cat"}\n')
     argv = [str(prompts) if arg == "prompts.jsonl" else arg for arg in BASE]
-    result = _run_entry_point(*argv, "--dry-run")
+    result = _run_entry_point(*argv, "--rm-type", "brightness", "--dry-run")
     assert result.returncode == 0, result.stderr
     assert "Batch geometry of one rollout" in result.stdout
+
+
+@pytest.mark.skipif(not (REPO / "train_diffusion.py").exists(), reason="train_diffusion.py is not in the repo")
+def test_the_dry_run_prints_the_schedule(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"input": "prompt {i}"}}\n' for i in range(10)))
+    argv = [str(prompts) if arg == "prompts.jsonl" else arg for arg in BASE]
+    del argv[argv.index("--num-rollout"):argv.index("--num-rollout") + 2]
+    result = _run_entry_point(*argv, "--rm-type", "brightness", "--num-epoch", "4", "--eval-prompt-data", "val",
+                              str(prompts), "--save", str(tmp_path / "ckpt"), "--save-interval", "4", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    schedule = lines[lines.index("Run schedule") + 1:]
+    # 4 epochs of 10 prompts at 4 per rollout: ceil(40 / 4) = 10 rollouts; eval sets default to every 10 rollouts
+    assert schedule[0].split()[:2] == ["rollouts", "10"] and "4 epoch(s) of --prompt-data" in schedule[0]
+    assert schedule[2].split()[-1] == "10" and schedule[3].split()[-1] == "10"  # rollouts to train, optimizer steps
+    assert schedule[4].endswith("3, 7, 9 (3)") and schedule[5].endswith(" 0, 10 (2)")
+    assert schedule[6].endswith("none")
 
 
 def test_entry_point_dry_run_checks_user_paths():

@@ -37,7 +37,7 @@ def prompts(tmp_path) -> str:
 def argv(prompts: str, tmp_path, *extra: str) -> list[str]:
     return ["--hf-checkpoint", "org/sd3-tiny", "--prompt-data", prompts, "--rollout-batch-size", "2",
             "--n-samples-per-prompt", "2", "--num-rollout", "1", "--actor-num-gpus-per-node", "1",
-            "--output-dir", str(tmp_path / "out"), *extra]
+            "--rm-type", "brightness", "--output-dir", str(tmp_path / "out"), *extra]
 
 
 def check(prompts: str, tmp_path, *extra: str) -> None:
@@ -103,6 +103,42 @@ def test_load_checks_the_checkpoint_before_ray(prompts, tmp_path):
     assert "was saved with use_lora=True; this run has --use-lora=False" in error(prompts, tmp_path, *load)
     os.remove(directory / "meta.pt")
     assert "incomplete checkpoint: meta.pt is missing" in error(prompts, tmp_path, *load)
+
+
+def test_a_lora_rank_or_alpha_other_than_the_checkpoints_is_caught_before_ray(prompts, tmp_path):
+    lora = {"r": 32, "lora_alpha": 64, "target_modules": ["to_q"], "init_lora_weights": True}
+    fake_checkpoint(tmp_path / "ckpt", use_lora=True, lora=lora)
+    load = ["--load", str(tmp_path / "ckpt"), "--use-lora", "--lora-alpha", "64"]
+    check(prompts, tmp_path, *load, "--lora-rank", "32")
+    assert error(prompts, tmp_path, *load, "--lora-rank", "16").endswith(
+        "holds a LoRA adapter of r 32, but this run has --lora-rank 16: pass --lora-rank 32 to resume it")
+    assert "--lora-alpha 64 to resume it" in error(prompts, tmp_path, *load[:-2], "--lora-rank", "32",
+                                                   "--lora-alpha", "8")
+
+
+def test_the_resume_point_is_after_the_checkpoint(prompts, tmp_path):
+    from miles.config.preflight import resume_point
+
+    directory = fake_checkpoint(tmp_path / "ckpt", rollout_id=4)
+    point = resume_point(parse_args(argv(prompts, tmp_path, "--load", str(tmp_path / "ckpt"))))
+    assert (point.start_rollout_id, point.checkpoint_dir) == (5, str(directory))
+    assert resume_point(parse_args(argv(prompts, tmp_path))).start_rollout_id == 0
+
+
+# ---- the reward and the hooks -------------------------------------------------------------------------------
+def test_an_rl_run_without_a_reward_fails_before_ray(prompts, tmp_path):
+    no_reward = [a for a in argv(prompts, tmp_path) if a not in ("--rm-type", "brightness")]
+    with pytest.raises(MilesUserError, match="^--loss-type policy_loss needs a reward and none is named"):
+        check_user_paths(parse_args(no_reward))
+    routed = tmp_path / "routed.jsonl"
+    routed.write_text('{"input": "a cat", "metadata": {"rm_type": "brightness"}}\n')
+    check_user_paths(parse_args([*no_reward, "--prompt-data", str(routed)]))  # the rows name their reward
+
+
+def test_a_reward_that_is_not_async_fails_before_ray(prompts, tmp_path):
+    message = error(prompts, tmp_path, "--custom-rm-path", "os.path.join")
+    assert message == ("--custom-rm-path 'os.path.join': must be an async function: "
+                       "async fn(args, samples) -> list[float]")
 
 
 # ---- --save / --output-dir ----------------------------------------------------------------------------------

@@ -63,7 +63,7 @@ def assert_engine_router_and_trainer_up(processes: dict[int, str]) -> None:
 def test_sigterm_stops_engines_router_and_workers_with_one_line(tiny_checkpoint, tmp_path):
     driver, stderr_path = start_run(tiny_checkpoint, tmp_path)
     try:
-        wait_for_line(driver, stderr_path, "rollout 1:")  # engine and router up, the loop in its 2nd rollout
+        wait_for_line(driver, stderr_path, "rollout 0 |")  # engine and router up, the loop past its 1st rollout
         before = run_processes(driver.pid)
         assert_engine_router_and_trainer_up(before)
         lines_before = len(stderr_path.read_text().splitlines())
@@ -88,7 +88,7 @@ def test_sigkill_of_the_driver_leaves_no_process(tiny_checkpoint, tmp_path):
     because their parent did (miles.utils.parent_death)."""
     driver, stderr_path = start_run(tiny_checkpoint, tmp_path)
     try:
-        wait_for_line(driver, stderr_path, "rollout 0:")  # engine and router up, the trainer training
+        wait_for_line(driver, stderr_path, "started:")  # engine, router and trainer up
         assert_engine_router_and_trainer_up(run_processes(driver.pid))
     finally:
         driver.kill()

@@ -71,3 +71,34 @@ def test_tensorboard_gets_every_scalar_at_the_rollout_step(tmp_path):
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("rollout/reward_mean")] == [(0, 0.25), (1, 0.75)]
     assert [e.value for e in events.Scalars("rollout/reward/ocr_mean")] == [0.125, 0.375]
+
+
+def test_tensorboard_gets_the_sample_grid_each_time_it_is_drawn(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from test_run_logger import make_sample
+
+    logger = RunLogger(make_args(tmp_path, use_tensorboard=True, plot_interval=2))
+    for rollout_id in range(4):
+        logger.log(rollout_id, {"rollout/reward_mean": 0.1})
+        logger.log_samples(rollout_id, [make_sample(30 + rollout_id)])
+        logger.flush(rollout_id)
+    logger.finish()
+    events = EventAccumulator(str(tmp_path / "out" / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    grid = Image.open(tmp_path / "out" / "samples.png")
+    # drawn after rollouts 1 and 3 (--plot-interval 2) and once more at the end
+    assert [(e.step, e.width, e.height) for e in events.Images("samples")] == [(1, *grid.size), (3, *grid.size),
+                                                                             (3, *grid.size)]
+
+
+def test_an_edit_eval_grid_shows_each_input_image_beside_its_edit(tmp_path):
+    Image.new("RGB", (6, 4), (0, 0, 250)).save(tmp_path / "input.png")
+    groups = _groups(1, 2)
+    for sample in groups[0]:
+        sample.input_image = str(tmp_path / "input.png")
+    pixels = np.asarray(Image.open(save_eval_grid(groups, str(tmp_path / "eval"), "edits")))
+    scale = 128 // 12  # each tile is 12 px wide now: input and edit
+    assert pixels.shape == (4 * scale, 2 * 12 * scale, 3)
+    assert tuple(pixels[0, 0]) == (0, 0, 250) and pixels[0, 6 * scale, 0] == 0  # input, then the edit (value 0)

@@ -1,4 +1,5 @@
-"""The pictures a run leaves behind: the reward curve (with eval series) and the first/last sample grid."""
+"""The pictures a run leaves behind: the reward curve (with eval series) and the captioned first/latest sample
+grid."""
 
 from __future__ import annotations
 
@@ -7,7 +8,16 @@ import pytest
 import torch
 from PIL import Image
 
-from miles.logging.plots import save_reward_curve, save_sample_grid
+from miles.logging.plots import (
+    CAPTION_LINE_PIXELS,
+    MIN_TILE_PIXELS,
+    render_strip,
+    sample_tile,
+    save_image,
+    save_reward_curve,
+    stack_strips,
+)
+from miles.types import Sample
 
 
 @pytest.fixture
@@ -82,47 +92,44 @@ def test_reward_curve_of_another_key(tmp_path, plotted_lines):
     assert plotted_lines["rollout/raw_reward"] == ([0, 1, 2], [0.0, 1.0, 2.0])
 
 
-# ---- sample grid --------------------------------------------------------------------------------------------
-def test_sample_grid_first_row_above_last(tmp_path):
-    first = [(0, "a", tile(RED)), (0, "b", tile(GREEN))]
-    last = [(9, "a", tile(BLUE)), (9, "b", tile(GRAY))]
-    path = tmp_path / "grid" / "samples.png"
-    assert save_sample_grid(first, last, str(path)) == str(path)
-    grid = read_rgb(path)
-    assert grid.shape == (256, 256, 3)  # 2 x 2 tiles of 8 px, enlarged 16x to be seen
-    assert tuple(grid[0, 0]) == RED and tuple(grid[0, 255]) == GREEN
-    assert tuple(grid[128, 0]) == BLUE and tuple(grid[255, 255]) == GRAY
+# ---- the captioned sample grid ------------------------------------------------------------------------------
+def sample(color, prompt="a red cube", reward=0.5, num_frames=1, size=8, input_image=None) -> Sample:
+    return Sample(prompt=prompt, image=tile(color, num_frames, size), reward=reward, input_image=input_image)
 
 
-def test_sample_grid_with_one_row(tmp_path):
-    path = tmp_path / "samples.png"
-    assert save_sample_grid([], [(3, "a", tile(GREEN))], str(path)) == str(path)
-    grid = read_rgb(path)
-    assert grid.shape == (128, 128, 3) and (grid == GREEN).all()
+def test_a_strip_shows_each_sample_enlarged_with_its_caption_below(tmp_path):
+    strip = np.asarray(render_strip("rollout 0 (first)", [sample_tile(sample(RED)), sample_tile(sample(GREEN))]))
+    top = CAPTION_LINE_PIXELS + 2  # the row's label above the tiles
+    assert strip.shape[1] == 2 * MIN_TILE_PIXELS
+    assert tuple(strip[top, 0]) == RED and tuple(strip[top + MIN_TILE_PIXELS - 1, MIN_TILE_PIXELS]) == GREEN
+    caption_band = strip[top + MIN_TILE_PIXELS:]
+    assert (caption_band < 128).any()  # dark text on white: the caption is drawn
+    assert sample_tile(sample(RED)).caption == "reward 0.5 | a red cube"
+    assert sample_tile(sample(RED, reward={"ocr": 1, "pickscore": 0.25})).caption == "ocr=1 pickscore=0.25 | a red cube"
+    assert sample_tile(Sample(prompt="no image")) is None
 
 
-def test_sample_grid_without_samples(tmp_path):
-    path = tmp_path / "samples.png"
-    assert save_sample_grid([], [], str(path)) is None
-    assert not path.exists()
+def test_a_video_tile_is_its_first_frame(tmp_path):
+    video = sample(BLUE, num_frames=3)
+    video.image[0] = torch.tensor(RED, dtype=torch.uint8)
+    assert (sample_tile(video).pixels == RED).all()
 
 
-def test_sample_grid_uses_the_first_frame_of_a_video(tmp_path):
-    video = tile(BLUE, num_frames=3)
-    video[0] = torch.tensor(RED, dtype=torch.uint8)
-    path = tmp_path / "samples.png"
-    save_sample_grid([(0, "a video", video)], [], str(path))
-    grid = read_rgb(path)
-    assert grid.shape == (128, 128, 3) and (grid == RED).all()
+def test_an_edit_shows_the_input_image_beside_the_output(tmp_path):
+    Image.new("RGB", (20, 10), BLUE).save(tmp_path / "input.png")
+    tile_ = sample_tile(sample(RED, input_image=str(tmp_path / "input.png")))
+    assert tile_.pixels.shape == (8, 16, 3)  # the input resized to the output's size, on its left
+    assert tuple(tile_.pixels[0, 0]) == BLUE and tuple(tile_.pixels[0, 8]) == RED
 
 
-def test_sample_grid_pads_uneven_rows_and_sizes_with_white(tmp_path):
-    first = [(0, "a", tile(RED, size=200)), (0, "b", tile(GREEN, size=100))]
-    last = [(1, "a", tile(BLUE, size=200))]
-    path = tmp_path / "samples.png"
-    save_sample_grid(first, last, str(path))
-    grid = read_rgb(path)
-    assert grid.shape == (400, 400, 3)  # large tiles are not enlarged
-    assert tuple(grid[0, 0]) == RED and tuple(grid[0, 200]) == GREEN
-    assert tuple(grid[150, 350]) == (255, 255, 255)  # below the smaller tile
-    assert tuple(grid[200, 0]) == BLUE and tuple(grid[300, 300]) == (255, 255, 255)  # missing tile
+def test_strips_stack_first_above_latest_padded_with_white(tmp_path):
+    first = render_strip("first", [sample_tile(sample(RED)), sample_tile(sample(GREEN))])
+    latest = render_strip("latest", [sample_tile(sample(BLUE))])
+    grid = stack_strips([first, None, latest])
+    pixels = np.asarray(grid)
+    assert grid.size == (first.width, first.height + latest.height)
+    assert tuple(pixels[first.height + CAPTION_LINE_PIXELS + 2, 0]) == BLUE
+    assert tuple(pixels[-1, -1]) == (255, 255, 255)
+    assert stack_strips([None]) is None
+    path = save_image(grid, str(tmp_path / "pictures" / "samples.png"))
+    assert read_rgb(path).shape == pixels.shape and not list((tmp_path / "pictures").glob("*.tmp*"))

@@ -17,6 +17,8 @@ from miles.logging.run_logger import RunLogger
 from miles.testing.config import trainer_config
 from miles.types import Sample
 
+from test_plots import plotted_lines  # noqa: F401 - the fixture
+
 
 def make_args(tmp_path: Path, **overrides) -> RunConfig:
     """A run logging to tmp_path, with the flags' declared defaults otherwise."""
@@ -168,38 +170,91 @@ def test_no_dashboard_without_the_flag(tmp_path):
     assert not (tmp_path / "dashboard").exists()
 
 
-# ---- the final plots -------------------------------------------------------------------------------------
-def test_finish_leaves_reward_curve_and_sample_grid(tmp_path):
+# ---- the pictures -------------------------------------------------------------------------------------------
+def grid_rows(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The top-left pixel of the first tile in each of the grid's two rows."""
+    from miles.logging.plots import CAPTION_LINE_PIXELS
+
+    grid = np.asarray(Image.open(path).convert("RGB"))
+    top = CAPTION_LINE_PIXELS + 2
+    return grid[top, 0], grid[grid.shape[0] // 2 + top, 0]
+
+
+def test_finish_leaves_reward_curve_and_the_first_and_latest_samples(tmp_path):
     logger = RunLogger(make_args(tmp_path))
     for rollout_id, value in enumerate((40, 120, 200)):
         logger.log(rollout_id, {"rollout/reward_mean": value / 255})
         logger.log_samples(rollout_id, [make_sample(value), make_sample(value + 1), Sample(prompt="no image")])
         logger.flush(rollout_id)
     logger.finish()
-
     out = tmp_path / "out"
     assert Image.open(out / "reward_curve.png").size[0] > 0
-    grid = np.asarray(Image.open(out / "samples.png").convert("RGB"))
-    # two rows of two 8x8 tiles, enlarged 16x: the first rollout above the last
-    assert grid.shape == (2 * 128, 2 * 128, 3)
-    assert (grid[0, 0] == 40).all() and (grid[0, 128] == 41).all()
-    assert (grid[128, 0] == 200).all() and (grid[128, 128] == 201).all()
+    first, latest = grid_rows(out / "samples.png")
+    assert (first == 40).all() and (latest == 200).all()
+    assert (out / "samples" / "first_rollout.png").is_file()
 
 
-def test_first_row_of_a_resumed_run_is_its_first_rollout(tmp_path):
+def test_pictures_are_redrawn_every_plot_interval(tmp_path):
+    logger = RunLogger(make_args(tmp_path, plot_interval=2))
+    out = tmp_path / "out"
+    for rollout_id in range(3):
+        logger.log(rollout_id, {"rollout/reward_mean": 0.1 * rollout_id})
+        logger.log_samples(rollout_id, [make_sample(10 + rollout_id)])
+        logger.flush(rollout_id)
+        assert (out / "samples.png").exists() == (rollout_id >= 1)  # after rollouts 1, 3, 5, ...
+    assert (grid_rows(out / "samples.png")[1] == 11).all()
+
+
+def test_a_resumed_run_shows_the_whole_history(tmp_path, plotted_lines):
+    first_part = RunLogger(make_args(tmp_path))
+    for rollout_id in range(3):
+        first_part.log(rollout_id, {"rollout/reward_mean": float(rollout_id)})
+        first_part.log_samples(rollout_id, [make_sample(20 + rollout_id)])
+        first_part.flush(rollout_id)  # rollout 2 was not checkpointed: the resumed run trains it again
+    resumed = RunLogger(make_args(tmp_path))
+    resumed.resume_history(2)
+    for rollout_id in (2, 3):
+        resumed.log(rollout_id, {"rollout/reward_mean": 10.0 + rollout_id})
+        resumed.log_samples(rollout_id, [make_sample(90 + rollout_id)])
+        resumed.flush(rollout_id)
+    resumed.finish()
+    assert plotted_lines["rollout/reward_mean"] == ([0, 1, 2, 3], [0.0, 1.0, 12.0, 13.0])
+    first, latest = grid_rows(tmp_path / "out" / "samples.png")
+    assert (first == 20).all() and (latest == 93).all()  # the run's first rollout, not the resumed one's
+
+
+def test_finish_writes_the_pictures_once_and_never_raises(tmp_path, monkeypatch, caplog):
     logger = RunLogger(make_args(tmp_path))
-    for rollout_id, value in ((5, 60), (6, 90), (7, 150)):
-        logger.log_samples(rollout_id, [make_sample(value)])
-    logger.log_samples(7, [make_sample(250)], prefix="eval/val")  # eval samples stay out of the grid
-    logger.finish()
-    grid = np.asarray(Image.open(tmp_path / "out" / "samples.png").convert("RGB"))
-    assert (grid[0, 0] == 60).all() and (grid[-1, -1] == 150).all()
+    logger.log_samples(0, [make_sample(5)])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(run_logger_module, "stack_strips", broken)
+    with caplog.at_level("ERROR"):
+        logger.finish()  # on the way out of a failed run: the run's own error must stay the one reported
+        logger.finish()
+    assert caplog.text.count("could not write the run's pictures") == 1
+
+
+def test_video_samples_become_mp4_files(tmp_path):
+    av = pytest.importorskip("av")
+    logger = RunLogger(make_args(tmp_path, diffusion_fps=4.0))
+    logger.log_samples(0, [make_sample(value, num_frames=5, size=9) for value in (30, 60)])
+    written = logger.write_pictures()
+    videos = sorted((tmp_path / "out" / "videos").glob("*.mp4"))
+    assert [v.name for v in videos] == ["rollout_0000000_0.mp4", "rollout_0000000_1.mp4"]
+    assert written["video 1"] == str(videos[1])
+    with av.open(str(videos[0])) as container:
+        frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+    assert len(frames) == 5 and frames[0].shape == (10, 10, 3)  # odd sizes padded to even for H.264
+    assert abs(int(frames[2][4, 4, 0]) - 30) < 8
 
 
 def test_log_samples_keeps_at_least_four_images(tmp_path):
     logger = RunLogger(make_args(tmp_path, wandb_log_num_images=2))
     logger.log_samples(0, [make_sample(value) for value in range(6)])
-    assert [prompt for _, prompt, _ in logger._sample_images] == [f"prompt {value}" for value in range(4)]
+    assert [sample.prompt for sample in logger._latest_samples[1]] == [f"prompt {value}" for value in range(4)]
 
 
 def test_finish_without_rewards_or_images_writes_nothing(tmp_path):
@@ -209,6 +264,14 @@ def test_finish_without_rewards_or_images_writes_nothing(tmp_path):
     logger.finish()
     assert not (tmp_path / "out" / "reward_curve.png").exists()
     assert not (tmp_path / "out" / "samples.png").exists()
+
+
+def test_the_console_line_shows_each_eval_sets_reward(tmp_path, caplog):
+    logger = RunLogger(make_args(tmp_path))
+    logger.log(4, {"eval/val/reward_mean": 0.25, "eval/hard/reward_mean": 0.5, "eval/val/reward_std": 0.1})
+    with caplog.at_level("INFO"):
+        logger.flush(4)
+    assert "rollout 4 | eval/hard/reward_mean=0.5 eval/val/reward_mean=0.25" in caplog.text
 
 
 # ---- wandb, offline -----------------------------------------------------------------------------------------
@@ -239,7 +302,8 @@ def test_wandb_offline_gets_metrics_and_images_on_the_interval(tmp_path):
         time.sleep(0.5)
     assert b"rollout/reward_mean" in records and b"rollout/samples" in records
     images = list((run_dirs[0] / "files" / "media").rglob("*.png"))
-    assert len(images) == 2 * 2  # wandb_log_num_images per logged rollout, two logged rollouts
+    # wandb_log_num_images per logged rollout, two logged rollouts, and the sample grid drawn at the end
+    assert len(images) == 2 * 2 + 1 and len([p for p in images if "samples_grid" in p.name]) == 1
 
 
 def test_wandb_media_for_images_and_videos():

@@ -39,3 +39,13 @@ def test_worker_env_leaves_the_submitted_jobs_variables_to_the_job():
     # Ray refuses a ray.init runtime_env that repeats a variable of the job's, even with the same value
     assert worker_env_vars(args, "k" * 32, inside_job) == {"PYTHONPATH": "/code", "WANDB_MODE": "disabled",
                                                            "NCCL_DEBUG": "INFO"}
+
+
+def test_a_run_joins_a_cluster_only_when_one_is_named():
+    from miles.ray.placement import cluster_address
+
+    assert cluster_address(_args(), environ={}) is None  # its own private Ray instance
+    assert cluster_address(_args(), environ={"RAY_ADDRESS": "10.0.0.1:6379"}) == "10.0.0.1:6379"
+    assert cluster_address(_args(ray_address="auto"), environ={"RAY_ADDRESS": "10.0.0.1:6379"}) == "auto"
+    assert cluster_address(_args(), environ={"RAY_ADDRESS": "local"}) is None
+    assert cluster_address(_args(ray_address="local"), environ={"RAY_ADDRESS": "10.0.0.1:6379"}) is None

@@ -81,7 +81,7 @@ def test_the_sweep_ends_the_run_processes_left_behind_and_their_shared_memory(ru
         # Both ended (the sweep reaped them, so Popen reads no signal); the one ignoring SIGTERM needed SIGKILL
         # after the grace period.
         assert polite.poll() is not None and stubborn.poll() is not None
-        assert shutdown.SWEEP_GRACE_SECONDS <= time.monotonic() - started < 10
+        assert shutdown.SWEEP_GRACE_SECONDS <= time.monotonic() - started < 10 + shutdown.EXIT_GRACE_SECONDS
         assert not leaked.exists() and someone_elses.exists()
         assert outsider.poll() is None  # not of this run: untouched
     finally:
@@ -190,3 +190,23 @@ def test_the_exit_is_one_line(capsys):
 
     assert run_entry(engine_died, capsys) == (3, [
         "error: generate request 1 failed after 1 attempt(s): [502] engine http://e failed"])
+
+
+def test_the_runs_private_ray_folder_is_made_private_and_removed_at_the_end(run, monkeypatch, tmp_path):
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    folder = shutdown.make_run_ray_temp_dir()
+    assert folder == str(tmp_path / f"miles-ray-{run}")
+    assert os.stat(folder).st_mode & 0o777 == 0o700  # Ray's sockets and logs: this user's only
+    (tmp_path / f"miles-ray-{run}" / "session_x").mkdir()
+    shutdown.stop_run()
+    assert not os.path.exists(folder)
+
+
+def test_the_reaper_removes_the_ray_folder_of_a_killed_driver(monkeypatch, tmp_path):
+    from miles.ray import run_reaper
+
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    folder = tmp_path / "miles-ray-123-abc"
+    (folder / "session_x").mkdir(parents=True)
+    run_reaper.reap("123-abc", driver_pid=123)
+    assert not folder.exists()

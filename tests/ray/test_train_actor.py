@@ -50,7 +50,7 @@ def setup(tiny_checkpoint, tmp_path_factory):
     )
     family, pipe = load_tiny_family(args)
     samples = make_rollout_samples(family, pipe, args, ["a red cube", "two cats"], 2, [1, 2], seed=5)
-    ray.init(num_cpus=3, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=3, num_gpus=0, include_dashboard=False, log_to_driver=False)
     group = TrainActorGroup(args, None, world_size=2)
     assert group.init() == 0
     init_distributed(0, 1, "gloo", free_port())

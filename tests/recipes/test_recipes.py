@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,27 @@ FAMILY_OF = {"sd35m": "sd3", "flux2": "flux2", "flux": "flux", "qwen_image": "qw
              "ltx": "ltx", "cosmos3": "cosmos3", "hunyuan_video": "hunyuan_video"}  # first matching prefix wins
 
 
+def test_paths_are_resolved_from_where_the_user_stands(tmp_path):
+    recipe = load(REPO / "recipes" / "sd35m_ocr.py").with_environment(
+        {"MILES_SCRIPT_PROMPT_DATA": "data/mine.jsonl", "MILES_SCRIPT_OUTPUT_DIR": "runs/ocr"}).resolved(str(tmp_path))
+    flags = recipe.flags()
+    assert flags[flags.index("--prompt-data") + 1] == str(tmp_path / "data" / "mine.jsonl")
+    assert flags[flags.index("--output-dir") + 1] == str(tmp_path / "runs" / "ocr")
+    # the checkpoints live under the output folder; a hub id stays a hub id
+    assert flags[flags.index("--save") + 1] == str(tmp_path / "runs" / "ocr" / "checkpoints")
+    assert flags[flags.index("--hf-checkpoint") + 1] == "stabilityai/stable-diffusion-3.5-medium"
+
+
+def test_every_recipe_has_an_explicit_length_and_eval_cadence():
+    for path in RECIPES:
+        flags = load(path).flags()
+        assert {"--num-rollout", "--eval-interval", "--save-interval", "--eval-prompt-data"} <= set(flags), path.stem
+
+
+# The papers' schedules, per rollout (one of their epochs): prompts x images per prompt, optimizer steps.
+PAPER_GEOMETRY = {"sd35m_pickscore": ("48", "24", "2"), "sd35m_ocr": ("48", "24", "2"), "sd35m_nft": ("48", "24", "1")}
+
+
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
 def test_recipe_passes_dry_run_on_its_familys_tiny_checkpoint(path, tiny_checkpoint, tmp_path):
     family = next(f for prefix, f in FAMILY_OF.items() if path.stem.startswith(prefix))
@@ -65,3 +87,12 @@ def test_recipe_passes_dry_run_on_its_familys_tiny_checkpoint(path, tiny_checkpo
                             timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "batch geometry" in result.stdout.lower() or "global batch" in result.stdout
+    flags = load(path).flags()
+    num_rollout = flags[flags.index("--num-rollout") + 1]
+    assert re.search(rf"^    rollouts +{num_rollout}   \(--num-rollout\)$", result.stdout, re.M), result.stdout[-2000:]
+    assert re.search(r"^    evals before rollouts \(--eval-interval\) +0, ", result.stdout, re.M)
+    if path.stem in PAPER_GEOMETRY:
+        prompts, group, steps = PAPER_GEOMETRY[path.stem]
+        assert re.search(rf"prompts \(--rollout-batch-size\) +{prompts}\n.*--n-samples-per-prompt\) +{group}\n",
+                         result.stdout)
+        assert re.search(rf"/ optimizer steps \(--num-steps-per-rollout\) +{steps}\n", result.stdout)

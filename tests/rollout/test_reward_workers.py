@@ -55,7 +55,7 @@ def test_colocated_reward_actors_fit_beside_trainer_and_engine_in_one_bundle():
 
     # the workers unpickle DoublingScorer, so they need this folder on their path
     path = os.pathsep.join(p for p in (os.path.dirname(__file__), os.environ.get("PYTHONPATH")) if p)
-    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path}})
     try:
         bundle = placement_group([{"CPU": 1}])

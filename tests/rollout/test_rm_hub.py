@@ -137,6 +137,15 @@ def test_bad_rewards_name_the_reward_and_the_sample(user_module, name, message):
         asyncio.run(batched_async_rm(args, _samples(2, 2)))
 
 
+def test_a_reward_that_raises_keeps_its_traceback_in_the_log(user_module, caplog):
+    module = user_module(CUSTOM_RM)
+    with caplog.at_level("ERROR"), pytest.raises(MilesUserError):
+        asyncio.run(batched_async_rm(_args(custom_rm_path=f"{module}.rm_raises"), _samples(2, 2)))
+    logged = [record for record in caplog.records if record.exc_info]
+    assert len(logged) == 1 and logged[0].getMessage().startswith("reward 'custom' raised RuntimeError")
+    assert "reward service exploded" in caplog.text and "Traceback" in caplog.text and module in caplog.text
+
+
 def test_configuration_errors(user_module):
     module = user_module(CUSTOM_RM)
     with pytest.raises(MilesUserError, match="must be an `async def"):

@@ -105,7 +105,7 @@ def test_ray_worker_pools_give_the_in_process_scores(tiny_clip):
     samples = [Sample(prompt=p, index=i, image=_video(i, 2)) for i, p in enumerate(["a cat", "a dog", "a red apple"])]
     local = asyncio.run(batched_async_rm(_args(tiny_clip), samples))
     samples.append(Sample(prompt='a sign saying "miles"', index=3, image=_rendered_word("miles"), metadata={"rm_type": "ocr"}))
-    ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
     try:
         # A fractional GPU request: on a GPU-less cluster the worker falls back to CPU. Batches of 2 over 6 frames.
         args = _args(tiny_clip, pickscore_num_workers=1, pickscore_num_gpus_per_worker=0.5, pickscore_batch_size=2,
@@ -152,7 +152,7 @@ def test_a_reward_worker_killed_mid_rollout_is_restarted_and_every_sample_scored
             except PartDiedError as err:
                 return err, pid
 
-    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
     try:
         rewards, first_pid = kill_worker_while_the_rollout_waits_on_it()
         assert rewards == pytest.approx(local, abs=1e-5)

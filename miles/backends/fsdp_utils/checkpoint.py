@@ -188,6 +188,14 @@ def _check_meta_matches_run(directory: str, meta: dict[str, Any], config: RunCon
         raise MilesUserError(
             f"--load {directory!r} was saved with use_lora={meta['use_lora']}; this run has --use-lora={use_lora}"
         )
+    saved_lora = meta.get("lora")  # absent in checkpoints written before the LoRA settings were recorded
+    if use_lora and isinstance(saved_lora, dict):
+        trainer = config.trainer
+        for key, flag, value in (("r", "--lora-rank", trainer.lora_rank), ("lora_alpha", "--lora-alpha",
+                                                                             trainer.lora_alpha)):
+            if key in saved_lora and int(saved_lora[key]) != int(value):
+                raise MilesUserError(f"--load {directory!r} holds a LoRA adapter of {key} {saved_lora[key]}, but this "
+                                     f"run has {flag} {value}: pass {flag} {saved_lora[key]} to resume it")
 
 
 def _barrier() -> None:
@@ -494,9 +502,7 @@ def export_lora(trainer, path: str) -> None:
 
 
 def should_save(config: RunConfig, rollout_id: int) -> bool:
-    """The loop's rule: with `--save`, every `--save-interval` rollouts and after the last one."""
-    if not config.checkpoint.save:
-        return False
-    interval = config.checkpoint.save_interval
-    last = config.data.num_rollout - 1
-    return bool(interval and (rollout_id + 1) % int(interval) == 0) or rollout_id == last
+    """The loop's rule (miles.config.schedule): with `--save`, every `--save-interval` rollouts and after the last."""
+    from miles.config.schedule import save_due
+
+    return save_due(config.checkpoint.save, config.checkpoint.save_interval, config.data.num_rollout, rollout_id)

@@ -418,6 +418,7 @@ def export_weights(weights: TrainedWeights, out: str, merge: bool = False, base:
             info["merged_lora"] = weights.lora
         with open(os.path.join(temp, EXPORT_INFO_FILE), "w") as handle:
             json.dump(info, handle, indent=2)
+        follow_umask(temp)
         if os.path.exists(out):
             shutil.rmtree(out)
         os.rename(temp, out)
@@ -429,13 +430,25 @@ def export_weights(weights: TrainedWeights, out: str, merge: bool = False, base:
 
 
 # ---- exports during training (--export-interval) -------------------------------------------------------------
+def follow_umask(folder: str) -> None:
+    """Give every file and folder under `folder` the mode the umask allows (0644 / 0755 under umask 022): an
+    export is for others to read, but safetensors writes through a private temp file (0600) and copies of the
+    base pipeline keep its files' modes."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(folder, 0o777 & ~mask)
+    for root, folders, files in os.walk(folder):
+        for name in folders:
+            os.chmod(os.path.join(root, name), 0o777 & ~mask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~mask)
+
+
 def should_export(config: RunConfig, rollout_id: int) -> bool:
-    """With `--export-interval N`: every N rollouts and after the last one (like `--save-interval`)."""
-    interval = config.checkpoint.export_interval
-    if not interval:
-        return False
-    last = config.data.num_rollout - 1
-    return (rollout_id + 1) % int(interval) == 0 or rollout_id == last
+    """With `--export-interval N`: every N rollouts and after the last one (miles.config.schedule)."""
+    from miles.config.schedule import interval_due
+
+    return interval_due(config.checkpoint.export_interval, config.data.num_rollout, rollout_id)
 
 
 def export_dir(config: RunConfig, rollout_id: int) -> str:

@@ -12,6 +12,7 @@ and computed in `--diffusion-forward-dtype` (MixedPrecisionPolicy.param_dtype), 
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +28,13 @@ if TYPE_CHECKING:
     from miles.config.sections import TrainerConfig
 
 logger = logging.getLogger(__name__)
+
+# FSDP2 warns when a wrapped module returns a view (diffusers' FLUX.1 single blocks split their output into text
+# and image tokens by slicing), because an in-place op on that view would skip FSDP's pre-backward hook. Nothing
+# modifies those outputs in place: the blocks and the model after them only read them into new tensors (no `+=`,
+# no `*_()` on the block outputs in diffusers' transformer_flux.py), so the warning is noise on every FLUX run.
+# Cloning the views instead would cost a copy of every block's activations.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor", category=UserWarning)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import logging
 import math
 import numbers
 from typing import Any, Awaitable, Callable, Sequence
@@ -35,6 +36,8 @@ from miles.rollout.rm_hub.builtin import brightness_rm, jpeg_compressibility_rm
 from miles.types import Sample
 from miles.utils.errors import MilesUserError, PartDiedError
 from miles.utils.imports import load_function
+
+logger = logging.getLogger(__name__)
 
 RewardFn = Callable[[Any, list[Sample]], Awaitable[list[Any]]]
 CUSTOM_RM_TYPE = "custom"
@@ -179,6 +182,8 @@ async def _score_one(args, rm_type: str, samples: list[Sample]) -> list[Any]:
         raise
     except Exception as err:
         where = _describe(samples[0]) if len(samples) == 1 else f"{len(samples)} samples starting at {_describe(samples[0])}"
+        # the run ends in the one line below; the traceback says where in the reward's code it went wrong
+        logger.error("reward %r raised %s on %s", rm_type, type(err).__name__, where, exc_info=err)
         raise MilesUserError(f"reward {rm_type!r} raised {type(err).__name__}: {err} on {where}") from err
     if not isinstance(rewards, (list, tuple)) or len(rewards) != len(samples):
         got = f"{len(rewards)} values" if isinstance(rewards, (list, tuple)) else type(rewards).__name__
