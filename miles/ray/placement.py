@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, field
 
 from miles.config.sections import RunConfig
-from miles.ray.shutdown import reinstall_signal_handlers
+from miles.ray.shutdown import on_run_exit, reinstall_signal_handlers
 
 logger = logging.getLogger(__name__)
 
@@ -28,9 +28,10 @@ ROLLOUT_GPU_SHARE = 0.25
 REWARD_GPU_SHARE = 0.05
 
 # Environment every Ray worker inherits: tests and CI must never reach a model hub; MILES_RUN_ID marks the
-# run's processes for the cleanup sweep (miles.ray.shutdown).
+# run's processes for the cleanup sweep (miles.ray.shutdown); MILES_API_KEY_FILE names the run's key file
+# (miles.utils.auth: the key itself never goes into a runtime_env, which Ray writes into its logs).
 _FORWARDED_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME", "TOKENIZERS_PARALLELISM", "WANDB_MODE",
-                  "PYTHONPATH", "MILES_RUN_ID")
+                  "PYTHONPATH", "MILES_RUN_ID", "MILES_API_KEY_FILE", "MILES_RUN_FOLDER")
 
 
 def use_gpus() -> bool:
@@ -80,6 +81,7 @@ def init_ray(config: RunConfig) -> None:
     api_key = ensure_run_api_key()
     if ray.is_initialized():
         return
+    on_run_exit("the run's key file", _remove_key_file)
     runtime_env = {"env_vars": worker_env_vars(config, api_key)}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=True)
@@ -90,8 +92,26 @@ def init_ray(config: RunConfig) -> None:
         num_cpus = None if use_gpus() else max(slots, os.cpu_count() or 1)
         num_gpus = _local_gpu_budget(config) if use_gpus() else None  # --num-gpus-per-node caps this node's GPUs
         ray.init(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=runtime_env, include_dashboard=False,
-                 log_to_driver=True)
+                 log_to_driver=True, _temp_dir=private_ray_temp_dir())
     reinstall_signal_handlers()  # ray.init made SIGTERM a bare sys.exit, which would skip the run's cleanup
+
+
+def _remove_key_file() -> None:
+    from miles.utils.auth import API_KEY_FILE_ENV
+
+    path = os.environ.pop(API_KEY_FILE_ENV, None)
+    if path and os.path.isfile(path):
+        os.unlink(path)
+
+
+def private_ray_temp_dir() -> str:
+    """Ray's temp and log folder for a Ray instance this run starts: inside the run's 0700 folder, so no other
+    user reads its logs (Ray's default, /tmp/ray, is readable by all, and its logs hold every runtime_env)."""
+    from miles.utils.auth import run_folder
+
+    path = os.path.join(run_folder(), "ray")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
 
 
 def _local_gpu_budget(config: RunConfig) -> int:
@@ -105,7 +125,9 @@ _RAY_JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 
 
 def worker_env_vars(config: RunConfig, api_key: str, environ=os.environ) -> dict[str, str]:
-    """The environment every Ray worker of the run gets: the offline settings, --train-env-vars and the key.
+    """The environment every Ray worker of the run gets: the offline settings, --train-env-vars and the path of
+    the key file. Joining a cluster (RAY_ADDRESS), whose other nodes may not see this node's files, the key itself
+    goes too: that cluster's owner then holds it in the cluster's logs (docs/security.md).
 
     Inside a submitted job (`ray job submit`) the job's own runtime_env already reaches every worker, and Ray
     refuses a `ray.init` runtime_env that sets any variable the job sets (even to the same value): those are
@@ -114,7 +136,8 @@ def worker_env_vars(config: RunConfig, api_key: str, environ=os.environ) -> dict
 
     env = {k: environ[k] for k in _FORWARDED_ENV if k in environ}
     env.update(config.trainer.train_env_vars)
-    env[API_KEY_ENV] = api_key
+    if environ.get("RAY_ADDRESS"):
+        env[API_KEY_ENV] = api_key
     job_config = environ.get(_RAY_JOB_CONFIG_ENV)
     if job_config:
         job_env = (json.loads(job_config).get("runtime_env") or {}).get("env_vars") or {}

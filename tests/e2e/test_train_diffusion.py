@@ -51,15 +51,17 @@ def run_env(ray_address: str | None = None) -> dict[str, str]:
     """`ray_address`: join that Ray cluster (RAY_ADDRESS) instead of starting one."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled",
            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    env.pop("RAY_ADDRESS", None)
+    for inherited in ("RAY_ADDRESS", "MILES_API_KEY_FILE", "MILES_RUN_FOLDER"):  # each run makes its own
+        env.pop(inherited, None)
     if ray_address:
         env["RAY_ADDRESS"] = ray_address
     return env
 
 
-def run(argv: list[str], timeout: float = 600, ray_address: str | None = None) -> subprocess.CompletedProcess:
+def run(argv: list[str], timeout: float = 600, ray_address: str | None = None,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     result = subprocess.run([sys.executable, str(REPO / "train_diffusion.py"), *argv], capture_output=True,
-                            text=True, cwd=REPO, env=run_env(ray_address), timeout=timeout)
+                            text=True, cwd=REPO, env={**run_env(ray_address), **(env or {})}, timeout=timeout)
     assert result.returncode == 0, f"train_diffusion.py failed ({result.returncode}):\n{result.stderr[-6000:]}"
     return result
 
@@ -88,14 +90,52 @@ def test_flow_grpo_reward_rises(sd3, prompts, tmp_path, seed):
     assert (out / "reward_curve.png").exists() and (out / "samples.png").exists()
 
 
-def test_alignment_probe_is_exact(sd3, prompts, tmp_path):
+@pytest.fixture
+def private_temp_root():
+    """A short TMPDIR for one run (Ray's socket paths live under it), removed afterwards."""
+    import shutil
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="mk-", dir="/tmp")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def key_holders(key: str, roots: list[Path]) -> tuple[int, list[tuple[str, str]]]:
+    """How many files under `roots` were read, and (path, mode) of each that holds `key`."""
+    import stat
+
+    holders, files = [], 0
+    for root in roots:
+        for path in root.rglob("*"):
+            if path.is_file() and not path.is_symlink():
+                files += 1
+                if key.encode() in path.read_bytes():
+                    holders.append((str(path), oct(stat.S_IMODE(path.stat().st_mode))))
+    return files, holders
+
+
+def test_alignment_probe_is_exact_and_the_key_lands_only_in_0600_files(sd3, prompts, tmp_path, private_temp_root):
+    """Also: every file the run writes (its output folder, its private run folder with Ray's session and logs)
+    is read for the run's key; only the key file (0600, in a 0700 folder) may hold it (docs/security.md)."""
+    import secrets
+    import stat
+
+    key = secrets.token_hex(32)
     out = tmp_path / "probe"
-    run([*base_flags(sd3, prompts, out), "--num-rollout", "2", "--debug-skip-optimizer-step",
-         "--diffusion-debug-mode", "--micro-batch-size-sample", "4", "--micro-batch-size-tstep", "1",
-         "--sglang-max-batch-size", "4"])
+    result = run([*base_flags(sd3, prompts, out), "--num-rollout", "2", "--debug-skip-optimizer-step",
+                  "--diffusion-debug-mode", "--micro-batch-size-sample", "4", "--micro-batch-size-tstep", "1",
+                  "--sglang-max-batch-size", "4"], env={"MILES_API_KEY": key, "TMPDIR": private_temp_root})
     records = metrics(out)
     assert series(records, "train/log_prob_mean_abs_diff") == [0.0, 0.0]
     assert series(records, "train/model_output_mean_abs_diff") == [0.0, 0.0]
+
+    assert key not in result.stdout + result.stderr
+    run_folders = [p for p in Path(private_temp_root).iterdir() if p.name.startswith("miles-")]
+    assert len(run_folders) == 1 and stat.S_IMODE(run_folders[0].stat().st_mode) == 0o700
+    assert list(run_folders[0].glob("ray/session_*/logs/*.log")), "Ray did not use the run's private folder"
+    files, holders = key_holders(key, [Path(private_temp_root), out])
+    assert files > 20 and all(mode == "0o600" for _, mode in holders), holders
 
 
 def test_nft_reward_rises(sd3, prompts, tmp_path):
