@@ -43,6 +43,7 @@ from miles.engine.weight_broadcast import (
 from miles.engine.weight_sync import WeightReceiver, module_checksums
 from miles.engine.weight_sync_wire import BroadcastRef, UpdateMessage, decode_update_message
 from miles.utils.auth import bearer_auth_middleware, json_errors_middleware, resolve_api_key, warn_if_exposed
+from miles.utils.http_guard import ConnectionLimits, GuardedSite, ServerGuard, quiet_bad_requests
 from miles.utils.device_memory import current_device_memory
 from miles.utils.errors import MilesUserError
 
@@ -81,9 +82,12 @@ class EngineServer:
         self.weight_group: BroadcastMember | None = None
         self._staged_bucket: UpdateMessage | None = None
         self.device_identity = device_identity(self.runner.device)
+        quiet_bad_requests(api_key)
+        self.guard = ServerGuard(ConnectionLimits(read_timeout_s=server_args.connection_read_timeout,
+                                                  max_connections=server_args.max_connections), "the engine")
         self.app = web.Application(
             client_max_size=server_args.max_request_bytes,
-            middlewares=[json_errors_middleware, bearer_auth_middleware(api_key)],
+            middlewares=self.guard.middlewares(json_errors_middleware, bearer_auth_middleware(api_key)),
         )
         self.app.add_routes(
             [
@@ -125,7 +129,7 @@ class EngineServer:
         # scheduler drop the request at the next step
         self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
-        await web.SockSite(self._runner, sock).start()
+        await GuardedSite(self._runner, sock, self.guard).start()
         host, port = sock.getsockname()[:2]
         self.url = f"http://{host}:{port}"
         return self.url

@@ -75,6 +75,16 @@ class ServerArgs:
     max_request_bytes: int = field(
         default=16 << 20, metadata={"help": "Largest HTTP request body in bytes (larger bodies get 413)."}
     )
+    # ---- connections (miles.utils.http_guard) -------------------------------------------------------------------
+    connection_read_timeout: float = field(
+        default=30.0,
+        metadata={"help": "Seconds a connection has to send a complete request head (after connecting or after its "
+                  "last answer) and then its body; a slower one is closed."},
+    )
+    max_connections: int = field(
+        default=1024,
+        metadata={"help": "Most open client connections (lowered to what the file limit allows); more get 503."},
+    )
     ulysses_degree: int = field(
         default=0,
         metadata={"help": "How an engine of N > 1 GPUs (--rollout-num-gpus-per-engine) splits its forwards: N = "
