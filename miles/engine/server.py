@@ -162,6 +162,12 @@ class EngineServer:
             logger.exception("generate failed")
             return _error(500, f"{type(err).__name__}: {err}")
         payload = await asyncio.get_running_loop().run_in_executor(None, encode_response, response)
+        self.counters["generate_answers"] = self.counters.get("generate_answers", 0) + 1
+        if self.server_args.crash_after_answers and \
+                self.counters["generate_answers"] == self.server_args.crash_after_answers:
+            logger.error("crash drill: dying after generate answer %d (--crash-after-answers)",
+                         self.server_args.crash_after_answers)
+            asyncio.get_running_loop().call_later(0.5, os._exit, 1)  # the answer leaves first
         return web.Response(body=payload, content_type=CONTENT_TYPE)
 
     async def handle_update_weights(self, request: web.Request) -> web.Response:

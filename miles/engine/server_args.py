@@ -97,6 +97,11 @@ class ServerArgs:
         metadata={"help": "Fault-injection drill: the process dies abruptly when its N-th generate request arrives "
                   "(0 = never)."},
     )
+    crash_after_answers: int = field(
+        default=0,
+        metadata={"help": "Fault-injection drill: the process dies abruptly a moment after it answered its N-th "
+                  "generate request, i.e. outside generation (while the trainer trains; 0 = never)."},
+    )
 
 
 # Fields miles fills in itself for every engine; they are not re-registered with the --sglang- prefix.

@@ -299,6 +299,28 @@ def test_engine_killed_mid_rollout_is_restarted(sd3, prompts, tmp_path):
     assert sum(series(records, "rollout/num_retries")) >= 1
 
 
+@pytest.mark.parametrize("fault_tolerance", [False, True])
+def test_an_engine_that_dies_while_the_trainer_trains(sd3, prompts, tmp_path, fault_tolerance):
+    """The engine dies right after answering rollout 0's last request (4 requests of 4 samples), so it is gone
+    while the trainer trains and the weight sync finds it: restarted under --use-fault-tolerance, otherwise the
+    run ends in one line naming it (exit 3, a part died), not a urllib traceback."""
+    out = tmp_path / "died"
+    flags = [*base_flags(sd3, prompts, out), "--num-rollout", "2", "--sglang-crash-after-answers", "4",
+             "--rollout-health-check-interval", "3600"]  # the weight sync, not the watcher, must find it
+    if fault_tolerance:
+        result = run([*flags, "--use-fault-tolerance"])
+        assert series(metrics(out), "rollout/num_samples") == [16.0, 16.0]
+        assert "died before or during the weight sync; restarting it" in result.stderr
+        return
+    result = subprocess.run([sys.executable, str(REPO / "train_diffusion.py"), *flags], capture_output=True,
+                            text=True, cwd=REPO, env=run_env(), timeout=600)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert last.startswith("error: rollout engine 0 (http://127.0.0.1:") and "engine0.log" in last, last
+    assert "died before or during the weight sync" in last and last.endswith(
+        "--use-fault-tolerance restarts dead engines"), last
+
+
 def test_hybrid_sharded_trainer_with_its_own_engine_matches_one_rank(sd3, prompts, tmp_path):
     """Issue 9's topology scaled down to CPU: 2 trainer ranks with --dp-replicate-size 2 (HSDP), the engine on
     a slot of its own (no --colocate), against one trainer rank on the same data."""
