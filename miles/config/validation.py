@@ -454,10 +454,18 @@ def _rule_engine_limits(args: argparse.Namespace) -> None:
         (args.diffusion_output_num_frames, "--diffusion-output-num-frames", "max_num_frames"),
         (args.rollout_microgroup_size, "--rollout-microgroup-size", "max_samples_per_request"),
     ):
-        limit = getattr(args, f"sglang_{limit_flag}", None)
-        if limit is not None and value > limit:
+        limit = getattr(args, f"sglang_{limit_flag}")
+        if value > limit:
             _fail(f"{what} {value} exceeds the engines' --sglang-{limit_flag.replace('_', '-')} {limit}: raise that "
                   "limit or lower the run's value")
+    from miles.engine.protocol import pixel_steps
+
+    cost = pixel_steps(args.rollout_microgroup_size, steps, args.diffusion_height, args.diffusion_width,
+                       args.diffusion_output_num_frames)
+    if cost > args.sglang_max_request_pixel_steps:
+        _fail(f"one rollout request costs {cost} pixel-steps (--rollout-microgroup-size x steps x --diffusion-height "
+              f"x --diffusion-width x --diffusion-output-num-frames), over the engines' "
+              f"--sglang-max-request-pixel-steps {args.sglang_max_request_pixel_steps}")
 
 
 RULES: tuple[Callable[[argparse.Namespace], None], ...] = (

@@ -60,6 +60,8 @@ def request_limits(server_args: ServerArgs) -> RequestLimits:
         max_steps=server_args.max_num_steps,
         max_image_size=server_args.max_image_size,
         max_frames=server_args.max_num_frames,
+        max_pixel_steps=server_args.max_request_pixel_steps,
+        max_response_bytes=server_args.max_response_bytes,
     )
 
 
@@ -75,6 +77,7 @@ class EngineServer:
         self.scheduler = StepScheduler(self.runner, server_args.max_batch_size, server_args.batch_wait_ms)
         self.receiver = WeightReceiver({name: getattr(self.runner.pipe, name) for name in self.runner.module_names})
         self.memory_released = False
+        self._admitted = 0  # generate requests being handled (reading, waiting for a batch, running)
         self.counters: dict[str, Any] = {
             "generate_requests": 0, "weight_updates": 0, "weight_buckets": 0, "bad_requests": 0
         }
@@ -140,6 +143,18 @@ class EngineServer:
 
     # ---- handlers -------------------------------------------------------------------------------------------
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
+        if self._admitted >= self.server_args.max_queued_requests:
+            self.counters["busy_refusals"] = self.counters.get("busy_refusals", 0) + 1
+            return web.json_response(
+                {"error": f"{self._admitted} generate requests admitted, the limit (--max-queued-requests); retry "
+                          "shortly", "busy": True}, status=503, headers={"Retry-After": "1"})
+        self._admitted += 1
+        try:
+            return await self._generate(request)
+        finally:
+            self._admitted -= 1
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
         self.counters["generate_requests"] += 1
         crash_at = self.server_args.crash_after_requests
         if crash_at and self.counters["generate_requests"] >= crash_at:

@@ -75,6 +75,18 @@ class ServerArgs:
     max_request_bytes: int = field(
         default=16 << 20, metadata={"help": "Largest HTTP request body in bytes (larger bodies get 413)."}
     )
+    max_request_pixel_steps: int = field(
+        default=1 << 42,
+        metadata={"help": "Most samples x steps x height x width x frames in one generate request."},
+    )
+    max_response_bytes: int = field(
+        default=4 << 30, metadata={"help": "Most bytes one generate answer may carry (images and latents)."}
+    )
+    max_queued_requests: int = field(
+        default=256,
+        metadata={"help": "Most generate requests admitted at once (running or waiting); more get 503 with "
+                  "Retry-After, and miles' rollout client retries them."},
+    )
     # ---- connections (miles.utils.http_guard) -------------------------------------------------------------------
     connection_read_timeout: float = field(
         default=30.0,

@@ -282,6 +282,7 @@ class Router:
                 payload = await response.read()
                 status = response.status
                 content_type = response.headers.get("Content-Type", "application/octet-stream")
+                retry_after = response.headers.get("Retry-After")  # an engine at its admission limit
         except asyncio.TimeoutError:
             worker.requests_failed += 1
             return web.json_response(
@@ -303,9 +304,10 @@ class Router:
             worker.in_flight -= 1
         if status >= 500:
             worker.requests_failed += 1
-        return web.Response(
-            body=payload, status=status, headers={ENGINE_URL_HEADER: worker.url, "Content-Type": content_type}
-        )
+        headers = {ENGINE_URL_HEADER: worker.url, "Content-Type": content_type}
+        if retry_after is not None:
+            headers["Retry-After"] = retry_after
+        return web.Response(body=payload, status=status, headers=headers)
 
     async def _url_from(self, request: web.Request) -> str:
         """The normalized worker URL of `?url=` or a JSON body {"url": ...}; WorkerUrlError (a 400) otherwise."""

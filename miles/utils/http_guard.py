@@ -28,9 +28,9 @@ logger = logging.getLogger(__name__)
 
 FD_RESERVE = 256  # files the process keeps for itself (models, logs, shared memory, outgoing connections)
 FLOOD_LOG_INTERVAL_S = 60.0
+_BUSY_BODY = b'{"error": "too many open connections; retry in a moment", "busy": true}'
 _BUSY_ANSWER = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
-                b"Content-Length: 57\r\n\r\n"
-                b'{"error": "too many open connections; retry in a moment"}')
+                b"Retry-After: 1\r\nContent-Length: " + str(len(_BUSY_BODY)).encode() + b"\r\n\r\n" + _BUSY_BODY)
 
 
 @dataclass(frozen=True)

@@ -296,6 +296,7 @@ def test_a_pipeline_that_is_a_file_broken_or_offline_and_uncached_is_one_line(pr
     (("--sglang-max-image-size", "256"), "--diffusion-height 512 exceeds the engines' --sglang-max-image-size 256"),
     (("--sglang-max-num-steps", "4"), "exceeds the engines' --sglang-max-num-steps 4"),
     (("--rollout-microgroup-size", "2", "--sglang-max-samples-per-request", "1"), "--rollout-microgroup-size 2"),
+    (("--sglang-max-request-pixel-steps", "1000"), "over the engines' --sglang-max-request-pixel-steps 1000"),
 ])
 def test_the_run_geometry_must_fit_the_engine_limits(prompts, tmp_path, flags, message):
     with pytest.raises(MilesUserError) as info:
