@@ -127,16 +127,20 @@ _RAY_JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 def worker_env_vars(config: RunConfig, api_key: str, environ=os.environ) -> dict[str, str]:
     """The environment every Ray worker of the run gets: the offline settings, --train-env-vars and the path of
     the key file. Joining a cluster (RAY_ADDRESS), whose other nodes may not see this node's files, the key itself
-    goes too: that cluster's owner then holds it in the cluster's logs (docs/security.md).
+    goes too (it then lands in that cluster's logs, docs/security.md), unless the key file is one the user
+    exported (MILES_API_KEY_FILE outside the run's folder: storage every node shares).
 
     Inside a submitted job (`ray job submit`) the job's own runtime_env already reaches every worker, and Ray
     refuses a `ray.init` runtime_env that sets any variable the job sets (even to the same value): those are
     left to the job (they are in this process's environment too, so the values agree)."""
-    from miles.utils.auth import API_KEY_ENV
+    from miles.utils.auth import API_KEY_ENV, API_KEY_FILE_ENV, RUN_FOLDER_ENV
 
     env = {k: environ[k] for k in _FORWARDED_ENV if k in environ}
     env.update(config.trainer.train_env_vars)
-    if environ.get("RAY_ADDRESS"):
+    key_file = environ.get(API_KEY_FILE_ENV, "")
+    run_folder = environ.get(RUN_FOLDER_ENV)
+    shared_key_file = bool(key_file) and not (run_folder and key_file.startswith(run_folder + os.sep))
+    if environ.get("RAY_ADDRESS") and not shared_key_file:  # a key file of the user's own reaches every node
         env[API_KEY_ENV] = api_key
     job_config = environ.get(_RAY_JOB_CONFIG_ENV)
     if job_config:
