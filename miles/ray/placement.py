@@ -97,11 +97,13 @@ def init_ray(config: RunConfig) -> None:
 
 
 def _remove_key_file() -> None:
-    from miles.utils.auth import API_KEY_FILE_ENV
+    """The run's own key file goes with the run; one the user exported (MILES_API_KEY_FILE) stays."""
+    from miles.utils.auth import API_KEY_FILE_ENV, RUN_FOLDER_ENV
 
-    path = os.environ.pop(API_KEY_FILE_ENV, None)
-    if path and os.path.isfile(path):
+    path, run_folder = os.environ.get(API_KEY_FILE_ENV), os.environ.get(RUN_FOLDER_ENV)
+    if path and run_folder and path.startswith(run_folder + os.sep) and os.path.isfile(path):
         os.unlink(path)
+        del os.environ[API_KEY_FILE_ENV]
 
 
 def private_ray_temp_dir() -> str:

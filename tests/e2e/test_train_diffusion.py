@@ -117,15 +117,26 @@ def key_holders(key: str, roots: list[Path]) -> tuple[int, list[tuple[str, str]]
 
 def test_alignment_probe_is_exact_and_the_key_lands_only_in_0600_files(sd3, prompts, tmp_path, private_temp_root):
     """Also: every file the run writes (its output folder, its private run folder with Ray's session and logs)
-    is read for the run's key; only the key file (0600, in a 0700 folder) may hold it (docs/security.md)."""
+    is read for the run's key; only files of mode 0600 may hold it (docs/security.md). The key comes in a key file
+    (MILES_API_KEY_FILE) and is in no process's environment: every process of the run reads it from there."""
+    import os
     import secrets
     import stat
 
     key = secrets.token_hex(32)
+    key_file = Path(private_temp_root) / "my_key"
+    key_file.touch(mode=0o600)
+    key_file.write_text(key)
     out = tmp_path / "probe"
-    result = run([*base_flags(sd3, prompts, out), "--num-rollout", "2", "--debug-skip-optimizer-step",
-                  "--diffusion-debug-mode", "--micro-batch-size-sample", "4", "--micro-batch-size-tstep", "1",
-                  "--sglang-max-batch-size", "4"], env={"MILES_API_KEY": key, "TMPDIR": private_temp_root})
+    env = {**run_env(), "TMPDIR": private_temp_root, "MILES_API_KEY_FILE": str(key_file)}
+    env.pop("MILES_API_KEY")
+    result = subprocess.run([sys.executable, str(REPO / "train_diffusion.py"), *base_flags(sd3, prompts, out),
+                             "--num-rollout", "2", "--debug-skip-optimizer-step", "--diffusion-debug-mode",
+                             "--micro-batch-size-sample", "4", "--micro-batch-size-tstep", "1",
+                             "--sglang-max-batch-size", "4"], capture_output=True, text=True, cwd=REPO, env=env,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert key_file.exists() and os.environ.get("MILES_API_KEY") != key
     records = metrics(out)
     assert series(records, "train/log_prob_mean_abs_diff") == [0.0, 0.0]
     assert series(records, "train/model_output_mean_abs_diff") == [0.0, 0.0]
@@ -136,6 +147,7 @@ def test_alignment_probe_is_exact_and_the_key_lands_only_in_0600_files(sd3, prom
     assert list(run_folders[0].glob("ray/session_*/logs/*.log")), "Ray did not use the run's private folder"
     files, holders = key_holders(key, [Path(private_temp_root), out])
     assert files > 20 and all(mode == "0o600" for _, mode in holders), holders
+    assert (str(key_file), "0o600") in holders  # the search finds the key where it is
 
 
 def test_nft_reward_rises(sd3, prompts, tmp_path):
