@@ -90,8 +90,8 @@ class ServerArgs:
     # ---- connections (miles.utils.http_guard) -------------------------------------------------------------------
     connection_read_timeout: float = field(
         default=30.0,
-        metadata={"help": "Seconds a connection has to send a complete request head (after connecting or after its "
-                  "last answer) and then its body; a slower one is closed."},
+        metadata={"help": "Seconds a new connection has to send a complete request head, and then its body; a "
+                  "slower one is closed (a kept-alive connection has 75 s between requests)."},
     )
     max_connections: int = field(
         default=1024,

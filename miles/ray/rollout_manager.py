@@ -132,7 +132,9 @@ class RolloutManager:
 
     def engine_memory(self) -> list:
         """Every engine's GPU memory as `DeviceMemory` (empty on a CPU run)."""
-        return self.fleet.memory_stats() if self.fleet is not None else []
+        if self.fleet is None:
+            return []
+        return self.survive_engine_death("reading their memory", self.fleet.memory_stats)
 
     def watch_engines(self, on_restart: Callable[[str], None]) -> None:
         """`--use-fault-tolerance`: restart a dead engine with the current weights, in the background."""

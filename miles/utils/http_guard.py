@@ -4,9 +4,9 @@ Anyone who can reach a port can open connections without the key: the key check 
 head has arrived. Left alone, half-open connections (a few header bytes, then silence) are never closed, a few
 thousand exhaust the process's file limit, and every refused accept logs a traceback. `ServerGuard` closes
 that door below the key check:
-- a connection must deliver a complete request head within `read_timeout_s` of connecting (or of its previous
-  answer, on a kept-alive connection), and the body within `read_timeout_s` of the head; otherwise it is closed
-  (a 408 where an answer can still be sent);
+- a connection must deliver a complete request head within `read_timeout_s` of connecting (within
+  `idle_timeout_s` of its previous answer, on a kept-alive connection), and the body within `read_timeout_s` of
+  the key check; otherwise it is closed (a 408 where an answer can still be sent);
 - at most `max_connections` are open at once (never more than the file limit allows, with room for the
   process's own files); a connection beyond that gets a 503 at once and is closed;
 - a flood is logged once when it starts and once, with counts, when it ends or every minute while it lasts,
@@ -180,8 +180,8 @@ class ServerGuard:
         finally:
             connection.busy -= 1
             if not connection.busy and not connection.transport.is_closing():
-                self._arm(connection, min(self.limits.read_timeout_s, self.limits.idle_timeout_s),
-                          "sent no next request")
+                # aiohttp's own keep-alive time: what clients that pool connections already expect
+                self._arm(connection, self.limits.idle_timeout_s, "sent no next request head")
 
     @web.middleware
     async def read_body(self, request: web.Request, handler):
