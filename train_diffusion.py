@@ -67,7 +67,8 @@ def train(args, resume: ResumePoint) -> None:
         if actor is not None and rollout_manager.has_engines:
             # The engines start from the trainer's weights (LoRA-initialised or loaded from --load).
             with run_logger.phase("weight_sync"):
-                actor.update_weights(rollout_manager.engine_urls(), weight_version=start_rollout_id)
+                rollout_manager.survive_engine_death("the weight sync", lambda: actor.update_weights(
+                    rollout_manager.engine_urls(), weight_version=start_rollout_id))
             # A restarted engine gets the current weights before it rejoins the router.
             rollout_manager.watch_engines(lambda url: actor.update_weights([url], rollout_manager.weight_version))
         rollout_manager.weight_version = start_rollout_id
@@ -121,8 +122,9 @@ def train(args, resume: ResumePoint) -> None:
                 if turns.engines_release:
                     with run_logger.phase("resume"):
                         rollout_manager.resume_memory()
-                with run_logger.phase("weight_sync"):
-                    actor.update_weights(rollout_manager.engine_urls(), weight_version=rollout_id + 1)
+                with run_logger.phase("weight_sync"):  # an engine that died while the trainer trained is found here
+                    rollout_manager.survive_engine_death("the weight sync", lambda: actor.update_weights(
+                        rollout_manager.engine_urls(), weight_version=rollout_id + 1))
                 run_logger.log(rollout_id, actor.weight_sync_metrics)  # weight_sync/*: transports, bytes, checks
                 rollout_manager.weight_version = rollout_id + 1
             if not turns.decided:

@@ -156,30 +156,84 @@ def coerce_flag_value(flag: Flag, value: Any) -> Any:
     return flag.type(str(value))
 
 
+MAX_CONFIG_FILE_BYTES = 1 << 20  # a config file is a page of settings; more is a mistake (or an attack)
+MAX_CONFIG_ALIASES = 100  # YAML aliases (`*name`): a few are handy, thousands build a "billion laughs" value
+MAX_CONFIG_ITEMS = 100_000  # values once aliases are expanded (a log line or wandb would expand them)
+_CONFIG_KEY = re.compile(r"^-{0,2}[A-Za-z][A-Za-z0-9_-]{0,99}$")
+
+
+def _short(value: Any) -> str:
+    """A value for a log line: its repr cut to 80 characters (a YAML value can be as large as the file)."""
+    import reprlib
+
+    shortener = reprlib.Repr()
+    shortener.maxstring = shortener.maxother = 80
+    return shortener.repr(value)[:120]
+
+
+def _load_config_yaml(path: str, where: str) -> Any:
+    """`yaml.safe_load` of a file of at most MAX_CONFIG_FILE_BYTES with at most MAX_CONFIG_ALIASES aliases."""
+    import yaml
+
+    class _BoundedLoader(yaml.SafeLoader):
+        aliases = 0
+
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                self.aliases += 1
+                if self.aliases > MAX_CONFIG_ALIASES:
+                    raise MilesUserError(f"{where}: more than {MAX_CONFIG_ALIASES} YAML aliases (*name)")
+            return super().compose_node(parent, index)
+
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_CONFIG_FILE_BYTES + 1)
+    except OSError as err:
+        raise MilesUserError(f"{where}: cannot read the file: {err.strerror}") from None
+    if len(raw) > MAX_CONFIG_FILE_BYTES:
+        raise MilesUserError(f"{where}: larger than {MAX_CONFIG_FILE_BYTES} bytes; a config file holds flag values")
+    try:
+        data = yaml.load(raw.decode("utf-8"), Loader=_BoundedLoader)  # noqa: S506 - a SafeLoader subclass
+    except UnicodeDecodeError:
+        raise MilesUserError(f"{where}: not UTF-8 text") from None
+    except yaml.YAMLError as err:
+        raise MilesUserError(f"{where}: not valid YAML: {' '.join(str(err).split())[:300]}") from None
+    except RecursionError:
+        raise MilesUserError(f"{where}: nested too deeply") from None
+    pending, items = [data], 0
+    while pending:  # shared (aliased) values count every time they appear, as they would when printed
+        value = pending.pop()
+        items += 1
+        if items > MAX_CONFIG_ITEMS:
+            raise MilesUserError(f"{where}: more than {MAX_CONFIG_ITEMS} values once its aliases are expanded")
+        if isinstance(value, dict):
+            pending.extend(value.keys())
+            pending.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            pending.extend(value)
+    return data
+
+
 def apply_config_file(args: argparse.Namespace) -> None:
     """Apply --custom-config-path: the YAML wins over the command line, with one warning per overridden flag.
 
     An unknown key close to a flag name is an error with a "did you mean"; other unknown keys land on args (with
-    a warning) for custom hooks, as the reference does.
+    a warning) for custom hooks, as the reference does. Keys must be names (letters, digits, `_`, `-`; not
+    `__class__`), and the file is bounded in size and YAML aliases (`_load_config_yaml`).
     """
-    import yaml
-
     path = args.custom_config_path
     where = f"--custom-config-path {path!r}"
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = yaml.safe_load(handle)
-    except OSError as err:
-        raise MilesUserError(f"{where}: cannot read the file: {err.strerror}") from None
-    except yaml.YAMLError as err:
-        raise MilesUserError(f"{where}: not valid YAML: {' '.join(str(err).split())}") from None
+    data = _load_config_yaml(path, where)
     if data is None:
         return
     if not isinstance(data, dict):
         raise MilesUserError(f"{where}: expected a mapping of flag names to values, got a {type(data).__name__}")
     flags = all_flags()
     for raw_key, value in data.items():
-        key = str(raw_key).lstrip("-").replace("-", "_")
+        if not isinstance(raw_key, str) or not _CONFIG_KEY.match(raw_key):
+            raise MilesUserError(f"{where}: key {_short(raw_key)} is not a flag name (letters, digits, '_' and '-', "
+                                 "starting with a letter)")
+        key = raw_key.lstrip("-").replace("-", "_")
         key = ALIAS_DESTS.get(key, key)
         flag = flags.get(key)
         if flag is None:
@@ -189,15 +243,16 @@ def apply_config_file(args: argparse.Namespace) -> None:
             if close:
                 raise MilesUserError(f"{where}: unknown key {raw_key!r}: did you mean {close[0]!r} "
                                      f"({flags[close[0]].name})?")
-            logger.warning("%s: key %r is not a miles flag; setting args.%s = %r for your hooks", where, raw_key, key,
-                           value)
+            logger.warning("%s: key %r is not a miles flag; setting args.%s = %s for your hooks", where, raw_key, key,
+                           _short(value))
             setattr(args, key, value)
             continue
         try:
             new_value = coerce_flag_value(flag, value)
         except (ValueError, TypeError, argparse.ArgumentTypeError) as err:
             raise MilesUserError(f"{where}: key {raw_key!r} ({flag.name}): {err}") from None
-        logger.warning("%s: key %r overrides %s (%r -> %r)", where, raw_key, flag.name, getattr(args, key), new_value)
+        logger.warning("%s: key %r overrides %s (%s -> %s)", where, raw_key, flag.name, _short(getattr(args, key)),
+                       _short(new_value))
         setattr(args, key, new_value)
         if key == "offload" and new_value:
             args.offload_train = args.offload_rollout = True

@@ -10,6 +10,8 @@ train from scratch) is one `MilesUserError` naming the flag and the file, printe
   a text-to-image family refuses an image, an editing or image-to-video family needs one).
   Only the first `PROMPT_ROWS_CHECKED` rows are read, so a huge file costs nothing; the data source checks the
   rest when it loads the file.
+- `--hf-checkpoint`: a local pipeline folder with a readable `model_index.json` naming a pipeline class, or a
+  hub id (which, while HF_HUB_OFFLINE is set, must be in the local hub cache).
 - `--save` and `--output-dir`: a folder (or creatable under one) in which a probe file can be created and removed.
 - `--load`: the checkpoint it names is complete and matches the run (`checkpoint.checkpoint_to_resume`: family,
   --use-lora, the LoRA rank and alpha); a missing `--load` is an error unless it is the `--save` folder
@@ -23,7 +25,9 @@ train from scratch) is one `MilesUserError` naming the flag and the file, printe
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 
@@ -47,6 +51,7 @@ def check_run_inputs(args: argparse.Namespace) -> ResumePoint:
     for flag, path in (("--save", args.save), ("--output-dir", args.output_dir)):
         if path:
             check_writable_folder(path, flag)
+    check_pipeline_source(args.hf_checkpoint, "--hf-checkpoint")
     return resume_point(args)
 
 
@@ -63,6 +68,43 @@ def resume_point(args: argparse.Namespace) -> ResumePoint:
     if args.start_rollout_id is not None:
         start = args.start_rollout_id
     return ResumePoint(start, directory)
+
+
+MAX_MODEL_INDEX_BYTES = 1 << 20
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def check_pipeline_source(source: str | None, flag: str) -> None:
+    """A diffusers pipeline folder (its model_index.json a JSON object naming `_class_name`), or a hub id that
+    can be fetched (offline: one in the hub cache). Anything else is one line naming the flag."""
+    if not source:
+        return
+    if os.path.isdir(source):
+        index = os.path.join(source, "model_index.json")
+        if not os.path.isfile(index):
+            raise MilesUserError(f"{flag} {source!r}: no model_index.json, not a diffusers pipeline folder")
+        try:
+            with open(index, "rb") as handle:
+                raw = handle.read(MAX_MODEL_INDEX_BYTES + 1)
+            if len(raw) > MAX_MODEL_INDEX_BYTES:
+                raise ValueError(f"larger than {MAX_MODEL_INDEX_BYTES} bytes")
+            content = json.loads(raw)
+        except (OSError, ValueError) as err:
+            raise MilesUserError(f"{flag} {source!r}: {index} is not readable JSON "
+                                 f"({' '.join(str(err).split())[:120]})") from None
+        if not isinstance(content, dict) or not isinstance(content.get("_class_name"), str):
+            raise MilesUserError(f"{flag} {source!r}: {index} names no pipeline class (\"_class_name\")")
+        return
+    if os.path.exists(source):
+        raise MilesUserError(f"{flag} {source!r} is a file, not a diffusers pipeline folder or hub id")
+    if not _HUB_ID.match(source):
+        raise MilesUserError(f"{flag} {source!r}: no such folder (and not a hub id of the form org/name)")
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(source, "model_index.json"), str):
+            raise MilesUserError(f"{flag} {source!r}: not a local folder, and HF_HUB_OFFLINE is set but the hub "
+                                 "cache does not hold it (download it first, or pass a local folder)")
 
 
 def _check_prompt_files(args: argparse.Namespace) -> None:

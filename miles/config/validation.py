@@ -450,10 +450,35 @@ def _rule_parity(args: argparse.Namespace) -> None:
     args.parity_forward_tile = args.micro_batch_size if BATCH_INVARIANT_GROUP in groups else 0
 
 
+def _rule_engine_limits(args: argparse.Namespace) -> None:
+    """The run's own requests must fit the engines' per-request limits (`--sglang-max-*`): found here, not by the
+    first 400 after Ray and the engines started."""
+    steps = max(args.diffusion_num_steps, args.diffusion_eval_num_steps or 0)
+    for value, what, limit_flag in (
+        (args.diffusion_height, "--diffusion-height", "max_image_size"),
+        (args.diffusion_width, "--diffusion-width", "max_image_size"),
+        (steps, "--diffusion-num-steps (or --diffusion-eval-num-steps)", "max_num_steps"),
+        (args.diffusion_output_num_frames, "--diffusion-output-num-frames", "max_num_frames"),
+        (args.rollout_microgroup_size, "--rollout-microgroup-size", "max_samples_per_request"),
+    ):
+        limit = getattr(args, f"sglang_{limit_flag}")
+        if value > limit:
+            _fail(f"{what} {value} exceeds the engines' --sglang-{limit_flag.replace('_', '-')} {limit}: raise that "
+                  "limit or lower the run's value")
+    from miles.engine.protocol import pixel_steps
+
+    cost = pixel_steps(args.rollout_microgroup_size, steps, args.diffusion_height, args.diffusion_width,
+                       args.diffusion_output_num_frames)
+    if cost > args.sglang_max_request_pixel_steps:
+        _fail(f"one rollout request costs {cost} pixel-steps (--rollout-microgroup-size x steps x --diffusion-height "
+              f"x --diffusion-width x --diffusion-output-num-frames), over the engines' "
+              f"--sglang-max-request-pixel-steps {args.sglang_max_request_pixel_steps}")
+
+
 RULES: tuple[Callable[[argparse.Namespace], None], ...] = (
     _rule_values, _rule_model, _rule_topology, _rule_placement, _rule_ci, _rule_modes, _rule_batch, _rule_run_length,
     _rule_sde_steps, _rule_loss, _rule_reference, _rule_optimizer, _rule_reward, _rule_eval, _rule_outputs,
-    _rule_micro_batches, _rule_parity, _rule_overlap,
+    _rule_micro_batches, _rule_parity, _rule_overlap, _rule_engine_limits,
 )
 
 

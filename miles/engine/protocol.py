@@ -58,6 +58,21 @@ class RequestLimits:
     max_image_size: int = 4096  # height and width, pixels
     max_frames: int = 1024
     max_text_chars: int = 65536  # prompt, negative prompt, request id, sde type
+    # the whole request, as every field may be at its limit: samples x steps x pixels x frames, and the bytes the
+    # answer carries (`response_bytes_bound`)
+    max_pixel_steps: int = 1 << 42
+    max_response_bytes: int = 4 << 30
+
+
+def pixel_steps(num_samples: int, num_steps: int, height: int, width: int, num_frames: int) -> int:
+    """What a generate request costs the engine: samples x steps x pixels x frames."""
+    return num_samples * num_steps * height * width * num_frames
+
+
+def response_bytes_bound(num_samples: int, height: int, width: int, num_frames: int, num_latents: int) -> int:
+    """An upper bound on an answer's size: uint8 RGB images plus the returned latents, counted at one fp32 per
+    8x8 pixels and 16 channels (the families' VAEs compress at least that much)."""
+    return num_samples * height * width * num_frames * (3 + num_latents)
 
 
 # ---- tensors ---------------------------------------------------------------------------------------------
@@ -213,6 +228,17 @@ class GenerateRequest:
             if value > limit:
                 raise ProtocolError(f"{name} {value} exceeds this engine's limit {limit} (engine flag --{flag}, "
                                     f"--sglang-{flag} in train_diffusion.py)")
+        cost = pixel_steps(self.num_samples, self.num_steps, self.height, self.width, self.num_frames)
+        if cost > limits.max_pixel_steps:
+            raise ProtocolError(f"the request costs {cost} pixel-steps (samples x steps x height x width x frames), "
+                                f"over this engine's limit {limits.max_pixel_steps} (engine flag "
+                                "--max-request-pixel-steps, --sglang-max-request-pixel-steps in train_diffusion.py)")
+        answer = response_bytes_bound(self.num_samples, self.height, self.width, self.num_frames,
+                                      len(self.return_latent_indices))
+        if answer > limits.max_response_bytes:
+            raise ProtocolError(f"the answer would carry up to {answer} bytes, over this engine's limit "
+                                f"{limits.max_response_bytes} (engine flag --max-response-bytes, "
+                                "--sglang-max-response-bytes in train_diffusion.py)")
         if self.image is not None and max(self.image.height, self.image.width) > limits.max_image_size:
             raise ProtocolError(f"image size {self.image.height}x{self.image.width} exceeds this engine's limit "
                                 f"{limits.max_image_size} (engine flag --max-image-size, --sglang-max-image-size in "

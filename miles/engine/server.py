@@ -43,6 +43,7 @@ from miles.engine.weight_broadcast import (
 from miles.engine.weight_sync import WeightReceiver, module_checksums
 from miles.engine.weight_sync_wire import BroadcastRef, UpdateMessage, decode_update_message
 from miles.utils.auth import bearer_auth_middleware, json_errors_middleware, resolve_api_key, warn_if_exposed
+from miles.utils.http_guard import ConnectionLimits, GuardedSite, ServerGuard, quiet_bad_requests
 from miles.utils.device_memory import current_device_memory
 from miles.utils.errors import MilesUserError
 
@@ -59,6 +60,8 @@ def request_limits(server_args: ServerArgs) -> RequestLimits:
         max_steps=server_args.max_num_steps,
         max_image_size=server_args.max_image_size,
         max_frames=server_args.max_num_frames,
+        max_pixel_steps=server_args.max_request_pixel_steps,
+        max_response_bytes=server_args.max_response_bytes,
     )
 
 
@@ -74,6 +77,7 @@ class EngineServer:
         self.scheduler = StepScheduler(self.runner, server_args.max_batch_size, server_args.batch_wait_ms)
         self.receiver = WeightReceiver({name: getattr(self.runner.pipe, name) for name in self.runner.module_names})
         self.memory_released = False
+        self._admitted = 0  # generate requests being handled (reading, waiting for a batch, running)
         self.counters: dict[str, Any] = {
             "generate_requests": 0, "weight_updates": 0, "weight_buckets": 0, "bad_requests": 0
         }
@@ -81,9 +85,12 @@ class EngineServer:
         self.weight_group: BroadcastMember | None = None
         self._staged_bucket: UpdateMessage | None = None
         self.device_identity = device_identity(self.runner.device)
+        quiet_bad_requests(api_key)
+        self.guard = ServerGuard(ConnectionLimits(read_timeout_s=server_args.connection_read_timeout,
+                                                  max_connections=server_args.max_connections), "the engine")
         self.app = web.Application(
             client_max_size=server_args.max_request_bytes,
-            middlewares=[json_errors_middleware, bearer_auth_middleware(api_key)],
+            middlewares=self.guard.middlewares(json_errors_middleware, bearer_auth_middleware(api_key)),
         )
         self.app.add_routes(
             [
@@ -125,7 +132,7 @@ class EngineServer:
         # scheduler drop the request at the next step
         self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
-        await web.SockSite(self._runner, sock).start()
+        await GuardedSite(self._runner, sock, self.guard).start()
         host, port = sock.getsockname()[:2]
         self.url = f"http://{host}:{port}"
         return self.url
@@ -136,6 +143,18 @@ class EngineServer:
 
     # ---- handlers -------------------------------------------------------------------------------------------
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
+        if self._admitted >= self.server_args.max_queued_requests:
+            self.counters["busy_refusals"] = self.counters.get("busy_refusals", 0) + 1
+            return web.json_response(
+                {"error": f"{self._admitted} generate requests admitted, the limit (--max-queued-requests); retry "
+                          "shortly", "busy": True}, status=503, headers={"Retry-After": "1"})
+        self._admitted += 1
+        try:
+            return await self._generate(request)
+        finally:
+            self._admitted -= 1
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
         self.counters["generate_requests"] += 1
         crash_at = self.server_args.crash_after_requests
         if crash_at and self.counters["generate_requests"] >= crash_at:
@@ -158,6 +177,12 @@ class EngineServer:
             logger.exception("generate failed")
             return _error(500, f"{type(err).__name__}: {err}")
         payload = await asyncio.get_running_loop().run_in_executor(None, encode_response, response)
+        self.counters["generate_answers"] = self.counters.get("generate_answers", 0) + 1
+        if self.server_args.crash_after_answers and \
+                self.counters["generate_answers"] == self.server_args.crash_after_answers:
+            logger.error("crash drill: dying after generate answer %d (--crash-after-answers)",
+                         self.server_args.crash_after_answers)
+            asyncio.get_running_loop().call_later(0.5, os._exit, 1)  # the answer leaves first
         return web.Response(body=payload, content_type=CONTENT_TYPE)
 
     async def handle_update_weights(self, request: web.Request) -> web.Response:

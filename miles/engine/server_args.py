@@ -75,6 +75,28 @@ class ServerArgs:
     max_request_bytes: int = field(
         default=16 << 20, metadata={"help": "Largest HTTP request body in bytes (larger bodies get 413)."}
     )
+    max_request_pixel_steps: int = field(
+        default=1 << 42,
+        metadata={"help": "Most samples x steps x height x width x frames in one generate request."},
+    )
+    max_response_bytes: int = field(
+        default=4 << 30, metadata={"help": "Most bytes one generate answer may carry (images and latents)."}
+    )
+    max_queued_requests: int = field(
+        default=256,
+        metadata={"help": "Most generate requests admitted at once (running or waiting); more get 503 with "
+                  "Retry-After, and miles' rollout client retries them."},
+    )
+    # ---- connections (miles.utils.http_guard) -------------------------------------------------------------------
+    connection_read_timeout: float = field(
+        default=30.0,
+        metadata={"help": "Seconds a new connection has to send a complete request head, and then its body; a "
+                  "slower one is closed (a kept-alive connection has 75 s between requests)."},
+    )
+    max_connections: int = field(
+        default=1024,
+        metadata={"help": "Most open client connections (lowered to what the file limit allows); more get 503."},
+    )
     ulysses_degree: int = field(
         default=0,
         metadata={"help": "How an engine of N > 1 GPUs (--rollout-num-gpus-per-engine) splits its forwards: N = "
@@ -86,6 +108,11 @@ class ServerArgs:
         default=0,
         metadata={"help": "Fault-injection drill: the process dies abruptly when its N-th generate request arrives "
                   "(0 = never)."},
+    )
+    crash_after_answers: int = field(
+        default=0,
+        metadata={"help": "Fault-injection drill: the process dies abruptly a moment after it answered its N-th "
+                  "generate request, i.e. outside generation (while the trainer trains; 0 = never)."},
     )
 
 

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import subprocess
+import threading
 import urllib.request
 from typing import Callable
 
@@ -90,6 +91,7 @@ class EngineFleet:
         self.router_process = None
         self.router_url: str | None = None
         self.on_restart: Callable[[str], None] | None = None
+        self._restart_lock = threading.Lock()  # the watcher and a failed call may both find an engine dead
         self.log_dir = os.path.join(config.logging.output_dir, "engine_logs")
         self._starting: list = []  # the actors' start() calls, between launch() and wait_until_started()
 
@@ -163,14 +165,34 @@ class EngineFleet:
                 stats.append(DeviceMemory(**memory))
         return stats
 
+    def dead_engines(self) -> list[int]:
+        """Indices of the engines whose process is gone (an actor that died itself counts as dead too)."""
+        import ray
+
+        dead = []
+        for index, actor in enumerate(self.actors):
+            try:
+                if not ray.get(actor.is_alive.remote(), timeout=30):
+                    dead.append(index)
+            except ray.exceptions.RayError:
+                dead.append(index)
+        return dead
+
+    def describe_engine(self, index: int) -> str:
+        return f"rollout engine {index} ({self.urls[index]}; its log: {self.log_dir}/engine{index}.log)"
+
     def restart_dead_engines(self) -> list[str]:
         """Restart every engine whose process died; the new one gets the current weights before serving."""
+        with self._restart_lock:
+            return self._restart_dead_engines()
+
+    def _restart_dead_engines(self) -> list[str]:
         import ray
 
         restarted = []
-        alive = ray.get([actor.is_alive.remote() for actor in self.actors])
-        for index, is_alive in enumerate(alive):
-            if is_alive:
+        dead = set(self.dead_engines())
+        for index in range(len(self.actors)):
+            if index not in dead:
                 continue
             old_url = self.urls[index]
             logger.warning("engine %d (%s) died; restarting it", index, old_url)

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 
 from miles.config.sections import RunConfig
-from miles.ray.shutdown import reinstall_signal_handlers
+from miles.ray.shutdown import on_run_exit, reinstall_signal_handlers
 
 logger = logging.getLogger(__name__)
 
@@ -29,9 +29,10 @@ ROLLOUT_GPU_SHARE = 0.25
 REWARD_GPU_SHARE = 0.05
 
 # Environment every Ray worker inherits: tests and CI must never reach a model hub; MILES_RUN_ID marks the
-# run's processes for the cleanup sweep (miles.ray.shutdown).
+# run's processes for the cleanup sweep (miles.ray.shutdown); MILES_API_KEY_FILE names the run's key file
+# (miles.utils.auth: the key itself never goes into a runtime_env, which Ray writes into its logs).
 _FORWARDED_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME", "TOKENIZERS_PARALLELISM", "WANDB_MODE",
-                  "PYTHONPATH", "MILES_RUN_ID")
+                  "PYTHONPATH", "MILES_RUN_ID", "MILES_API_KEY_FILE", "MILES_RUN_FOLDER")
 
 
 def use_gpus() -> bool:
@@ -81,6 +82,7 @@ def init_ray(config: RunConfig) -> None:
     api_key = ensure_run_api_key()
     if ray.is_initialized():
         return
+    on_run_exit("the run's key file", _remove_key_file)
     start_or_join_ray(config, {"env_vars": worker_env_vars(config, api_key)})
     reinstall_signal_handlers()  # ray.init made SIGTERM a bare sys.exit, which would skip the run's cleanup
 
@@ -128,6 +130,16 @@ def start_or_join_ray(config: RunConfig, runtime_env: dict) -> None:
         auth_logger.setLevel(level)
 
 
+def _remove_key_file() -> None:
+    """The run's own key file goes with the run; one the user exported (MILES_API_KEY_FILE) stays."""
+    from miles.utils.auth import API_KEY_FILE_ENV, RUN_FOLDER_ENV
+
+    path, run_folder = os.environ.get(API_KEY_FILE_ENV), os.environ.get(RUN_FOLDER_ENV)
+    if path and run_folder and path.startswith(run_folder + os.sep) and os.path.isfile(path):
+        os.unlink(path)
+        del os.environ[API_KEY_FILE_ENV]
+
+
 def _local_gpu_budget(config: RunConfig) -> int:
     import torch
 
@@ -139,16 +151,23 @@ _RAY_JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 
 
 def worker_env_vars(config: RunConfig, api_key: str, environ=os.environ) -> dict[str, str]:
-    """The environment every Ray worker of the run gets: the offline settings, --train-env-vars and the key.
+    """The environment every Ray worker of the run gets: the offline settings, --train-env-vars and the path of
+    the key file. Joining a cluster (RAY_ADDRESS), whose other nodes may not see this node's files, the key itself
+    goes too (it then lands in that cluster's logs, docs/security.md), unless the key file is one the user
+    exported (MILES_API_KEY_FILE outside the run's folder: storage every node shares).
 
     Inside a submitted job (`ray job submit`) the job's own runtime_env already reaches every worker, and Ray
     refuses a `ray.init` runtime_env that sets any variable the job sets (even to the same value): those are
     left to the job (they are in this process's environment too, so the values agree)."""
-    from miles.utils.auth import API_KEY_ENV
+    from miles.utils.auth import API_KEY_ENV, API_KEY_FILE_ENV, RUN_FOLDER_ENV
 
     env = {k: environ[k] for k in _FORWARDED_ENV if k in environ}
     env.update(config.trainer.train_env_vars)
-    env[API_KEY_ENV] = api_key
+    key_file = environ.get(API_KEY_FILE_ENV, "")
+    run_folder = environ.get(RUN_FOLDER_ENV)
+    shared_key_file = bool(key_file) and not (run_folder and key_file.startswith(run_folder + os.sep))
+    if environ.get("RAY_ADDRESS") and not shared_key_file:  # a key file of the user's own reaches every node
+        env[API_KEY_ENV] = api_key
     job_config = environ.get(_RAY_JOB_CONFIG_ENV)
     if job_config:
         job_env = (json.loads(job_config).get("runtime_env") or {}).get("env_vars") or {}

@@ -18,7 +18,7 @@ import random
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -38,10 +38,11 @@ from miles.rollout.rm_hub import (
     reward_component_metrics,
 )
 from miles.types import Sample
-from miles.utils.errors import MilesUserError
+from miles.utils.errors import MilesUserError, PartDiedError
 from miles.utils.safe_load import load_plain, save_plain
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class RolloutManager:
@@ -104,15 +105,37 @@ class RolloutManager:
 
     def release_memory(self) -> None:
         if self.fleet is not None:
-            self.fleet.post_all("/release_memory_occupation")
+            self.survive_engine_death("releasing their memory",
+                                      lambda: self.fleet.post_all("/release_memory_occupation"))
 
     def resume_memory(self) -> None:
         if self.fleet is not None:
-            self.fleet.post_all("/resume_memory_occupation")
+            self.survive_engine_death("resuming their memory",
+                                      lambda: self.fleet.post_all("/resume_memory_occupation"))
+
+    def survive_engine_death(self, what: str, call: Callable[[], T]) -> T:
+        """`call()` (a request to every engine: release, resume, a weight sync); if it fails because an engine
+        died (while the trainer trained, or during the call), restart the dead engines and call again under
+        --use-fault-tolerance, else end the run in one line naming the engine. Other failures raise as they are."""
+        try:
+            return call()
+        except Exception as err:  # noqa: BLE001 - classified below: a dead engine, or re-raised unchanged
+            dead = self.fleet.dead_engines() if self.fleet is not None else []
+            if not dead:
+                raise
+            names = "; ".join(self.fleet.describe_engine(index) for index in dead)
+            if not self.config.rollout.use_fault_tolerance:
+                raise PartDiedError(f"{names} died before or during {what} ({type(err).__name__}); "
+                                    "--use-fault-tolerance restarts dead engines") from None
+            logger.warning("%s died before or during %s; restarting it and trying again", names, what)
+            self.fleet.restart_dead_engines()
+            return call()
 
     def engine_memory(self) -> list:
         """Every engine's GPU memory as `DeviceMemory` (empty on a CPU run)."""
-        return self.fleet.memory_stats() if self.fleet is not None else []
+        if self.fleet is None:
+            return []
+        return self.survive_engine_death("reading their memory", self.fleet.memory_stats)
 
     def watch_engines(self, on_restart: Callable[[str], None]) -> None:
         """`--use-fault-tolerance`: restart a dead engine with the current weights, in the background."""

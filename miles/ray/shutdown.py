@@ -32,7 +32,8 @@ pipe, and then does the sweep itself; the router and the engines end with their 
 
 A run that starts its own Ray instance gives it a private temp folder (`make_run_ray_temp_dir`: Ray's sessions,
 sockets and logs, named after the run id, mode 0700); `stop_run` and the reaper remove it once the run's
-processes are gone, so runs do not pile their Ray sessions up in the temp folder.
+processes are gone, so runs do not pile their Ray sessions up in the temp folder (`MILES_KEEP_RAY_TEMP=1` keeps
+it, to read Ray's logs afterwards).
 
 Only processes on this machine are swept; on other nodes of a cluster the Ray actors' own stops and Ray's
 job cleanup apply.
@@ -148,8 +149,14 @@ def make_run_ray_temp_dir() -> str:
     return path
 
 
+KEEP_RAY_TEMP_ENV = "MILES_KEEP_RAY_TEMP"  # "1": keep the run's Ray folder (its logs) for inspection
+
+
 def remove_ray_temp_dir(run_id: str) -> None:
-    """Remove the run's Ray temp folder, once no process of the run is left to write in it."""
+    """Remove the run's Ray temp folder, once no process of the run is left to write in it (unless
+    $MILES_KEEP_RAY_TEMP is 1: Ray's logs of a run to read afterwards; the folder stays 0700)."""
+    if os.environ.get(KEEP_RAY_TEMP_ENV) == "1":
+        return
     shutil.rmtree(run_ray_temp_dir(run_id), ignore_errors=True)
 
 

@@ -3,6 +3,10 @@
 The ranks form one torch.distributed group (`--distributed-backend` on GPU, nccl by default; gloo on CPU whatever
 the flag says; with `--fsdp-cpu-offload` a `cpu:<--fsdp-cpu-backend>,cuda:<--distributed-backend>` group). Every group call fans out to all ranks and waits for all of them:
 FSDP collectives (training, gathering weights for sync, checkpoints) need every rank.
+
+The group's rendezvous store (a TCPStore on rank 0) authenticates nothing, so it listens on 127.0.0.1 when every
+rank runs on one node, and on rank 0's node address only when the ranks span nodes; torch's own env:// store
+would listen on every interface. Gloo's connections follow (GLOO_SOCKET_IFNAME=lo on one node, unless set).
 """
 
 from __future__ import annotations
@@ -46,12 +50,23 @@ class TrainRayActor:
         self.world_size = world_size
         self.trainer = None
         self.weight_pusher = None  # rank 0: transports and the broadcast group of weight sync (weight_push.py)
+        self._store_socket = None  # rank 0: the rendezvous store's listening socket, until the store takes it
         os.environ.update(config.trainer.train_env_vars)
 
-    def master_address(self) -> tuple[str, int]:
-        from miles.backends.fsdp_utils.spawn import free_port
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
-        return ray.util.get_node_ip_address(), free_port()
+    def master_address(self, one_node: bool) -> tuple[str, int]:
+        """Rank 0: open the rendezvous store's listening socket (loopback when every rank is on this node)."""
+        import socket
+
+        host = "127.0.0.1" if one_node else ray.util.get_node_ip_address()
+        self._store_socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._store_socket.bind((host, 0))
+        self._store_socket.listen(128)
+        if one_node:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        return host, self._store_socket.getsockname()[1]
 
     def init(self, master_addr: str, master_port: int) -> int:
         import torch
@@ -68,7 +83,12 @@ class TrainRayActor:
             torch.cuda.set_device(0)  # Ray exposes this actor's GPU as device 0
         backend = process_group_backend(self.config, on_gpu, log=self.rank == 0)
         timeout = timedelta(minutes=self.config.placement.distributed_timeout_minutes)
-        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=timeout)
+        if master_addr == "127.0.0.1":
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        listen_fd = self._store_socket.detach() if self.rank == 0 else None  # rank 0 serves on its bound socket
+        store = dist.TCPStore(master_addr, master_port, self.world_size, self.rank == 0, timeout=timeout,
+                              master_listen_fd=listen_fd)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
         family = build_train_pipeline_config(**self.config.model.family_source())
         self.trainer = DiffusionTrainer(self.config, family, device="cuda" if on_gpu else "cpu")
         return self.trainer.init()
@@ -241,7 +261,10 @@ class TrainActorGroup:
 
     def init(self) -> int:
         """Start the process group, load and shard the model, resume from `--load`; returns the first rollout id."""
-        master_addr, master_port = self._gather("master_address", [self.actors[0].master_address.remote()])[0]
+        one_node = len(set(self._all("node_id"))) == 1
+        master_addr, master_port = self._gather("master_address",
+                                                [self.actors[0].master_address.remote(one_node)])[0]
+        self.rendezvous = (master_addr, master_port)
         start_ids = self._all("init", master_addr, master_port)
         self.loaded_extra_state = self._gather("loaded_extra_state", [self.actors[0].loaded_extra_state.remote()])[0]
         return start_ids[0]

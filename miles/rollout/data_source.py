@@ -264,6 +264,10 @@ class RolloutDataSource:
         self.offset = 0  # prompts consumed in the current epoch
         self.group_counter = 0  # next group_index (monotone across the run)
         self._order = self._epoch_order(0)
+        # Preflight decodes only the first rows' input images; the others are decoded the first time they are
+        # drawn, and one that does not decode is skipped (with a counted warning), never ending the run.
+        self._decoded_images: set[int] = set()
+        self.skipped_images: set[int] = set()
 
     def _epoch_order(self, epoch: int) -> list[int]:
         if not self.shuffle or not self.rows:
@@ -279,9 +283,32 @@ class RolloutDataSource:
                 self.offset = 0
                 self._order = self._epoch_order(self.epoch)
                 logger.info("prompt data: starting epoch %d", self.epoch)
-            rows.append(self.rows[self._order[self.offset]])
+            index = self._order[self.offset]
             self.offset += 1
+            if self._image_decodes(index):
+                rows.append(self.rows[index])
+            elif len(self.skipped_images) == len(self.rows):
+                raise MilesUserError(f"--prompt-data {self.args.prompt_data!r}: no row's input image decodes "
+                                     f"({len(self.rows)} skipped)")
         return rows
+
+    def _image_decodes(self, index: int) -> bool:
+        from miles.rollout.condition_image import check_image_file
+
+        row = self.rows[index]
+        if row.image is None or index in self._decoded_images:
+            return True
+        if index in self.skipped_images:
+            return False
+        try:
+            check_image_file(row.image, f"--prompt-data {self.args.prompt_data}:{row.line}")
+        except MilesUserError as err:
+            self.skipped_images.add(index)
+            logger.warning("%s: skipping the row (%d of %d rows skipped for their input image so far)", err,
+                           len(self.skipped_images), len(self.rows))
+            return False
+        self._decoded_images.add(index)
+        return True
 
     def _make_group(self, row: PromptRow) -> Group:
         group_index = self.group_counter

@@ -180,6 +180,8 @@ class EngineClient:
         errors: list[str] = []
         engine_failures = 0
         waiting_since: float | None = None
+        busy_since: float | None = None
+        busy_retries = 0
         loop = asyncio.get_running_loop()
         while True:
             async with self._semaphore:
@@ -189,6 +191,17 @@ class EngineClient:
             if status == 200:
                 return await self._decode(payload), engine_url
             message = _error_text(payload)
+            if status == 503 and _is_busy(payload):
+                # backpressure (an engine at --max-queued-requests, a server at its connection cap), not a failure:
+                # wait as told and send again, with or without fault tolerance, for as long as a restart may take
+                busy_since = loop.time() if busy_since is None else busy_since
+                if loop.time() - busy_since <= self.no_engine_wait:
+                    self.stats["busy_retries"] = self.stats.get("busy_retries", 0) + 1
+                    await asyncio.sleep(_retry_after(headers, self.retry_backoff * 2 ** min(busy_retries, 4)))
+                    busy_retries += 1
+                    continue
+                errors.append(f"[503] {message} (still busy after {loop.time() - busy_since:.0f}s)")
+                break
             if status == 400:
                 raise MilesUserError(f"the engine rejected request {request.request_id}: {message}")
             if status == 401:
@@ -223,6 +236,30 @@ class EngineClient:
 def _unauthorized(router_url: str) -> str:
     return (f"router {router_url} refused the API key (401): this process must have the run's key in "
             f"${API_KEY_ENV}")
+
+
+MAX_RETRY_AFTER_S = 5.0
+
+
+def _is_busy(payload: bytes) -> bool:
+    import json
+
+    try:
+        return json.loads(payload).get("busy") is True
+    except (ValueError, AttributeError):
+        return False
+
+
+def _retry_after(headers: dict[str, str], backoff: float) -> float:
+    """The server's Retry-After (seconds, at most MAX_RETRY_AFTER_S), else `backoff`; jittered so that the
+    clients told to wait do not all come back in the same instant."""
+    import random
+
+    try:
+        wait = float(headers.get("Retry-After", backoff))
+    except ValueError:
+        wait = backoff
+    return min(MAX_RETRY_AFTER_S, max(0.05, wait)) * random.uniform(0.5, 1.0)
 
 
 def _error_text(payload: bytes) -> str:

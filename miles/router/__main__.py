@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-connections", type=int, default=None, help="--miles-router-max-connections")
     parser.add_argument("--max-request-bytes", type=int, default=16 << 20,
                         help="largest request body a client may send (larger: 413)")
+    parser.add_argument("--connection-read-timeout", type=float, default=30.0,
+                        help="seconds a client has for a request head, then for its body (slower: closed)")
+    parser.add_argument("--max-client-connections", type=int, default=1024,
+                        help="most open client connections (lowered to the file limit); more get 503")
     parser.add_argument("--api-key", default=None,
                         help="the run's key (prefer $MILES_API_KEY: a command line is visible to every user via ps)")
     parser.add_argument("--url-file", default=None, help="write the bound URL here once serving")
@@ -60,6 +64,8 @@ def main(argv: list[str] | None = None) -> None:
         timeout=args.timeout,
         max_connections=args.max_connections,
         max_request_bytes=args.max_request_bytes,
+        connection_read_timeout=args.connection_read_timeout,
+        max_client_connections=args.max_client_connections,
     )
 
     async def run() -> None:

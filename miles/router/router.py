@@ -42,6 +42,7 @@ from miles.utils.auth import (
     resolve_api_key,
     warn_if_exposed,
 )
+from miles.utils.http_guard import ConnectionLimits, GuardedSite, ServerGuard, quiet_bad_requests
 
 if TYPE_CHECKING:
     from miles.config.sections import RolloutConfig
@@ -61,6 +62,8 @@ class RouterConfig:
     timeout: float | None = None  # per forwarded request; None = no limit
     max_connections: int | None = None  # total open connections to engines; None = unlimited
     max_request_bytes: int = 16 << 20  # largest request body a client may send (generate bodies are small)
+    connection_read_timeout: float = 30.0  # seconds a client has for a request head, then for its body
+    max_client_connections: int = 1024  # open client connections; more get 503 (miles.utils.http_guard)
 
     @classmethod
     def from_rollout(cls, rollout: "RolloutConfig") -> "RouterConfig":
@@ -156,9 +159,12 @@ class Router:
         self._health_task: asyncio.Task | None = None
         self._app_runner: web.AppRunner | None = None
         self.url: str | None = None
+        quiet_bad_requests(api_key)
+        self.guard = ServerGuard(ConnectionLimits(read_timeout_s=config.connection_read_timeout,
+                                                  max_connections=config.max_client_connections), "the router")
         self.app = web.Application(
             client_max_size=config.max_request_bytes,
-            middlewares=[json_errors_middleware, bearer_auth_middleware(api_key)],
+            middlewares=self.guard.middlewares(json_errors_middleware, bearer_auth_middleware(api_key)),
         )
         self.app.add_routes(
             [
@@ -206,7 +212,7 @@ class Router:
         # handler_cancellation: a client that disconnects cancels the forward, and so the engine's request
         self._app_runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await self._app_runner.setup()
-        await web.SockSite(self._app_runner, sock).start()
+        await GuardedSite(self._app_runner, sock, self.guard).start()
         bound_host, bound_port = sock.getsockname()[:2]
         self.url = f"http://{bound_host}:{bound_port}"
         self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
@@ -276,6 +282,7 @@ class Router:
                 payload = await response.read()
                 status = response.status
                 content_type = response.headers.get("Content-Type", "application/octet-stream")
+                retry_after = response.headers.get("Retry-After")  # an engine at its admission limit
         except asyncio.TimeoutError:
             worker.requests_failed += 1
             return web.json_response(
@@ -297,14 +304,15 @@ class Router:
             worker.in_flight -= 1
         if status >= 500:
             worker.requests_failed += 1
-        return web.Response(
-            body=payload, status=status, headers={ENGINE_URL_HEADER: worker.url, "Content-Type": content_type}
-        )
+        headers = {ENGINE_URL_HEADER: worker.url, "Content-Type": content_type}
+        if retry_after is not None:
+            headers["Retry-After"] = retry_after
+        return web.Response(body=payload, status=status, headers=headers)
 
     async def _url_from(self, request: web.Request) -> str:
         """The normalized worker URL of `?url=` or a JSON body {"url": ...}; WorkerUrlError (a 400) otherwise."""
         url = request.query.get("url")
-        if url is None and request.can_read_body:
+        if url is None and request.body_exists:
             try:
                 body = json.loads(await request.read())
             except (ValueError, UnicodeDecodeError) as err:

@@ -2,10 +2,13 @@
 
 See docs/security.md for the threat model.
 
-The driver creates one random key per run (`ensure_run_api_key`) and hands it to every process of the run
-through the environment variable MILES_API_KEY: engines, the router, trainer ranks and rollout clients read it
-from there. It never goes on a command line (`ps` shows those to every user of the machine) nor into the run's
-`args` (which are printed by --dry-run, logged to wandb and saved with checkpoints).
+The driver creates one random key per run (`ensure_run_api_key`), or takes the one exported in MILES_API_KEY,
+and writes it to a file of mode 0600 in a run folder of mode 0700 (`run_folder`). Ray workers learn only that
+file's path (MILES_API_KEY_FILE): Ray writes a job's runtime_env into its session logs, so the key itself must
+never travel there. Engines and the router get the key in their process environment (readable only by the same
+user). `api_key_from_env` reads MILES_API_KEY, else the file. The key never goes on a command line (`ps` shows
+those to every user of the machine) nor into the run's `args` (printed by --dry-run, logged to wandb, saved
+with checkpoints), and the servers' logs never show a request's raw header lines (miles.utils.http_guard).
 
 Servers check `Authorization: Bearer <key>` in constant time (`bearer_auth_middleware`) and answer 401 to
 anything else; clients send the header with `auth_headers()`.
@@ -18,6 +21,8 @@ import ipaddress
 import logging
 import os
 import secrets
+import stat
+import tempfile
 from typing import Iterable
 
 from aiohttp import web
@@ -27,7 +32,11 @@ from miles.utils.errors import MilesUserError
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "MILES_API_KEY"
+API_KEY_FILE_ENV = "MILES_API_KEY_FILE"  # the path of the 0600 file holding the key (what Ray workers get)
+RUN_FOLDER_ENV = "MILES_RUN_FOLDER"  # the run's private (0700) folder: the key file, Ray's temp/log folder
+API_KEY_FILE_NAME = "api_key"
 MIN_API_KEY_CHARS = 16  # a guessable key is no key; secrets.token_hex(32) gives 64
+MAX_API_KEY_BYTES = 4096
 
 
 def new_api_key() -> str:
@@ -35,7 +44,49 @@ def new_api_key() -> str:
 
 
 def api_key_from_env() -> str | None:
-    return os.environ.get(API_KEY_ENV) or None
+    """$MILES_API_KEY, else the key in the file $MILES_API_KEY_FILE names (None when neither is set)."""
+    key = os.environ.get(API_KEY_ENV)
+    if key:
+        return key
+    path = os.environ.get(API_KEY_FILE_ENV)
+    return read_api_key_file(path) if path else None
+
+
+def read_api_key_file(path: str) -> str:
+    """The key in a file of this user's, of mode 0600 or stricter (a key others could read is refused)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as err:
+        raise MilesUserError(f"${API_KEY_FILE_ENV} {path!r}: cannot open the API key file ({err.strerror}); on "
+                             f"a cluster whose nodes do not share it, export {API_KEY_ENV} instead") from None
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+            raise MilesUserError(f"${API_KEY_FILE_ENV} {path!r}: the API key file must be a regular file of this "
+                                 "user with mode 0600")
+        key = handle.read(MAX_API_KEY_BYTES).decode("ascii", "replace").strip()
+    return check_api_key(key, f"${API_KEY_FILE_ENV} {path!r}")
+
+
+def run_folder() -> str:
+    """The run's private folder (mode 0700, created once per driver, named in $MILES_RUN_FOLDER)."""
+    folder = os.environ.get(RUN_FOLDER_ENV)
+    if folder and os.path.isdir(folder):
+        return folder
+    folder = tempfile.mkdtemp(prefix="miles-")  # mode 0700, a fresh name: nobody else can have made it
+    os.environ[RUN_FOLDER_ENV] = folder
+    return folder
+
+
+def write_api_key_file(key: str) -> str:
+    """Write the key to `<run folder>/api_key` (mode 0600, created exclusively); returns the path."""
+    path = os.path.join(run_folder(), API_KEY_FILE_NAME)
+    if os.path.lexists(path):
+        os.unlink(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(key)
+    return path
 
 
 def check_api_key(key: str, what: str) -> str:
@@ -48,14 +99,17 @@ def check_api_key(key: str, what: str) -> str:
 
 
 def ensure_run_api_key() -> str:
-    """Driver side: the run's key, exported to this process's environment so that every child process and Ray
-    worker started afterwards inherits it. A key the user exported (to share it with a hand-started engine)
-    is kept; otherwise a fresh random one is made for this run."""
+    """Driver side: the run's key, in a 0600 file named by $MILES_API_KEY_FILE, which every child process and Ray
+    worker started afterwards inherits. A key the user exported (to share it with a hand-started engine) is
+    kept; otherwise a fresh random one is made for this run."""
     key = api_key_from_env()
     if key is None:
         key = new_api_key()
-        os.environ[API_KEY_ENV] = key
-    return check_api_key(key, f"${API_KEY_ENV}")
+    check_api_key(key, f"${API_KEY_ENV}")
+    path = os.environ.get(API_KEY_FILE_ENV)
+    if not (path and os.path.isfile(path) and read_api_key_file(path) == key):
+        os.environ[API_KEY_FILE_ENV] = write_api_key_file(key)
+    return key
 
 
 def resolve_api_key(explicit: str | None, what: str) -> str:

@@ -1,13 +1,12 @@
-"""Loading files without running code from them: `torch.load(weights_only=True)` and a restricted unpickler.
+"""Loading files without running code from them: `torch.load(weights_only=True)`.
 
 A pickle can name any callable and run it while loading (`__reduce__`), so a checkpoint or a saved rollout
 that someone edited could run code in every trainer rank. miles therefore writes only tensors and plain
 values (dicts, lists, tuples, str, int, float, bool, None) into its `.pt` files and reads them back with
 `weights_only=True`, which refuses anything else (`save_plain` checks a value before writing it, so what miles
-writes it can read back). The one pickle miles cannot avoid is the `.metadata` index that
-torch.distributed.checkpoint writes next to the shards; `load_dcp_metadata_pickle` reads it with an unpickler
-that accepts only the handful of checkpoint-metadata classes it holds, and the checkpoint loader vets the index
-this way before DCP reads it (miles.backends.fsdp_utils.checkpoint).
+writes it can read back). The one pickle miles cannot avoid, the `.metadata` index that
+torch.distributed.checkpoint writes next to the shards, has its own restricted reader
+(miles.backends.fsdp_utils.checkpoint_files).
 
 A file that is refused, truncated or unreadable becomes one `MilesUserError` naming what (a flag, or "checkpoint
 meta") and the file.
@@ -19,55 +18,11 @@ import collections
 import os
 import pickle
 import zipfile
-from typing import IO, Any
+from typing import Any
 
 import torch
 
 from miles.utils.errors import MilesUserError
-
-# The globals torch.distributed.checkpoint's `.metadata` pickle refers to (torch 2.4 - 2.13): its dataclasses,
-# torch.Size, the layout decoder, and the path the checkpoint was saved under. Calling any of them only builds
-# a value; none touches files, processes or imports.
-_DCP_METADATA_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING",
-    )
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-}
-
-
-class RefusedPickleGlobal(pickle.UnpicklingError):
-    """The pickle names a global outside the allow-list."""
-
-
-class _AllowListUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _DCP_METADATA_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format)):
-            return getattr(torch, name)
-        raise RefusedPickleGlobal(f"it refers to {module}.{name}, which a checkpoint index never holds")
-
-
-def load_dcp_metadata_pickle(stream: IO[bytes], path: str, what: str) -> Any:
-    """Unpickle a torch.distributed.checkpoint `.metadata` index, refusing every global it should not hold."""
-    try:
-        return _AllowListUnpickler(stream).load()
-    except RefusedPickleGlobal as err:
-        raise MilesUserError(f"{what}: refusing to load {path}: {err} (the file was edited or not written by "
-                             "torch.distributed.checkpoint)") from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError) as err:
-        raise MilesUserError(f"{what}: {path} is truncated or corrupt ({_one_line(err)})") from None
-
 
 def load_plain(path: str, what: str, map_location: str | torch.device = "cpu") -> Any:
     """`torch.load(path, weights_only=True)`: tensors and plain values only; every failure is one line.

@@ -299,6 +299,103 @@ def test_an_edited_shard_index_with_a_reduce_payload_does_not_run(saved, tmp_pat
     assert not os.path.exists(marker)
 
 
+def rewrite_index(directory: str, edit) -> None:
+    """Rewrite the checkpoint's own (trusted, just written) index after `edit(index)` changed it."""
+    index_path = os.path.join(directory, ".metadata")
+    with open(index_path, "rb") as handle:
+        index = pickle.load(handle)
+    edit(index)
+    with open(index_path, "wb") as handle:
+        pickle.dump(index, handle)
+
+
+def test_an_index_of_none_does_not_fall_back_to_an_unchecked_rank_local_index(saved, tmp_path):
+    """A `.metadata` that unpickles to None used to pass the allow-list; DCP then read `__0.metadata` with plain
+    pickle."""
+    _, directory, resume = saved
+    marker = str(tmp_path / "payload-ran")
+    with open(os.path.join(directory, ".metadata"), "wb") as handle:
+        pickle.dump(None, handle)
+    with open(os.path.join(directory, "__0.metadata"), "wb") as handle:
+        pickle.dump(RunsCode(marker), handle)
+    message = one_line_error(resume)
+    assert "holds a NoneType, not a checkpoint index" in message and not os.path.exists(marker)
+
+
+def test_an_index_swapped_between_the_check_and_the_load_is_never_read(saved, tmp_path, monkeypatch):
+    """The check-then-load race: the index is replaced after it was checked, just before DCP loads. DCP loads
+    with the copy that was checked, so the payload never runs and the resume is the one that was checked."""
+    import torch.distributed.checkpoint as dcp
+
+    _, directory, resume = saved
+    marker = str(tmp_path / "payload-ran")
+    real_load = dcp.load
+
+    def swap_then_load(*args, **kwargs):
+        for name in (".metadata", "__0.metadata"):
+            with open(os.path.join(directory, name), "wb") as handle:
+                pickle.dump(RunsCode(marker), handle)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(dcp, "load", swap_then_load)
+    try:
+        trainer = resume()
+    except BaseException:  # noqa: BLE001 - before the fix DCP unpickled the payload and then failed
+        trainer = None
+    assert not os.path.exists(marker)
+    assert trainer is not None and trainer.start_rollout_id == 1
+
+
+@pytest.mark.parametrize("shard_path", ["../outside/__0_0.distcp", "/ABS/__0_0.distcp", "sub/__0_0.distcp"])
+def test_an_index_naming_shards_outside_the_checkpoint_folder_is_refused(saved, tmp_path, shard_path):
+    _, directory, resume = saved
+    shard_name = next(name for name in os.listdir(directory) if name.endswith(".distcp"))
+    target = os.path.normpath(os.path.join(directory, shard_path.replace("/ABS", str(tmp_path / "abs"))))
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    with open(os.path.join(directory, shard_name), "rb") as source, open(target, "wb") as copy:
+        copy.write(source.read())  # a valid shard, just not in the folder: loading it would succeed
+
+    def point_outside(index):
+        for info in index.storage_data.values():
+            if info.relative_path == shard_name:
+                info.relative_path = shard_path.replace("/ABS", str(tmp_path / "abs"))
+
+    rewrite_index(directory, point_outside)
+    assert "is not a shard file name inside the checkpoint folder" in one_line_error(resume)
+
+
+def test_a_shard_that_is_a_link_is_refused(saved, tmp_path):
+    _, directory, resume = saved
+    shard = os.path.join(directory, next(name for name in os.listdir(directory) if name.endswith(".distcp")))
+    outside = str(tmp_path / "elsewhere.distcp")
+    os.rename(shard, outside)
+    os.symlink(outside, shard)
+    assert f"shard {shard} is not a regular file" in one_line_error(resume)
+
+
+@pytest.mark.parametrize("key, value", [("lr_scheduler", 5), ("global_step", "a"), ("use_lora", "yes"),
+                                        ("rollout_id", 1.5), ("world_size", True), ("extra_state", [1]),
+                                        ("modules", "transformer"), ("lora", {"r": "4"})])
+def test_meta_values_of_the_wrong_type_are_one_line(saved, key, value):
+    _, directory, resume = saved
+    meta_path = os.path.join(directory, "meta.pt")
+    torch.save({**torch.load(meta_path, weights_only=True), key: value}, meta_path)
+    message = one_line_error(resume)
+    assert message.startswith(f"--load checkpoint meta {meta_path}: not a miles checkpoint meta") and key in message
+
+
+def test_a_pointer_file_that_is_a_folder_or_garbage_is_one_line(saved):
+    save_dir, _, resume = saved
+    pointer = os.path.join(save_dir, POINTER_FILE)
+    os.remove(pointer)
+    os.mkdir(pointer)
+    assert f"{pointer} is not a file" in one_line_error(resume)
+    os.rmdir(pointer)
+    with open(pointer, "wb") as handle:
+        handle.write(b"9" * 100_000)
+    assert "not an iteration number" in one_line_error(resume)
+
+
 def test_a_damaged_checkpoint_is_one_line_naming_the_file(saved):
     save_dir, directory, resume = saved
     shards = sorted(name for name in os.listdir(directory) if name.endswith(".distcp"))
@@ -368,25 +465,3 @@ def test_a_state_that_would_need_the_unsafe_loader_fails_at_save(tiny, tmp_path)
     message = str(info.value)
     assert "extra_state.data_source.rows[1]: an object of type " in message and "RunsCode" in message
     assert read_latest_iteration(save_dir) == 0 and sorted(os.listdir(save_dir)) == ["iter_0000000", POINTER_FILE]
-
-
-def test_a_non_tensor_shard_item_with_a_reduce_payload_does_not_run(tmp_path):
-    """DCP stores non-tensor values (optimizer hyper-parameters) as pickled bytes inside the shards; miles' load
-    planner reads them with weights_only=True."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
-    marker, directory = tmp_path / "payload-ran", str(tmp_path / "ckpt")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
-        dcp.save({"w": torch.ones(2), "hyper": {"lr": RunsCode(str(marker))}}, checkpoint_id=directory, no_dist=True)
-        state = {"w": torch.zeros(2), "hyper": {"lr": 0.1}}
-        with pytest.raises(BaseException) as info:  # DCP wraps it in a CheckpointException (a BaseException)
-            dcp.load(state, checkpoint_id=directory, planner=checkpoint._WeightsOnlyLoadPlanner(), no_dist=True)
-    assert "the item 'hyper.lr' holds io.open" in str(info.value) and not marker.exists()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save({"w": torch.ones(2), "hyper": {"lr": 0.5}}, checkpoint_id=directory, no_dist=True)
-        dcp.load(state, checkpoint_id=directory, planner=checkpoint._WeightsOnlyLoadPlanner(), no_dist=True)
-    assert state["hyper"]["lr"] == 0.5 and torch.equal(state["w"], torch.ones(2))

@@ -192,6 +192,68 @@ def test_export_mistakes_are_one_line_naming_the_flag_and_file(tiny, tmp_path):
                        pipeline_output(family, trainer, base_pipe, samples))
 
 
+class RunsCode:
+    """A pickle payload: unpickling it creates `marker`."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_export_reads_no_unchecked_index_and_no_shard_outside_the_checkpoint(tiny, tmp_path, monkeypatch):
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    save_dir = str(tmp_path / "ckpt")
+    train_one_rollout_and_save(tiny, save_dir, use_lora=True)
+    directory = os.path.join(save_dir, "iter_0000000")
+    index_path = os.path.join(directory, ".metadata")
+    index_bytes = open(index_path, "rb").read()
+    marker = str(tmp_path / "payload-ran")
+
+    def export(out: str):
+        try:
+            return export_checkpoint(["--load", save_dir, "--out", str(tmp_path / out)])
+        except BaseException as err:  # noqa: BLE001 - what matters is that nothing ran; the message is checked
+            return err
+
+    # the index swapped for a payload between the check and DCP's load: DCP loads with the checked copy
+    real_load = dcp.load
+
+    def swap_then_load(*args, **kwargs):
+        for name in (".metadata", "__0.metadata"):
+            with open(os.path.join(directory, name), "wb") as handle:
+                pickle.dump(RunsCode(marker), handle)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(dcp, "load", swap_then_load)
+    assert export("raced") == "lora" and not os.path.exists(marker)
+    monkeypatch.setattr(dcp, "load", real_load)
+
+    # an index of None with a payload as the rank-local index
+    with open(index_path, "wb") as handle:
+        pickle.dump(None, handle)
+    result = export("none")
+    assert isinstance(result, MilesUserError) and "not a checkpoint index" in str(result)
+    assert not os.path.exists(marker)
+
+    # a shard outside the checkpoint folder
+    index = pickle.loads(index_bytes)
+    shard_name = next(iter(index.storage_data.values())).relative_path
+    os.makedirs(tmp_path / "outside")
+    with open(os.path.join(directory, shard_name), "rb") as source, open(tmp_path / "outside" / shard_name, "wb") as f:
+        f.write(source.read())
+    for info in index.storage_data.values():
+        info.relative_path = f"../../outside/{info.relative_path}"
+    with open(index_path, "wb") as handle:
+        pickle.dump(index, handle)
+    result = export("outside")
+    assert isinstance(result, MilesUserError) and "not a shard file name inside the checkpoint folder" in str(result)
+
+
 def test_export_interval_writes_the_served_policy_during_training(tiny, tmp_path):
     args = tiny_trainer_config("unused", num_rollout=8, export_interval=3, output_dir=str(tmp_path / "out"))
     assert [r for r in range(8) if should_export(args, r)] == [2, 5, 7]  # every 3 rollouts and the last one

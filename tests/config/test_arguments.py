@@ -578,6 +578,26 @@ def test_yaml_must_be_a_mapping(tmp_path):
     assert "cannot read the file" in error("--custom-config-path", str(tmp_path / "absent.yaml"))
 
 
+def test_hostile_yaml_is_one_line_and_bounded(tmp_path, caplog):
+    for key in ("__dict__", "__class__", "_private", "a b"):
+        path = write_yaml(tmp_path, f"{key}: 1\n")
+        assert "is not a flag name" in error("--custom-config-path", path), key
+    laughs = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]\n" for i in range(9))
+    assert len(laughs) < 700  # a few hundred bytes that expand to 9**10 items
+    assert "once its aliases are expanded" in error("--custom-config-path", write_yaml(tmp_path, laughs))
+    many = "a: &a 1\nb: [" + ", ".join(["*a"] * 101) + "]\n"
+    assert "more than 100 YAML aliases" in error("--custom-config-path", write_yaml(tmp_path, many))
+    huge = tmp_path / "huge.yaml"
+    huge.write_text("my_knob: '" + "x" * (2 << 20) + "'\n")
+    assert "larger than" in error("--custom-config-path", str(huge))
+    # an unknown key's long value is logged cut short, not in full
+    path = write_yaml(tmp_path, "my_knob: '" + "y" * 100_000 + "'\n")
+    with caplog.at_level(logging.WARNING):
+        assert parse("--custom-config-path", path).my_knob == "y" * 100_000
+    assert max(len(r.getMessage()) for r in caplog.records) < 500
+
+
 # ---- --dry-run and the entry point --------------------------------------------------------------------------
 def test_dry_run_prints_configuration_and_geometry():
     args = parse("--actor-num-gpus-per-node", "2", "--diffusion-num-sde-steps", "3", "--global-batch-size", "4",

@@ -307,3 +307,34 @@ def test_dry_run_reads_text_and_geneval_prompt_files(tmp_path):
     assert result.stderr.strip().splitlines() == [
         f"error: --eval-prompt-data geneval {geneval}:2: no key 'prompt' (read as GenEval metadata, by the file name "
         "*_metadata.jsonl); keys are ['include', 'tag']"]
+
+
+def test_a_pipeline_that_is_a_file_broken_or_offline_and_uncached_is_one_line(prompts, tmp_path):
+    a_file = tmp_path / "weights.safetensors"
+    a_file.write_bytes(b"\0")
+    assert error(prompts, tmp_path, "--hf-checkpoint", str(a_file), "--diffusion-model-family", "sd3") == (
+        f"--hf-checkpoint {str(a_file)!r} is a file, not a diffusers pipeline folder or hub id")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "model_index.json").write_text('{"_class_name": ')
+    assert "model_index.json is not readable JSON" in error(prompts, tmp_path, "--hf-checkpoint", str(broken),
+                                                            "--diffusion-model-family", "sd3")
+    (broken / "model_index.json").write_text('["StableDiffusion3Pipeline"]')
+    assert "names no pipeline class" in error(prompts, tmp_path, "--hf-checkpoint", str(broken),
+                                              "--diffusion-model-family", "sd3")
+    assert "HF_HUB_OFFLINE is set but the hub cache does not hold it" in error(
+        prompts, tmp_path, "--hf-checkpoint", "someone/sd3-elsewhere")
+    assert "no such folder" in error(prompts, tmp_path, "--hf-checkpoint", str(tmp_path / "sd3" / "typo"))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--diffusion-height", "8192"), "--diffusion-height 8192 exceeds the engines' --sglang-max-image-size 4096"),
+    (("--sglang-max-image-size", "256"), "--diffusion-height 512 exceeds the engines' --sglang-max-image-size 256"),
+    (("--sglang-max-num-steps", "4"), "exceeds the engines' --sglang-max-num-steps 4"),
+    (("--rollout-microgroup-size", "2", "--sglang-max-samples-per-request", "1"), "--rollout-microgroup-size 2"),
+    (("--sglang-max-request-pixel-steps", "1000"), "over the engines' --sglang-max-request-pixel-steps 1000"),
+])
+def test_the_run_geometry_must_fit_the_engine_limits(prompts, tmp_path, flags, message):
+    with pytest.raises(MilesUserError) as info:
+        parse_args(argv(prompts, tmp_path, *flags))
+    assert message in str(info.value)

@@ -51,15 +51,17 @@ def run_env(ray_address: str | None = None) -> dict[str, str]:
     """`ray_address`: join that Ray cluster (RAY_ADDRESS) instead of starting one."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled",
            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    env.pop("RAY_ADDRESS", None)
+    for inherited in ("RAY_ADDRESS", "MILES_API_KEY_FILE", "MILES_RUN_FOLDER"):  # each run makes its own
+        env.pop(inherited, None)
     if ray_address:
         env["RAY_ADDRESS"] = ray_address
     return env
 
 
-def run(argv: list[str], timeout: float = 600, ray_address: str | None = None) -> subprocess.CompletedProcess:
+def run(argv: list[str], timeout: float = 600, ray_address: str | None = None,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     result = subprocess.run([sys.executable, str(REPO / "train_diffusion.py"), *argv], capture_output=True,
-                            text=True, cwd=REPO, env=run_env(ray_address), timeout=timeout)
+                            text=True, cwd=REPO, env={**run_env(ray_address), **(env or {})}, timeout=timeout)
     assert result.returncode == 0, f"train_diffusion.py failed ({result.returncode}):\n{result.stderr[-6000:]}"
     return result
 
@@ -88,14 +90,67 @@ def test_flow_grpo_reward_rises(sd3, prompts, tmp_path, seed):
     assert (out / "reward_curve.png").exists() and (out / "samples.png").exists()
 
 
-def test_alignment_probe_is_exact(sd3, prompts, tmp_path):
+@pytest.fixture
+def private_temp_root():
+    """A short TMPDIR for one run (Ray's socket paths live under it), removed afterwards."""
+    import shutil
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="mk-", dir="/tmp")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def key_holders(key: str, roots: list[Path]) -> tuple[int, list[tuple[str, str]]]:
+    """How many files under `roots` were read, and (path, mode) of each that holds `key`."""
+    import stat
+
+    holders, files = [], 0
+    for root in roots:
+        for path in root.rglob("*"):
+            if path.is_file() and not path.is_symlink():
+                files += 1
+                if key.encode() in path.read_bytes():
+                    holders.append((str(path), oct(stat.S_IMODE(path.stat().st_mode))))
+    return files, holders
+
+
+def test_alignment_probe_is_exact_and_the_key_lands_only_in_0600_files(sd3, prompts, tmp_path, private_temp_root):
+    """Also: every file the run writes (its output folder, its private run folder with Ray's session and logs)
+    is read for the run's key; only files of mode 0600 may hold it (docs/security.md). The key comes in a key file
+    (MILES_API_KEY_FILE) and is in no process's environment: every process of the run reads it from there."""
+    import os
+    import secrets
+    import stat
+
+    key = secrets.token_hex(32)
+    key_file = Path(private_temp_root) / "my_key"
+    key_file.touch(mode=0o600)
+    key_file.write_text(key)
     out = tmp_path / "probe"
-    run([*base_flags(sd3, prompts, out), "--num-rollout", "2", "--debug-skip-optimizer-step",
-         "--diffusion-debug-mode", "--micro-batch-size-sample", "4", "--micro-batch-size-tstep", "1",
-         "--sglang-max-batch-size", "4"])
+    env = {**run_env(), "TMPDIR": private_temp_root, "MILES_API_KEY_FILE": str(key_file),
+           "MILES_KEEP_RAY_TEMP": "1"}  # Ray's session stays to be read
+    env.pop("MILES_API_KEY")
+    result = subprocess.run([sys.executable, str(REPO / "train_diffusion.py"), *base_flags(sd3, prompts, out),
+                             "--num-rollout", "2", "--debug-skip-optimizer-step", "--diffusion-debug-mode",
+                             "--micro-batch-size-sample", "4", "--micro-batch-size-tstep", "1",
+                             "--sglang-max-batch-size", "4"], capture_output=True, text=True, cwd=REPO, env=env,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert key_file.exists() and os.environ.get("MILES_API_KEY") != key
     records = metrics(out)
     assert series(records, "train/log_prob_mean_abs_diff") == [0.0, 0.0]
     assert series(records, "train/model_output_mean_abs_diff") == [0.0, 0.0]
+
+    assert key not in result.stdout + result.stderr
+    folders = [p for p in Path(private_temp_root).iterdir() if p.name.startswith("miles-")]
+    ray_folders = [p for p in folders if p.name.startswith("miles-ray-")]
+    assert len(folders) == 2 and len(ray_folders) == 1  # the run's folder (its key file) and its Ray's
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o700 for p in folders)
+    assert list(ray_folders[0].glob("session_*/logs/*.log")), "Ray did not use the run's private folder"
+    files, holders = key_holders(key, [Path(private_temp_root), out])
+    assert files > 20 and all(mode == "0o600" for _, mode in holders), holders
+    assert (str(key_file), "0o600") in holders  # the search finds the key where it is
 
 
 def test_nft_reward_rises(sd3, prompts, tmp_path):
@@ -257,6 +312,28 @@ def test_engine_killed_mid_rollout_is_restarted(sd3, prompts, tmp_path):
     records = metrics(out)
     assert series(records, "rollout/num_samples") == [16.0, 16.0, 16.0]
     assert sum(series(records, "rollout/num_retries")) >= 1
+
+
+@pytest.mark.parametrize("fault_tolerance", [False, True])
+def test_an_engine_that_dies_while_the_trainer_trains(sd3, prompts, tmp_path, fault_tolerance):
+    """The engine dies right after answering rollout 0's last request (4 requests of 4 samples), so it is gone
+    while the trainer trains and the weight sync finds it: restarted under --use-fault-tolerance, otherwise the
+    run ends in one line naming it (exit 3, a part died), not a urllib traceback."""
+    out = tmp_path / "died"
+    flags = [*base_flags(sd3, prompts, out), "--num-rollout", "2", "--sglang-crash-after-answers", "4",
+             "--rollout-health-check-interval", "3600"]  # the weight sync, not the watcher, must find it
+    if fault_tolerance:
+        result = run([*flags, "--use-fault-tolerance"])
+        assert series(metrics(out), "rollout/num_samples") == [16.0, 16.0]
+        assert "died before or during the weight sync; restarting it" in result.stderr
+        return
+    result = subprocess.run([sys.executable, str(REPO / "train_diffusion.py"), *flags], capture_output=True,
+                            text=True, cwd=REPO, env=run_env(), timeout=600)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert last.startswith("error: rollout engine 0 (http://127.0.0.1:") and "engine0.log" in last, last
+    assert "died before or during the weight sync" in last and last.endswith(
+        "--use-fault-tolerance restarts dead engines"), last
 
 
 def test_hybrid_sharded_trainer_with_its_own_engine_matches_one_rank(sd3, prompts, tmp_path):

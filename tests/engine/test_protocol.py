@@ -235,7 +235,13 @@ def test_limits_bound_every_size_and_are_configurable():
         decode_request(encode_request(_request(num_samples=65)))
     with pytest.raises(ProtocolError, match="num_steps 1001"):
         decode_request(encode_request(_request(num_steps=1001)))
-    assert decode_request(encode_request(_request(num_samples=64, height=4096, width=4096))).num_samples == 64
+    assert decode_request(encode_request(_request(num_samples=64, height=1024, width=1024))).num_samples == 64
+    # every field at its limit at once is refused by the request's total cost (the answer's bytes here)
+    with pytest.raises(ProtocolError, match="the answer would carry up to"):
+        decode_request(encode_request(_request(num_samples=64, height=4096, width=4096)))
+    with pytest.raises(ProtocolError, match="pixel-steps"):
+        decode_request(encode_request(_request(num_samples=64, height=4096, width=4096)),
+                       RequestLimits(max_pixel_steps=1 << 20))
 
 
 def test_request_bodies_carry_no_msgpack_extensions():

@@ -248,6 +248,11 @@ def test_limits_wrong_types_and_oversized_bodies_get_4xx_with_one_line_json(engi
         (encode_request(_request(num_steps=1001)), 400, "num_steps 1001 exceeds"),
         (encode_request(_request(height=4104)), 400, "height 4104 exceeds"),
         (encode_request(_request(num_frames=1025)), 400, "num_frames 1025 exceeds"),
+        # every field within its limit, the whole over the request's cost caps
+        (encode_request(_request(num_samples=64, num_steps=1000, height=1024, width=1024, num_frames=128)), 400,
+         "pixel-steps (samples x steps x height x width x frames), over this engine's limit"),
+        (encode_request(_request(num_samples=64, num_steps=2, height=4096, width=4096, sde_step_indices=[0],
+                                 return_latent_indices=[0, 1])), 400, "the answer would carry up to"),
         (msgpack.packb({**body, "num_samples": "4"}), 400, "num_samples must be an integer"),
         (msgpack.packb({**body, "guidance": "strong"}), 400, "guidance must be a map"),
         (msgpack.packb({**body, "height": None}), 400, "height must be an integer"),
@@ -333,3 +338,87 @@ def test_the_router_refuses_a_path_laden_worker_url_over_http(router_url, engine
 
     asyncio.run(run())
     assert [w["url"] for w in _call(router_url, "/workers")[1]["workers"]] == [engine.url]
+
+
+# ---- admission and connections -----------------------------------------------------------------------------
+
+
+def test_an_engine_admits_a_bounded_number_of_requests_and_the_client_retries_politely(tiny_checkpoint,
+                                                                                    make_server_args):
+    """--max-queued-requests 2 and 8 concurrent requests: the overflow is a 503 with Retry-After, never a queue
+    without end; miles' rollout client waits as told and every request is served."""
+    from miles.rollout.engine_client import EngineClient
+    from miles.testing.config import trainer_config
+
+    loop = BackgroundLoop()
+    server = EngineServer(make_server_args(tiny_checkpoint("sd3"), max_queued_requests=2))
+    url = loop.run(server.start())
+    try:
+        async def burst():
+            async with aiohttp.ClientSession(headers=auth_headers()) as session:
+                async def one(seed):
+                    body = encode_request(_request(seed=seed, num_steps=6))
+                    async with session.post(f"{url}/rollout/generate", data=body) as response:
+                        return response.status, response.headers.get("Retry-After"), await response.read()
+                return await asyncio.gather(*(one(seed) for seed in range(8)))
+
+        answers = asyncio.run(burst())
+        busy = [a for a in answers if a[0] == 503]
+        assert busy and all(a[0] in (200, 503) for a in answers)
+        assert all(retry == "1" and json.loads(body)["busy"] is True for _, retry, body in busy)
+
+        router = Router(RouterConfig(health_check_interval=3600, health_check_first_wait=3600), [url])
+        router_url = loop.run(router.start())
+        config = trainer_config(use_fault_tolerance=False, miles_router_timeout=60.0, sglang_server_concurrency=8,
+                                rollout_parser_num_workers=1, use_distributed_post=False).with_router_url(router_url)
+
+        async def through_the_client():
+            async with EngineClient(config) as client:
+                results = await asyncio.gather(*(client.generate(_request(seed=s, num_steps=6)) for s in range(8)))
+                return results, client.stats
+
+        results, stats = asyncio.run(through_the_client())
+        loop.run(router.stop())
+        assert len(results) == 8 and stats.get("busy_retries", 0) > 0
+    finally:
+        loop.run(server.stop())
+        loop.close()
+
+
+def test_the_engine_closes_half_open_connections_and_logs_no_header_line(tiny_checkpoint, make_server_args, caplog):
+    import logging
+    import socket
+    import time
+
+    caplog.set_level(logging.DEBUG)
+    loop = BackgroundLoop()
+    server = EngineServer(make_server_args(tiny_checkpoint("sd3"), connection_read_timeout=1.0, max_connections=20))
+    url = loop.run(server.start())
+    port = int(url.rsplit(":", 1)[1])
+    sockets = []
+    try:
+        for _ in range(40):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            sock.sendall(b"POST /rollout/generate HTTP/1.1\r\nHost: x\r\n")
+            sockets.append(sock)
+        bad = socket.create_connection(("127.0.0.1", port), timeout=10)
+        bad.sendall(f"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {os.environ[API_KEY_ENV]}\x01"
+                    "\r\n\r\n".encode())
+        bad.recv(4096)
+        bad.close()
+        time.sleep(3.0)
+        for sock in sockets:  # the first 20 closed after the read timeout, the other 20 answered 503 at once
+            sock.settimeout(5)
+            try:
+                answer = sock.recv(4096)
+            except ConnectionResetError:
+                answer = b""
+            assert answer == b"" or answer.startswith(b"HTTP/1.1 503"), answer[:60]
+        assert _call(url, "/health")[0] == 200
+    finally:
+        for sock in sockets:
+            sock.close()
+        loop.run(server.stop())
+        loop.close()
+    assert os.environ[API_KEY_ENV] not in caplog.text
+

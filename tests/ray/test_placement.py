@@ -33,7 +33,15 @@ def test_spans_nodes():
 def test_worker_env_leaves_the_submitted_jobs_variables_to_the_job():
     environ = {"HF_HUB_OFFLINE": "1", "PYTHONPATH": "/code", "WANDB_MODE": "disabled"}
     args = _args(train_env_vars={"NCCL_DEBUG": "INFO"})
-    assert worker_env_vars(args, "k" * 32, environ) == {**environ, "NCCL_DEBUG": "INFO", "MILES_API_KEY": "k" * 32}
+    # a Ray of the run's own: the key file's path, never the key (Ray logs a runtime_env)
+    local = {**environ, "MILES_API_KEY_FILE": "/run/k", "MILES_API_KEY": "k" * 32}
+    assert worker_env_vars(args, "k" * 32, local) == {**environ, "NCCL_DEBUG": "INFO", "MILES_API_KEY_FILE": "/run/k"}
+    joined = {**environ, "RAY_ADDRESS": "10.0.0.1:6379"}  # a cluster joined: its nodes may not share the run's file
+    ours = {**joined, "MILES_RUN_FOLDER": "/tmp/miles-x", "MILES_API_KEY_FILE": "/tmp/miles-x/api_key"}
+    assert worker_env_vars(args, "k" * 32, ours)["MILES_API_KEY"] == "k" * 32
+    shared = {**joined, "MILES_RUN_FOLDER": "/tmp/miles-x", "MILES_API_KEY_FILE": "/shared/key"}  # the user's own
+    assert "MILES_API_KEY" not in worker_env_vars(args, "k" * 32, shared)
+    environ = joined
     job = {"runtime_env": {"working_dir": "/code", "env_vars": {"HF_HUB_OFFLINE": "1", "MILES_API_KEY": "k" * 32}}}
     inside_job = {**environ, "RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps(job)}
     # Ray refuses a ray.init runtime_env that repeats a variable of the job's, even with the same value

@@ -60,6 +60,27 @@ def setup(tiny_checkpoint, tmp_path_factory):
     dist.destroy_process_group()
 
 
+def _listening_addresses(port: int) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp{,6} write them) of the sockets listening on `port`."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as handle:
+            for line in handle.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.rsplit(":", 1)
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    found.append(address)
+    return found
+
+
+def test_the_rendezvous_of_a_one_node_group_listens_on_loopback_only(setup):
+    """The store torch's env:// rendezvous makes listens on every interface, and authenticates no one."""
+    group = setup[3]
+    host, port = group.rendezvous
+    assert host == "127.0.0.1"
+    assert _listening_addresses(port) == ["0100007F"]  # 127.0.0.1, and nothing on 0.0.0.0 or ::
+
+
 def test_dp2_actor_group_equals_one_rank(setup):
     args, family, samples, group = setup
     single = DiffusionTrainer(args, family)

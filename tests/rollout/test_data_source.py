@@ -309,6 +309,22 @@ def test_rows_carry_an_input_image_relative_to_the_prompt_file(tmp_path):
     assert [sample.input_image for sample in groups[0]] == [rows[0].image] * 2
 
 
+def test_an_undecodable_image_past_the_preflight_rows_is_skipped_with_a_counted_warning(tmp_path, caplog):
+    _png(tmp_path / "ok.png")
+    (tmp_path / "broken.png").write_bytes(b"not an image")
+    path = tmp_path / "edits.jsonl"
+    path.write_text("".join(json.dumps({"input": f"p{i}", "image": "broken.png" if i == 2 else "ok.png"}) + "\n"
+                            for i in range(4)))
+    source = RolloutDataSourceWithBuffer(_args(str(path), no_rollout_shuffle=True))
+    groups = source.get_samples(3) + source.get_samples(3)  # two passes over the file: the bad row twice
+    assert [group[0].prompt for group in groups] == ["p0", "p1", "p3", "p0", "p1", "p3"]
+    warnings = [r.getMessage() for r in caplog.records if "skipping the row" in r.getMessage()]
+    assert len(warnings) == 1 and "edits.jsonl:3: input image" in warnings[0] and "1 of 4 rows" in warnings[0]
+    path.write_text(json.dumps({"input": "p", "image": "broken.png"}) + "\n")
+    with pytest.raises(MilesUserError, match="no row's input image decodes"):
+        RolloutDataSourceWithBuffer(_args(str(path))).get_samples(1)
+
+
 @pytest.mark.parametrize(
     "row, message",
     [

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import stat
+import tempfile
 
 import aiohttp
 import pytest
@@ -65,18 +68,33 @@ def test_only_the_right_bearer_key_gets_in_and_errors_are_one_line_json():
     assert "secret internals" not in results[-1][1]["error"]  # a 500 names the type, not the details
 
 
-def test_the_run_key_is_created_once_and_kept_in_the_environment(monkeypatch):
+def test_the_run_key_is_created_once_and_kept_in_a_private_file(monkeypatch, tmp_path):
     monkeypatch.delenv(auth.API_KEY_ENV, raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    for name in (auth.API_KEY_FILE_ENV, auth.RUN_FOLDER_ENV):
+        monkeypatch.setenv(name, "")  # recorded, so that what ensure_run_api_key sets is undone afterwards
+        monkeypatch.delenv(name)
     key = auth.ensure_run_api_key()
     assert len(key) == 64 and auth.api_key_from_env() == key
+    assert auth.API_KEY_ENV not in os.environ  # what the driver's children inherit is the file's path only
+    path = os.environ[auth.API_KEY_FILE_ENV]
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
     assert auth.ensure_run_api_key() == key  # the same key for every component of the run
     assert auth.auth_headers() == {"Authorization": f"Bearer {key}"}
+    os.chmod(path, 0o644)  # a key file others can read is refused
+    with pytest.raises(MilesUserError, match="mode 0600"):
+        auth.api_key_from_env()
+    os.chmod(path, 0o600)
     monkeypatch.setenv(auth.API_KEY_ENV, "mine-" + "9" * 20)
     assert auth.ensure_run_api_key() == "mine-" + "9" * 20  # a key the user exported is kept
+    assert auth.read_api_key_file(os.environ[auth.API_KEY_FILE_ENV]) == "mine-" + "9" * 20
 
 
 def test_servers_refuse_to_run_without_a_usable_key(monkeypatch):
     monkeypatch.delenv(auth.API_KEY_ENV, raising=False)
+    monkeypatch.delenv(auth.API_KEY_FILE_ENV, raising=False)
     with pytest.raises(MilesUserError, match="needs an API key"):
         auth.resolve_api_key(None, "the engine")
     with pytest.raises(MilesUserError, match="at least 16"):

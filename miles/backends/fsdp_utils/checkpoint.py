@@ -15,23 +15,20 @@ any point leaves the pointer on the previous complete checkpoint; a failed write
 the temp folder and ends in one `MilesUserError` on every rank. `--save-keep-latest K` then deletes all but
 the newest K checkpoints.
 
-Loading trusts no file: `meta.pt` and the RNG files hold only tensors and plain values and are read with
-`weights_only=True`; the DCP `.metadata` index is checked with an allow-list unpickler before DCP reads it, and
-DCP's non-tensor items go through `weights_only=True` too (`miles.utils.safe_load`). `inspect_checkpoint` checks
-a checkpoint without loading weights (meta, index, every shard present and long enough, same model family and
-LoRA setting as the run); the entry point runs it before Ray starts and every rank again before loading.
+Loading trusts no file (miles.backends.fsdp_utils.checkpoint_files): `meta.pt` and the RNG files hold only
+tensors and plain values and are read with `weights_only=True`, each meta value type-checked; the DCP index is
+read once, through an allow-list unpickler, checked field by field, and that checked copy is what DCP loads with
+(it never opens an index file itself); shards must be files inside the checkpoint folder. `inspect_checkpoint`
+checks a checkpoint without loading weights (meta, index, every shard present and long enough, same model
+family and LoRA setting as the run); the entry point runs it before Ray starts and every rank again before
+loading.
 """
 
 from __future__ import annotations
 
-import errno
-import io
 import logging
 import os
-import pickle
-import re
 import shutil
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,71 +36,33 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from miles.backends.fsdp_utils import deterministic
-from miles.config.sections import ModelConfig, RunConfig
+from miles.backends.fsdp_utils.checkpoint_files import (
+    META_FILE,
+    POINTER_FILE,
+    CheckpointFiles,
+    describe_failure,
+    iteration_dir,
+    load_dcp,
+    read_checkpoint,
+    read_latest_iteration,
+    run_family_label,
+    saved_iterations,
+)
+from miles.backends.fsdp_utils.model_export import lora_settings, recorded_base, write_lora_adapter
+from miles.config.sections import RunConfig
 from miles.utils.errors import MilesUserError
-from miles.utils.safe_load import load_dcp_metadata_pickle, load_plain, refused_global, save_plain
+from miles.utils.safe_load import load_plain, save_plain
 
 logger = logging.getLogger(__name__)
-
-POINTER_FILE = "latest_checkpointed_iteration.txt"
-META_FILE = "meta.pt"
-DCP_INDEX_FILE = ".metadata"
-_ITERATION_DIR = re.compile(r"^iter_(\d{7,})$")
-META_KEYS = ("rollout_id", "global_step", "has_optimizer", "lr_scheduler", "grad_scaler", "ema_num_updates",
-             "use_lora", "world_size", "extra_state")
-
-
-def iteration_dir(root: str, rollout_id: int) -> str:
-    return os.path.join(root, f"iter_{rollout_id:07d}")
-
-
-def saved_iterations(root: str) -> list[int]:
-    """Rollout ids of the complete-looking `iter_*` folders under `root` (temp folders excluded), ascending."""
-    if not os.path.isdir(root):
-        return []
-    found = (_ITERATION_DIR.match(name) for name in os.listdir(root))
-    return sorted(int(match.group(1)) for match in found if match and os.path.isdir(os.path.join(root, match.group(0))))
-
-
-def read_latest_iteration(root: str) -> int | None:
-    pointer = os.path.join(root, POINTER_FILE)
-    if not os.path.exists(pointer):
-        return None
-    with open(pointer) as handle:
-        text = handle.read().strip()
-    try:
-        return int(text)
-    except ValueError as err:
-        raise MilesUserError(f"--load {root!r}: {pointer} holds {text!r}, not an iteration number") from err
 
 
 def same_directory(a: str | None, b: str | None) -> bool:
     return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
 
 
-def run_family_label(model: ModelConfig) -> str:
-    """The model a checkpoint of this run holds: the family key, or the --train-pipeline-config-path class."""
-    custom = model.train_pipeline_config_path
-    if custom:
-        return custom
-    resolved = model.diffusion_model_family_resolved
-    if resolved:
-        return resolved
-    from miles.models import resolve_family_name
-
-    return resolve_family_name(model.hf_checkpoint, model.diffusion_model_family)
-
-
-@dataclass
-class CheckpointToResume:
-    directory: str
-    meta: dict[str, Any]
-
-
-def checkpoint_to_resume(config: RunConfig) -> CheckpointToResume | None:
+def checkpoint_to_resume(config: RunConfig) -> CheckpointFiles | None:
     """The checkpoint `--load` (and `--ckpt-step`) names, checked (`inspect_checkpoint`); None to start fresh.
 
     Starting fresh is allowed only when `--load` is the `--save` folder and holds no checkpoint yet (a job that
@@ -130,49 +89,15 @@ def checkpoint_to_resume(config: RunConfig) -> CheckpointToResume | None:
             hint = f"; it holds {os.path.basename(iteration_dir(root, found[-1]))}: pass --ckpt-step {found[-1]}" \
                 if found else ""
             raise MilesUserError(f"--load {root!r}: no {POINTER_FILE}, so no checkpoint to resume{hint}")
-    directory = iteration_dir(root, int(step))
-    meta = inspect_checkpoint(directory, config)
-    return CheckpointToResume(directory, meta)
+    return inspect_checkpoint(iteration_dir(root, int(step)), config)
 
 
-def inspect_checkpoint(directory: str, config: RunConfig | None = None) -> dict[str, Any]:
-    """Check one checkpoint folder without loading its weights; returns its meta. Every problem is one line.
-
-    Checks: meta.pt loads (weights_only) and has every key; the DCP index loads through the allow-list; every
-    shard the index names exists and is at least as long as the index says (a truncated copy fails here, not
-    halfway through loading); with `config`, the model family and --use-lora match the run's.
-    """
-    what = f"--load checkpoint {directory}"
-    if not os.path.isdir(directory):
-        raise MilesUserError(f"{what}: no such folder (--ckpt-step or {POINTER_FILE} names a missing checkpoint)")
-    meta_path = os.path.join(directory, META_FILE)
-    if not os.path.isfile(meta_path):
-        raise MilesUserError(f"{what}: incomplete checkpoint: {META_FILE} is missing")
-    meta = load_plain(meta_path, "--load checkpoint meta")
-    missing = [key for key in META_KEYS if not isinstance(meta, dict) or key not in meta]
-    if missing:
-        raise MilesUserError(f"--load checkpoint meta {meta_path}: not a miles checkpoint meta (missing {missing})")
-    index_path = os.path.join(directory, DCP_INDEX_FILE)
-    if not os.path.isfile(index_path):
-        raise MilesUserError(f"{what}: incomplete checkpoint: the shard index {DCP_INDEX_FILE} is missing")
-    with open(index_path, "rb") as stream:
-        index = load_dcp_metadata_pickle(stream, index_path, "--load checkpoint index")
-    needed: dict[str, int] = {}  # shard file -> bytes the index says it holds at least
-    for info in (getattr(index, "storage_data", None) or {}).values():
-        relative, end = getattr(info, "relative_path", None), getattr(info, "offset", 0) + getattr(info, "length", 0)
-        if relative is None:
-            raise MilesUserError(f"{what}: the shard index {index_path} is not a file-system checkpoint index")
-        needed[relative] = max(needed.get(relative, 0), end)
-    for relative, size in sorted(needed.items()):
-        shard = os.path.join(directory, relative)
-        if not os.path.isfile(shard):
-            raise MilesUserError(f"{what}: incomplete checkpoint: shard {shard} is missing")
-        actual = os.path.getsize(shard)
-        if actual < size:
-            raise MilesUserError(f"{what}: shard {shard} is truncated ({actual} bytes, the index expects {size})")
-    if config is not None:
-        _check_meta_matches_run(directory, meta, config)
-    return meta
+def inspect_checkpoint(directory: str, config: RunConfig) -> CheckpointFiles:
+    """`read_checkpoint` (meta, index and shards checked without loading weights), then the model family and
+    --use-lora must match the run's. Every problem is one line."""
+    checked = read_checkpoint(directory)
+    _check_meta_matches_run(directory, checked.meta, config)
+    return checked
 
 
 def _check_meta_matches_run(directory: str, meta: dict[str, Any], config: RunConfig) -> None:
@@ -256,18 +181,6 @@ def _failed_on_any_rank(failed_here: bool) -> bool:
     return bool(flag.item())
 
 
-def _describe_failure(err: BaseException) -> str:
-    if isinstance(err, CheckpointException):  # DCP gathers every rank's exception; name the first
-        rank, (cause, _) = next(iter(sorted(err.failures.items(), key=lambda item: item[0])))
-        return f"rank {rank}: {_describe_failure(cause)}"
-    if isinstance(err, MilesUserError):
-        return str(err)
-    if isinstance(err, OSError) and err.errno is not None:
-        where = f" ({err.filename})" if err.filename else ""
-        return f"{os.strerror(err.errno)} [{errno.errorcode.get(err.errno, err.errno)}]{where}"
-    return " ".join(f"{type(err).__name__}: {err}".split())[:300]
-
-
 def save_checkpoint(trainer, rollout_id: int, extra_state: dict | None = None, root: str | None = None) -> str:
     """Save everything needed to resume after `rollout_id`; every rank calls it. Returns the iteration dir.
 
@@ -311,8 +224,6 @@ def save_checkpoint(trainer, rollout_id: int, extra_state: dict | None = None, r
 
 def _write_checkpoint(trainer, rollout_id: int, extra_state: dict | None, temp_dir: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    from miles.backends.fsdp_utils.model_export import lora_settings, recorded_base
 
     config = trainer.config
     state: dict = {"model": _model_state(trainer)}
@@ -378,7 +289,7 @@ def _stop_if_any_rank_failed(root: str, rollout_id: int, temp_dir: str, error: B
     latest = read_latest_iteration(root) if os.path.isdir(root) else None
     still = f"{POINTER_FILE} still names {os.path.basename(iteration_dir(root, latest))}" if latest is not None \
         else "no earlier checkpoint exists"
-    cause = _describe_failure(error) if error is not None else "another rank failed (its log says why)"
+    cause = describe_failure(error) if error is not None else "another rank failed (its log says why)"
     raise MilesUserError(f"--save {root!r}: saving the checkpoint of rollout {rollout_id} failed: {cause}; {still}")
 
 
@@ -403,24 +314,6 @@ def delete_old_checkpoints(root: str, keep: int, keep_rollout_id: int | None = N
 
 
 # ---- loading --------------------------------------------------------------------------------------------
-class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
-    """DCP's planner, but a non-tensor item (optimizer hyper-parameters, ...) must load with weights_only=True.
-
-    DefaultLoadPlanner unpickles those items with weights_only=False; checking the same in-memory bytes first
-    means nothing else is ever unpickled.
-    """
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        try:
-            torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as err:
-            refused = refused_global(str(err)) or "a type weights_only=True refuses"
-            raise MilesUserError(f"the item {read_item.dest_index.fqn!r} holds {refused}, not only tensors and plain "
-                                 "values (the shard was edited, or not written by miles)") from None
-        value.seek(0)
-        super().load_bytes(read_item, value)
-
-
 def load_checkpoint(trainer) -> int:
     """Resume from `--load` (iteration `--ckpt-step` or the pointer file); returns the next rollout id.
 
@@ -430,7 +323,7 @@ def load_checkpoint(trainer) -> int:
 
     config = trainer.config
     trainer.loaded_extra_state = None
-    resume = checkpoint_to_resume(config)  # also vets the index DCP unpickles below (allow-list)
+    resume = checkpoint_to_resume(config)  # the checked index is the one DCP loads with: no file is read twice
     if resume is None:
         return 0
     directory, meta = resume.directory, resume.meta
@@ -445,11 +338,7 @@ def load_checkpoint(trainer) -> int:
     if trainer.ema is not None and meta["ema_num_updates"] is not None:
         ema_template = _ema_template(trainer)
         state["ema"] = ema_template
-    try:
-        dcp.load(state, checkpoint_id=directory, planner=_WeightsOnlyLoadPlanner())
-    except (CheckpointException, OSError, RuntimeError) as err:
-        raise MilesUserError(f"--load {directory!r}: cannot read the checkpoint's shards: "
-                             f"{_describe_failure(err)}") from None
+    load_dcp(state, directory, resume.index)
     if load_optim:
         set_optimizer_state_dict(trainer.model, trainer.optimizer, optim_state_dict=state["optimizer"])
         # validation turns use_checkpoint_lr_scheduler off under --override-lr-scheduler
@@ -489,7 +378,6 @@ def export_lora(trainer, path: str) -> None:
     Every rank calls it (the adapter tensors are gathered); rank 0 writes. `python -m miles.export` does the same
     from a checkpoint (miles.backends.fsdp_utils.model_export).
     """
-    from miles.backends.fsdp_utils.model_export import write_lora_adapter
     from miles.backends.fsdp_utils.weight_export import lora_adapter_state
 
     if not trainer.config.trainer.use_lora:

@@ -3,8 +3,8 @@
 Two sources feed the same writer (`export_weights`):
 - a checkpoint (`load_checkpoint_weights`, used by `python -m miles.export`): the DCP shards under `--save`,
   read in one process without Ray, a process group or a GPU: `dcp.load(no_dist=True)` into plain CPU tensors
-  shaped from the shard index. As for a resume, the index is vetted by the allow-list unpickler before DCP
-  reads it, and DCP's non-tensor items load with `weights_only=True` (miles.utils.safe_load);
+  shaped from the shard index. As for a resume, the index is read once and checked, and DCP loads with that
+  checked copy (miles.backends.fsdp_utils.checkpoint_files);
 - a live trainer (`trainer_weights`, used by `--export-interval`): every rank gathers each trained tensor
   (`full_tensor()` is a collective), rank 0 keeps them.
 
@@ -26,13 +26,22 @@ import json
 import logging
 import os
 import shutil
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from miles.backends.fsdp_utils.checkpoint_files import (
+    META_FILE,
+    POINTER_FILE,
+    iteration_dir,
+    load_dcp,
+    read_checkpoint,
+    read_latest_iteration,
+    run_family_label,
+    saved_iterations,
+)
 from miles.config.sections import RunConfig
 from miles.utils.errors import MilesUserError
 
@@ -50,7 +59,7 @@ class TrainedWeights:
     tensors: dict[str, torch.Tensor]  # "<module>.<parameter>", PEFT names under LoRA (`...lora_A.default.weight`)
     modules: list[str]  # the trained pipeline components ("transformer", or "transformer,transformer_2")
     lora: dict[str, Any] | None  # `lora_settings(...)` of a --use-lora run, else None
-    family: str | None  # a family key or a --train-pipeline-config-path class (checkpoint.run_family_label)
+    family: str | None  # a family key or a --train-pipeline-config-path class (run_family_label)
     base: str | None  # the run's --hf-checkpoint
     source: str  # where the weights came from, for messages and miles_export.json
     ema: bool  # θ̄ rather than the live weights
@@ -98,14 +107,6 @@ def split_by_module(tensors: dict[str, torch.Tensor], modules: list[str]) -> dic
 # ---- source 1: a checkpoint, read in one process -----------------------------------------------------------
 def checkpoint_directory(root: str, step: int | None) -> str:
     """The `iter_*` folder `--load ROOT [--ckpt-step N]` names; ROOT may also be an `iter_*` folder itself."""
-    from miles.backends.fsdp_utils.checkpoint import (
-        META_FILE,
-        POINTER_FILE,
-        iteration_dir,
-        read_latest_iteration,
-        saved_iterations,
-    )
-
     if not os.path.isdir(root):
         raise MilesUserError(f"--load {root!r}: no such folder")
     if step is None and os.path.isfile(os.path.join(root, META_FILE)):
@@ -126,26 +127,14 @@ def load_checkpoint_weights(root: str, step: int | None = None, use_ema: bool = 
 
     `lora_alpha` is needed only for LoRA checkpoints written before meta.pt recorded the LoRA settings: rank and
     target layers are read off the adapter tensors, but α cannot be."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from miles.backends.fsdp_utils.checkpoint import (
-        DCP_INDEX_FILE,
-        _describe_failure,
-        _WeightsOnlyLoadPlanner,
-        inspect_checkpoint,
-    )
-    from miles.utils.safe_load import load_dcp_metadata_pickle
-
     directory = checkpoint_directory(root, step)
-    meta = inspect_checkpoint(directory)  # meta, index and shards complete; the index vetted by the allow-list
+    checked = read_checkpoint(directory)  # meta, index and shards checked; DCP loads with this very index
+    meta, index = checked.meta, checked.index
     part = "ema" if use_ema else "model"
     if use_ema and meta.get("ema_num_updates") is None:
         raise MilesUserError(f"--ema: the checkpoint {directory} holds no EMA weights (the run had no --use-ema)")
-    index_path = os.path.join(directory, DCP_INDEX_FILE)
-    with open(index_path, "rb") as stream:
-        index = load_dcp_metadata_pickle(stream, index_path, "--load checkpoint index")
     prefix = f"{part}."
     templates = {
         fqn: torch.empty(tuple(item.size), dtype=item.properties.dtype)
@@ -153,14 +142,8 @@ def load_checkpoint_weights(root: str, step: int | None = None, use_ema: bool = 
         if fqn.startswith(prefix) and isinstance(item, TensorStorageMetadata)
     }
     if not templates:
-        raise MilesUserError(f"--load {directory}: the shard index {index_path} holds no {part!r} tensors")
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load(templates, checkpoint_id=directory, planner=_WeightsOnlyLoadPlanner(), no_dist=True)
-    except (CheckpointException, OSError, RuntimeError) as err:
-        raise MilesUserError(f"--load {directory!r}: cannot read the checkpoint's shards: "
-                             f"{_describe_failure(err)}") from None
+        raise MilesUserError(f"--load {directory}: the shard index holds no {part!r} tensors")
+    load_dcp(templates, directory, index, no_dist=True)
     tensors = {fqn[len(prefix):]: tensor for fqn, tensor in templates.items()}
     modules = meta.get("modules") or sorted({name.partition(".")[0] for name in tensors})
     lora = meta.get("lora")
@@ -188,8 +171,6 @@ def _lora_settings_from_tensors(tensors: dict[str, torch.Tensor], lora_alpha: in
 # ---- source 2: a live trainer --------------------------------------------------------------------------------
 def trainer_weights(trainer, use_ema: bool = False, source: str = "trainer") -> TrainedWeights | None:
     """The trained tensors of a running trainer (θ̄ with `use_ema`); every rank calls it, rank 0 gets them."""
-    from miles.backends.fsdp_utils.checkpoint import run_family_label
-
     rank = dist.get_rank() if dist.is_initialized() else 0
     if use_ema and trainer.ema is None:
         raise MilesUserError("exporting the EMA weights (--ema-rollout-policy ema) needs --use-ema")
