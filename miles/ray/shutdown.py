@@ -134,18 +134,25 @@ def _raise_run_interrupted(signum: int, frame) -> None:
 
 
 def run_ray_temp_dir(run_id: str) -> str:
-    """The temp folder of the run's own Ray instance. Short and directly under the system's temp folder (or
-    $RAY_TMPDIR): Ray puts unix sockets in it, whose paths may not exceed ~100 bytes."""
-    return os.path.join(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir(), RAY_TEMP_PREFIX + run_id)
+    """The folder of the run's own Ray instance. Short and directly under the system's temp folder (or
+    $RAY_TMPDIR): Ray puts unix sockets in it, whose paths may not exceed 107 bytes, so it is named by the run
+    id's random part alone (8 hex digits; the pid adds nothing to tell runs apart)."""
+    return os.path.join(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir(),
+                        RAY_TEMP_PREFIX + run_id.rsplit("-", 1)[-1][:8])
+
+
+RAY_TEMP_SUBFOLDER = "r"  # Ray's own temp folder, inside the run's 0700 one
 
 
 def make_run_ray_temp_dir() -> str:
-    """Create the run's Ray temp folder (only its user may enter it); outside a run (a test starting Ray through
-    the run's code) a fresh folder that nothing removes."""
-    if _run_id is None:
-        return tempfile.mkdtemp(prefix=RAY_TEMP_PREFIX)
-    path = run_ray_temp_dir(_run_id)
-    os.mkdir(path, 0o700)  # fails on anything already there: the run id is fresh, so nothing should be
+    """Create the run's Ray folder (only its user may enter it) and return the temp folder to give Ray inside it:
+    Ray makes its temp folder world-writable (0777) when it starts, so what keeps others out is the 0700 folder
+    around it. Outside a run (a test starting Ray through the run's code) a fresh folder that nothing removes."""
+    parent = tempfile.mkdtemp(prefix=RAY_TEMP_PREFIX) if _run_id is None else run_ray_temp_dir(_run_id)
+    if _run_id is not None:
+        os.mkdir(parent, 0o700)  # fails on anything already there: the run id is fresh, so nothing should be
+    path = os.path.join(parent, RAY_TEMP_SUBFOLDER)
+    os.mkdir(path, 0o700)
     return path
 
 

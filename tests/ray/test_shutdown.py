@@ -195,18 +195,20 @@ def test_the_exit_is_one_line(capsys):
 def test_the_runs_private_ray_folder_is_made_private_and_removed_at_the_end(run, monkeypatch, tmp_path):
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
     folder = shutdown.make_run_ray_temp_dir()
-    assert folder == str(tmp_path / f"miles-ray-{run}")
-    assert os.stat(folder).st_mode & 0o777 == 0o700  # Ray's sockets and logs: this user's only
-    (tmp_path / f"miles-ray-{run}" / "session_x").mkdir()
+    run_folder = tmp_path / f"miles-ray-{run.rsplit('-', 1)[-1][:8]}"
+    assert folder == str(run_folder / "r")
+    # Ray's sockets and logs: this user's only, however Ray sets the mode of its own folder inside
+    assert os.stat(run_folder).st_mode & 0o777 == 0o700
+    (run_folder / "r" / "session_x").mkdir()
     shutdown.stop_run()
-    assert not os.path.exists(folder)
+    assert not os.path.exists(run_folder)
 
 
 def test_the_reaper_removes_the_ray_folder_of_a_killed_driver(monkeypatch, tmp_path):
     from miles.ray import run_reaper
 
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
-    folder = tmp_path / "miles-ray-123-abc"
+    folder = tmp_path / "miles-ray-abc"
     (folder / "session_x").mkdir(parents=True)
     run_reaper.reap("123-abc", driver_pid=123)
     assert not folder.exists()
