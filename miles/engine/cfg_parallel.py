@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from miles.engine import sequence_parallel as sp
 from miles.engine.weight_broadcast import _connect, _Group
 from miles.models.base import GenerationShape, TrainPipelineConfig
 from miles.types import GuidanceConfig
@@ -210,7 +211,10 @@ class FollowerGroup:
     `mode` MODE_SEQUENCE_PARALLEL: `world_size` - 1 followers run every forward with rank 0 (sequence_parallel.py).
     """
 
-    def __init__(self, server_args, device: torch.device, mode: str = MODE_CFG_PARALLEL, world_size: int = 2):
+    def __init__(self, server_args, device: torch.device, runner_class: type, mode: str = MODE_CFG_PARALLEL,
+                 world_size: int = 2):
+        """`runner_class`: what each follower runs, a plain 1-device runner (ModelRunner, which builds this group;
+        passed in so that this module does not import the runner that uses it)."""
         self.keys: tuple[str, ...] = ()  # known once rank 0 has loaded its family (connect)
         self.mode = mode
         self.world_size = world_size
@@ -228,7 +232,8 @@ class FollowerGroup:
             follower_args = dataclasses.replace(server_args, tp_size=1, ulysses_degree=0, device=follower_device,
                                                 url_file=None, port=0)
             process = context.Process(
-                target=follower_main, args=(follower_args, port, self.backend, os.getpid(), rank, world_size, mode),
+                target=follower_main,
+                args=(runner_class, follower_args, port, self.backend, os.getpid(), rank, world_size, mode),
                 name=f"miles-{mode}-follower-{rank}", daemon=True,
             )
             process.start()
@@ -348,16 +353,15 @@ def _drop_all_but_denoisers(runner) -> None:
         torch.cuda.empty_cache()
 
 
-def follower_main(server_args, port: int, backend: str, parent_pid: int, rank: int = 1, world_size: int = 2,
-                  mode: str = MODE_CFG_PARALLEL) -> None:
-    """Rank 1..N-1: load the pipeline, join the group, then serve commands until CMD_STOP."""
-    from miles.engine.model_runner import ModelRunner  # the follower is a plain 1-device runner
-    from miles.engine import sequence_parallel as sp
+def follower_main(runner_class: type, server_args, port: int, backend: str, parent_pid: int, rank: int = 1,
+                  world_size: int = 2, mode: str = MODE_CFG_PARALLEL) -> None:
+    """Rank 1..N-1: load the pipeline in a `runner_class` (see FollowerGroup), join the group, then serve commands
+    until CMD_STOP."""
 
     logging.basicConfig(level=server_args.log_level.upper(),
                         format=f"%(asctime)s {mode}-follower-{rank} %(levelname)s %(message)s")
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    runner = ModelRunner(server_args)
+    runner = runner_class(server_args)
     _drop_all_but_denoisers(runner)
     if mode == MODE_CFG_PARALLEL:
         check_cfg_parallel_family(runner.family)

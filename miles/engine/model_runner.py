@@ -212,7 +212,7 @@ class ModelRunner:
         if self.device.type == "cuda" and self.device.index + tp_size > torch.cuda.device_count():
             raise MilesUserError(f"--rollout-num-gpus-per-engine {tp_size}: the engine on GPU {self.device.index} "
                                  f"sees only {torch.cuda.device_count()} GPUs")
-        leader = FollowerGroup(self.server_args, self.device, mode, tp_size)
+        leader = FollowerGroup(self.server_args, self.device, ModelRunner, mode, tp_size)
         if mode == MODE_CFG_PARALLEL:
             self.cfg_parallel = leader
         else:

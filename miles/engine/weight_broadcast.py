@@ -51,10 +51,10 @@ import torch
 import torch.distributed as dist
 
 from miles.engine.protocol import ProtocolError
+from miles.engine.weight_sync_wire import GROUP_NAME, WeightSyncError
 
 logger = logging.getLogger(__name__)
 
-GROUP_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 BACKENDS = ("gloo", "nccl")
 MAX_WORLD_SIZE = 1 << 16
 MAX_TIMEOUT_SECONDS = 24 * 3600.0
@@ -467,8 +467,6 @@ class WeightBroadcastGroup:
                              listen_socket=listen_socket)
         except BaseException as err:
             run_sync(_leave_all(engine_urls, name, api_key))
-            from miles.engine.weight_sync import WeightSyncError
-
             raise WeightSyncError(f"weight broadcast group with {list(engine_urls)} did not form ({backend}, "
                                   f"master {master_address}:{port}): {type(err).__name__}: {err}") from err
         logger.info("weight broadcast group %s: %d engine(s), %s, master %s:%d, formed in %.2fs", name,
@@ -524,7 +522,6 @@ async def _post_all(urls: Sequence[str], path: str, payloads: Sequence[dict], ap
 
     import aiohttp
 
-    from miles.engine.weight_sync import WeightSyncError
     from miles.utils.auth import auth_headers
 
     headers = {"Content-Type": "application/json", **auth_headers(api_key)}

@@ -60,6 +60,7 @@ from miles.engine.weight_sync_wire import (
     SharedMemoryRef,
     TensorEntry,
     UpdateMessage,
+    WeightSyncError,
     aligned_size,
     encode_update_message,
     tensor_nbytes,
@@ -220,10 +221,6 @@ def _buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: in
         size += nbytes
     if bucket:
         yield bucket, size
-
-
-class WeightSyncError(RuntimeError):
-    """An engine rejected or failed a weight update; the message names the engine and its reason."""
 
 
 async def _post_bucket(session, url: str, body: bytes, timeout: float, headers: dict[str, str],

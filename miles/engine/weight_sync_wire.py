@@ -31,6 +31,7 @@ MAX_ENTRIES = 1 << 20
 MAX_NAME_CHARS = 1024
 MAX_NDIM = 8
 MAX_WEIGHT_VERSION = (1 << 63) - 1
+GROUP_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a weight-sync broadcast group (weight_broadcast.py names them)
 WIRE_DTYPE_NAMES = {
     torch.float32: "float32",
     torch.float16: "float16",
@@ -42,6 +43,11 @@ WIRE_DTYPE_NAMES = {
     torch.bool: "bool",
 }
 WIRE_DTYPES = {name: dtype for dtype, name in WIRE_DTYPE_NAMES.items()}
+
+
+class WeightSyncError(RuntimeError):
+    """An engine rejected or failed a weight update; the message names the engine and its reason. The trainer's
+    side of every transport raises it (weight_sync.py, weight_broadcast.py), so it sits below both."""
 
 
 def aligned_size(n: int) -> int:
@@ -254,8 +260,6 @@ def _decode_buffer(raw: Any, cuda_device_count: int | None) -> SharedMemoryRef |
             cuda_device_count = torch.cuda.device_count()
         return validate_cuda_ipc_fields(_expect_map(raw, "cuda_ipc buffer", _CUDA_KEYS), cuda_device_count)
     if kind == "broadcast":
-        from miles.engine.weight_broadcast import GROUP_NAME
-
         raw = _expect_map(raw, "broadcast buffer", _BROADCAST_KEYS)
         name = raw["group_name"]
         if not isinstance(name, str) or GROUP_NAME.fullmatch(name) is None:
