@@ -8,10 +8,14 @@ sit in the section of the concern they belong to, computed once by the rules.
 
 Each part of the program receives the config or the sections it needs: the trainer reads `config.trainer`,
 `config.sampling`, ...; the LR schedule a `TrainerConfig`, the router a `RolloutConfig`, the CI check a
-`LoggingConfig`. User hooks keep the reference's `fn(args, ...)` signature: they get `RunConfig.hook_args`, a
-read-only view of every value (the flags, the derived values, the YAML-only keys `apply_config_file` keeps for
-them, `miles_router_url`); so do the built-in implementations of those signatures (the default rollout function,
-the step strategies, the data source, the rewards), which reach the sections with `run_config_of(args)`.
+`LoggingConfig`; the rollout side's built-in parts the small classes of `rollout_sections.py` built here once
+(`config.data_source`, `config.sft_data`, `config.eval_sets`, `config.step_strategy`, `config.reward_selection`)
+and the rewards `config.reward`. User hooks keep the reference's `fn(args, ...)` signature: they get
+`RunConfig.hook_args`, a read-only view of every value (the flags, the derived values, the YAML-only keys
+`apply_config_file` keeps for them, `miles_router_url`), handed over by miles/rollout/hooks.py (the rollout side)
+and the trainer where they are called. A built-in that keeps a hook signature because users call or subclass it
+(the default rollout function `generate_rollout(args, ...)`, the default data source) reaches the typed
+configuration with `run_config_of(args)`.
 
 Lists inside a section (`rollout_patch_group`, `lora_target_modules`, ...) stay lists: the sections are frozen
 against rebinding, not deep-frozen.
@@ -24,6 +28,15 @@ import dataclasses
 from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, Mapping
+
+from miles.config.rollout_sections import (
+    DataSourceConfig,
+    EvalSetsConfig,
+    RewardSelection,
+    SftDataConfig,
+    StepStrategyConfig,
+    rollout_parts,
+)
 
 # Flags that steer parsing itself and are not read after it.
 PARSE_ONLY = ("custom_config_path", "dry_run", "offload")
@@ -369,6 +382,10 @@ SECTIONS: dict[str, type] = {
 }
 
 
+# The sections `rollout_sections.rollout_parts` gathers the rollout side's parts from.
+ROLLOUT_PART_SOURCES = ("model", "sampling", "data", "evaluation", "trainer", "reward")
+
+
 def _section(cls: type, values: Mapping[str, Any]) -> Any:
     return cls(**{f.name: values[f.name] for f in fields(cls)})
 
@@ -389,6 +406,12 @@ class RunConfig:
     logging: LoggingConfig
     debug: DebugConfig
     engine: EngineConfig
+    # What each built-in part of the rollout side reads, gathered from the sections above (rollout_sections.py).
+    data_source: DataSourceConfig
+    sft_data: SftDataConfig
+    reward_selection: RewardSelection
+    eval_sets: EvalSetsConfig
+    step_strategy: StepStrategyConfig
     # Every value of the namespace (flags, derived values, YAML-only keys for hooks); read it through `hook_args`.
     values: dict[str, Any] = dataclasses.field(repr=False, compare=False)
 
@@ -402,11 +425,9 @@ class RunConfig:
         if missing:
             raise ValueError(f"not a validated namespace: missing {missing} (build it with parse_args)")
         passthrough = {dest.removeprefix("sglang_"): values[dest] for dest in engine_dests if values[dest] is not None}
-        return cls(
-            **{name: _section(section, values) for name, section in SECTIONS.items()},
-            engine=EngineConfig(passthrough=passthrough),
-            values=values,
-        )
+        sections = {name: _section(section, values) for name, section in SECTIONS.items()}
+        parts = rollout_parts(**{name: sections[name] for name in ROLLOUT_PART_SOURCES})
+        return cls(**sections, engine=EngineConfig(passthrough=passthrough), **parts, values=values)
 
     def replace(self, **changes: Any) -> "RunConfig":
         """A copy with flag values changed (by dest), each routed to its section; the hook view follows. The values
