@@ -1,19 +1,26 @@
-"""Every rollout-side dotted-path hook, loaded and checked once at start-up (docs/customization.md).
+"""The rollout side's adapter to user code: every dotted-path hook is loaded and checked here, and every call of
+one goes through here, which is where the typed configuration becomes the read-only `args` a hook receives
+(docs/customization.md, docs/design.md §9).
 
-`load_rollout_hooks(args)` imports each `--*-path` flag that is set and checks the object's arity (and that
+`load_rollout_hooks(config)` imports each `--*-path` flag that is set and checks the object's arity (and that
 async hooks are coroutine functions), so a typo or a wrong signature fails before any GPU work with a
 `MilesUserError` naming the flag. Unset flags stay None (the default behaviour applies), except the
 rollout and eval functions, which always resolve.
 
-The two filter helpers apply the filters and check what they return, for the rollout function to call.
+The built-in code holds a `RunConfig` and calls a hook through the helpers below (`call_rollout_function`,
+`call_generate`, the filters, `call_rollout_log`, `with_hook_args` for the hooks other modules load: the reward,
+the reward post-process, the step strategy, the buffer filter, the data source class); each passes
+`hook_args_of(config)`, so no other module of the rollout side reads `args`.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from miles.config.sections import HookArgs, RunConfig
 from miles.types import Sample
 from miles.utils.errors import MilesUserError
 from miles.utils.imports import load_function, load_object
@@ -56,6 +63,10 @@ HOOK_SPECS: tuple[HookSpec, ...] = (
 )
 
 
+# What a `--data-source-path` class must have (docs/customization.md).
+REQUIRED_METHODS = ("get_samples", "add_samples", "state_dict", "load_state_dict")
+
+
 @dataclass
 class RolloutHooks:
     rollout_function: Callable
@@ -84,10 +95,21 @@ def _load(spec: HookSpec, path: str) -> Callable:
     return fn
 
 
-def load_rollout_hooks(args) -> RolloutHooks:
+def hook_args_of(config: RunConfig | HookArgs | None) -> HookArgs | None:
+    """The `args` a user hook receives: the run's read-only view (`RunConfig.hook_args`). Already `args` (a
+    hook's own call of a built-in, a test's stand-in) passes through."""
+    return config.hook_args if isinstance(config, RunConfig) else config
+
+
+def with_hook_args(fn: Callable, config: RunConfig | HookArgs | None) -> Callable:
+    """`fn(args, ...)` as a function of the other arguments: how a module that loaded a hook calls it."""
+    return functools.partial(fn, hook_args_of(config))
+
+
+def load_rollout_hooks(config: RunConfig | HookArgs) -> RolloutHooks:
     """Import and check every hook flag that is set (MilesUserError naming the flag otherwise)."""
     loaded: dict[str, Any] = {}
-    values = vars(args)  # every flag is there: the run's read-only args (or a parsed namespace)
+    values = vars(hook_args_of(config))  # every flag is there: the run's read-only args
     for spec in HOOK_SPECS:
         path = values[spec.attribute]  # --rollout-function-path always has one (its declared default)
         if spec.field == "eval_function" and not path:
@@ -97,8 +119,6 @@ def load_rollout_hooks(args) -> RolloutHooks:
     loaded.setdefault("eval_function", loaded["rollout_function"])
     data_source_path = values["data_source_path"]
     if data_source_path:
-        from miles.rollout.data_source import REQUIRED_METHODS
-
         cls = load_object(data_source_path, "--data-source-path")
         missing = [name for name in REQUIRED_METHODS if not callable(getattr(cls, name, None))]
         if not callable(cls) or missing:
@@ -110,12 +130,37 @@ def load_rollout_hooks(args) -> RolloutHooks:
     return RolloutHooks(**loaded)
 
 
+def call_rollout_function(hooks: RolloutHooks, config: RunConfig, rollout_id: int, data_source,
+                          evaluation: bool = False):
+    """`--rollout-function-path` (or, with `evaluation`, `--eval-function-path`) on `data_source`."""
+    function = hooks.eval_function if evaluation else hooks.rollout_function
+    return function(hook_args_of(config), rollout_id, data_source, evaluation=evaluation)
+
+
+async def call_generate(hooks: RolloutHooks, config: RunConfig, group: list[Sample], sampling_params: dict):
+    """`--custom-generate-function-path` on one microgroup."""
+    return await hooks.custom_generate(hook_args_of(config), group, sampling_params)
+
+
+def call_rollout_log(hooks: RolloutHooks, config: RunConfig, rollout_id: int, samples: list[Sample],
+                     metrics: dict[str, float], evaluation: bool = False) -> bool:
+    """`--custom-(eval-)rollout-log-function-path`: True when it asks to skip the default logging (False unset)."""
+    log = hooks.eval_rollout_log if evaluation else hooks.rollout_log
+    return log is not None and bool(log(rollout_id, hook_args_of(config), samples, metrics))
+
+
+def build_user_data_source(cls: Any, config: RunConfig) -> Any:
+    """A `--data-source-path` class, built once as `Cls(args)`."""
+    return cls(hook_args_of(config))
+
+
 def apply_dynamic_sampling_filter(
-    hooks: RolloutHooks, args, groups: Sequence[list[Sample]]
+    hooks: RolloutHooks, config: RunConfig | HookArgs | None, groups: Sequence[list[Sample]]
 ) -> tuple[list[list[Sample]], list[list[Sample]]]:
     """Split groups into (kept, dropped) by `--dynamic-sampling-filter-path`; all kept when unset."""
     if hooks.dynamic_sampling_filter is None:
         return list(groups), []
+    args = hook_args_of(config)
     kept, dropped = [], []
     for group in groups:
         keep = hooks.dynamic_sampling_filter(args, group)
@@ -127,14 +172,14 @@ def apply_dynamic_sampling_filter(
     return kept, dropped
 
 
-def apply_rollout_sample_filter(hooks: RolloutHooks, args, samples: list[Sample]) -> int:
+def apply_rollout_sample_filter(hooks: RolloutHooks, config: RunConfig | HookArgs | None, samples: list[Sample]) -> int:
     """Run `--rollout-sample-filter-path` (it sets `sample.remove_sample = True`); returns the masked count.
 
     Masked samples keep their place in the batch: they count for advantage statistics (docs/algorithms.md §4)
     and the trainer gives their pairs `loss_mask = 0`.
     """
     if hooks.rollout_sample_filter is not None:
-        result = hooks.rollout_sample_filter(args, samples)
+        result = hooks.rollout_sample_filter(hook_args_of(config), samples)
         if result is not None:
             raise MilesUserError(
                 "--rollout-sample-filter-path must return None and mark samples with sample.remove_sample = True "
