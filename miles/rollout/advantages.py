@@ -17,6 +17,7 @@ import torch
 
 from miles.config.sections import RunConfig
 from miles.diffusion.advantages import compute_grpo_advantages
+from miles.rollout.hooks import with_hook_args
 from miles.rollout.rm_hub import reward_component_metrics, reward_value
 from miles.types import Sample
 from miles.utils.errors import MilesUserError
@@ -52,13 +53,13 @@ def assign_advantages(config: RunConfig, samples: Sequence[Sample]) -> dict[str,
     reward = config.reward
     group_size = config.data.n_samples_per_prompt
     _check_group_order(samples, group_size)
-    args = config.hook_args  # what the reward helpers and the post-process hook read
-    rewards = torch.tensor([reward_value(args, sample.reward) for sample in samples], dtype=torch.float64)
+    rewards = torch.tensor([reward_value(config.reward_selection, sample.reward) for sample in samples],
+                           dtype=torch.float64)
 
     post_process_path = reward.custom_reward_post_process_path
     if post_process_path:
         fn = load_function(post_process_path, "--custom-reward-post-process-path", required_params=2)
-        advantages = list(fn(args, samples))
+        advantages = list(with_hook_args(fn, config)(samples))
         if len(advantages) != len(samples):
             raise MilesUserError(
                 f"--custom-reward-post-process-path {post_process_path!r} returned {len(advantages)} values "

@@ -1,7 +1,7 @@
 """Reward dispatch: which rewards score which sample, how their components combine, and the checks every
 reward's output passes.
 
-`batched_async_rm(args, samples, evaluation)` routes each sample by its reward spec:
+`batched_async_rm(config, samples, evaluation)` routes each sample by its reward spec:
 `sample.metadata.get("rm_type")`, else `--custom-rm-path` (when given), else `--rm-type`. A spec names one reward
 or several, comma-separated (`ocr,pickscore`). Each reward is called once per batch of samples sharing the spec
 (or once per prompt group with `--group-rm`), and the result is one reward per sample in the input order:
@@ -15,14 +15,17 @@ It does not write `sample.reward`: the caller does.
 weighted sum of the components the sample has. `reward_component_metrics` gives each component's mean and std
 (`<prefix>reward/<name>_mean`, `_std`), so a component that climbs while another falls (reward hacking) shows.
 
-Every reward is an `async def rm(args, samples) -> list[float | dict]`. A NaN or infinite value, an
-exception, a non-number or a list of the wrong length is a `MilesUserError` naming the reward and the
-sample (index and prompt), never a silent zero.
+Every reward is an `async def rm(reward_config, samples) -> list[float | dict]`: a built-in reads the run's
+`RewardConfig` (`config.reward`, whose fields are named after the flags' dests, so a user's code may pass its
+own `args` instead); `--custom-rm-path` is `async def rm(args, samples)`, handed the read-only `args` by
+miles/rollout/hooks.py. A NaN or infinite value, an exception, a non-number or a list of the wrong length is a
+`MilesUserError` naming the reward and the sample (index and prompt), never a silent zero.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import inspect
 import logging
@@ -32,6 +35,9 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import torch
 
+from miles.config.rollout_sections import RewardSelection
+from miles.config.sections import HookArgs, RewardConfig, RunConfig, run_config_of
+from miles.rollout.hooks import with_hook_args
 from miles.rollout.rm_hub.builtin import brightness_rm, jpeg_compressibility_rm
 from miles.types import Sample
 from miles.utils.errors import MilesUserError, PartDiedError
@@ -47,8 +53,8 @@ def _lazy_reward(module: str, name: str) -> RewardFn:
     """A built-in reward imported on its first call: model rewards pull in transformers, OCR pulls in rapidocr,
     and a run that uses neither should not pay for them."""
 
-    def reward(args, samples):
-        return getattr(importlib.import_module(f"miles.rollout.rm_hub.{module}"), name)(args, samples)
+    def reward(reward_config, samples):
+        return getattr(importlib.import_module(f"miles.rollout.rm_hub.{module}"), name)(reward_config, samples)
 
     reward.__name__ = name
     return reward
@@ -93,30 +99,30 @@ def split_reward_spec(spec: str) -> list[str]:
     return [part.strip() for part in str(spec).split(",") if part.strip()]
 
 
-def configured_reward_types(args, eval_specs: Sequence[str | None] = ()) -> list[str]:
+def configured_reward_types(reward_config: RewardConfig, eval_specs: Sequence[str | None] = ()) -> list[str]:
     """The built-in rewards the flags name: `--rm-type` (unless `--custom-rm-path` takes its place) and the eval
     sets' `rm_type`s. Rewards named only in prompt metadata are found at their first use."""
-    specs = [] if args.custom_rm_path else [args.rm_type]
+    specs = [] if reward_config.custom_rm_path else [reward_config.rm_type]
     specs += list(eval_specs)
     return list(dict.fromkeys(rm_type for spec in specs if spec for rm_type in split_reward_spec(spec)))
 
 
-def model_reward_workers(args, reward_types: Sequence[str]) -> int:
+def model_reward_workers(reward_config: RewardConfig, reward_types: Sequence[str]) -> int:
     """How many Ray workers the model rewards among `reward_types` start (for --colocate-reward)."""
     from miles.rollout.rm_hub.clipscore import clip_reward_workers
 
-    counts = {"pickscore": args.pickscore_num_workers}
-    counts["clipscore"] = counts["aesthetic"] = clip_reward_workers(args)[0]
+    counts = {"pickscore": reward_config.pickscore_num_workers}
+    counts["clipscore"] = counts["aesthetic"] = clip_reward_workers(reward_config)[0]
     return sum(counts[rm_type] for rm_type in set(reward_types) if rm_type in counts)
 
 
-def load_reward_models(args, reward_types: Sequence[str]) -> None:
+def load_reward_models(reward_config: RewardConfig, reward_types: Sequence[str]) -> None:
     """Start the workers of the model rewards among `reward_types` and wait until their models are loaded
     (behind a progress bar), so a wrong model path fails at start-up instead of in the first rollout."""
     for rm_type in dict.fromkeys(reward_types):
         getter = _model_pool_getter(rm_type)
         if getter is not None:
-            getter(args)
+            getter(reward_config)
 
 
 def load_custom_rm(path: str) -> RewardFn:
@@ -126,28 +132,29 @@ def load_custom_rm(path: str) -> RewardFn:
     return fn
 
 
-def _reward_type(args, sample: Sample) -> str:
+def _reward_type(reward_config: RewardConfig, sample: Sample) -> str:
     rm_type = sample.metadata.get("rm_type") if isinstance(sample.metadata, dict) else None
     if rm_type:
         return str(rm_type)
-    if args.custom_rm_path:
+    if reward_config.custom_rm_path:
         return CUSTOM_RM_TYPE
-    if args.rm_type:
-        return args.rm_type
+    if reward_config.rm_type:
+        return reward_config.rm_type
     raise MilesUserError(
         f"no reward for sample {sample.index} (prompt {sample.prompt[:60]!r}): set --rm-type or --custom-rm-path "
         "(or metadata.rm_type in the prompt data)"
     )
 
 
-def _reward_fn(args, rm_type: str) -> RewardFn:
+def _reward_fn(config: RunConfig, rm_type: str) -> Callable[[list[Sample]], Awaitable[list[Any]]]:
+    """The reward as a function of the samples: a built-in bound to `config.reward`, the custom one to `args`."""
     if rm_type == CUSTOM_RM_TYPE:
-        if not args.custom_rm_path:
+        if not config.reward.custom_rm_path:
             raise MilesUserError("metadata rm_type 'custom' needs --custom-rm-path")
-        return load_custom_rm(args.custom_rm_path)
+        return with_hook_args(load_custom_rm(config.reward.custom_rm_path), config)
     if rm_type not in BUILTIN_REWARDS:
         raise MilesUserError(f"unknown reward type {rm_type!r}; built-in: {sorted(BUILTIN_REWARDS)} or 'custom'")
-    return BUILTIN_REWARDS[rm_type]
+    return functools.partial(BUILTIN_REWARDS[rm_type], config.reward)
 
 
 def _describe(sample: Sample) -> str:
@@ -174,10 +181,10 @@ def _checked_value(rm_type: str, sample: Sample, value: Any) -> float | dict[str
     return as_float(value, "")
 
 
-async def _score_one(args, rm_type: str, samples: list[Sample]) -> list[Any]:
-    fn = _reward_fn(args, rm_type)
+async def _score_one(config: RunConfig, rm_type: str, samples: list[Sample]) -> list[Any]:
+    fn = _reward_fn(config, rm_type)
     try:
-        rewards = await fn(args, samples)
+        rewards = await fn(samples)
     except (MilesUserError, PartDiedError):
         raise
     except Exception as err:
@@ -193,15 +200,15 @@ async def _score_one(args, rm_type: str, samples: list[Sample]) -> list[Any]:
     return [_checked_value(rm_type, sample, value) for sample, value in zip(samples, rewards)]
 
 
-async def _score(args, spec: str, samples: list[Sample]) -> list[Any]:
+async def _score(config: RunConfig, spec: str, samples: list[Sample]) -> list[Any]:
     """Every reward of the spec on the samples, combined into one reward per sample (see the module docstring)."""
     rm_types = split_reward_spec(spec)
     if not rm_types:
         raise MilesUserError(f"reward spec {spec!r} names no reward (for {_describe(samples[0])})")
-    named = bool(args.reward_weights)  # weights need every component under its name
+    named = bool(config.reward.reward_weights)  # weights need every component under its name
     if len(rm_types) == 1 and not named:
-        return await _score_one(args, rm_types[0], samples)
-    results = await asyncio.gather(*(_score_one(args, rm_type, samples) for rm_type in rm_types))
+        return await _score_one(config, rm_types[0], samples)
+    results = await asyncio.gather(*(_score_one(config, rm_type, samples) for rm_type in rm_types))
     combined: list[dict[str, float]] = []
     for position, sample in enumerate(samples):
         components: dict[str, float] = {}
@@ -217,20 +224,23 @@ async def _score(args, spec: str, samples: list[Sample]) -> list[Any]:
     return combined
 
 
-async def batched_async_rm(args, samples: Sequence[Sample], evaluation: bool = False) -> list[float | dict]:
+async def batched_async_rm(config: RunConfig | HookArgs, samples: Sequence[Sample],
+                           evaluation: bool = False) -> list[float | dict]:
     """One reward per sample, in order. Each reward type gets one call per batch, or one per prompt group
-    with `--group-rm` (the calls run concurrently)."""
+    with `--group-rm` (the calls run concurrently). `config`: the run's; a hook that scores samples itself passes
+    its `args`."""
+    config = run_config_of(config)
     samples = list(samples)
     if not samples:
         return []
     batches: dict[tuple, list[int]] = {}
     for position, sample in enumerate(samples):
-        key: tuple = (_reward_type(args, sample),)
-        if args.group_rm:
+        key: tuple = (_reward_type(config.reward, sample),)
+        if config.reward.group_rm:
             key += (sample.group_index,)
         batches.setdefault(key, []).append(position)
     keys = list(batches)
-    results = await asyncio.gather(*(_score(args, key[0], [samples[i] for i in batches[key]]) for key in keys))
+    results = await asyncio.gather(*(_score(config, key[0], [samples[i] for i in batches[key]]) for key in keys))
     rewards: list[Any] = [None] * len(samples)
     for key, batch_rewards in zip(keys, results):
         for position, reward in zip(batches[key], batch_rewards):
@@ -252,16 +262,17 @@ def weighted_reward(weights: dict[str, float], reward: float | dict, flag: str =
     return float(sum(weights[key] * float(reward[key]) for key in present))
 
 
-def reward_value(args, reward: float | dict | None, evaluation: bool = False) -> float:
+def reward_value(selection: RewardSelection, reward: float | dict | None, evaluation: bool = False) -> float:
     """The scalar reward: a float as is; from a dict, the value at `--reward-key` (evaluation:
-    `--eval-reward-key`, defaulting to `--reward-key`), or with `--reward-weights` the weighted sum."""
+    `--eval-reward-key`, defaulting to `--reward-key`), or with `--reward-weights` the weighted sum.
+    `selection`: the run's `config.reward_selection`; a hook passes its `args` (the same names)."""
     if reward is None:
         raise MilesUserError("a sample reached advantage computation without a reward")
-    key, flag = args.reward_key, "--reward-key"
-    if evaluation and args.eval_reward_key:
-        key, flag = args.eval_reward_key, "--eval-reward-key"  # an eval key wins over the training weights
-    elif args.reward_weights:
-        return weighted_reward(args.reward_weights, reward)
+    key, flag = selection.reward_key, "--reward-key"
+    if evaluation and selection.eval_reward_key:
+        key, flag = selection.eval_reward_key, "--eval-reward-key"  # an eval key wins over the training weights
+    elif selection.reward_weights:
+        return weighted_reward(selection.reward_weights, reward)
     if not isinstance(reward, dict):
         return float(reward)
     if key is None:

@@ -22,6 +22,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from miles.config.sections import RewardConfig
 from miles.rollout.rm_hub.clip_models import (
     default_device,
     image_embeddings,
@@ -102,15 +103,16 @@ class AestheticScorer:
         return hidden[:, 0].cpu().tolist()
 
 
-def get_aesthetic_pool(args) -> ScorerPool:
-    model_path = args.aesthetic_model_path
-    head_path = args.aesthetic_head_path
+def get_aesthetic_pool(reward_config: RewardConfig) -> ScorerPool:
+    model_path = reward_config.aesthetic_model_path
+    head_path = reward_config.aesthetic_head_path
     if not model_path or not head_path:
         raise MilesUserError("--rm-type aesthetic needs --aesthetic-model-path (a CLIP folder) and "
                              "--aesthetic-head-path (the head as safetensors)")
-    return get_scorer_pool("aesthetic", AestheticScorer, (model_path, head_path), *clip_reward_workers(args))
+    return get_scorer_pool("aesthetic", AestheticScorer, (model_path, head_path),
+                           *clip_reward_workers(reward_config))
 
 
-async def aesthetic_rm(args, samples: Sequence[Sample]) -> list[float]:
-    pool = get_aesthetic_pool(args)
-    return await mean_over_frames(samples, args.pickscore_num_frames, pool.score)
+async def aesthetic_rm(reward_config: RewardConfig, samples: Sequence[Sample]) -> list[float]:
+    pool = get_aesthetic_pool(reward_config)
+    return await mean_over_frames(samples, reward_config.pickscore_num_frames, pool.score)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from miles.config.sections import RewardConfig
 from miles.types import Sample
 from miles.utils.errors import MilesUserError
 
@@ -67,9 +68,9 @@ def brightness_score(frames: np.ndarray) -> float:
     return float(frames.astype(np.float64).mean() / 255.0)
 
 
-async def jpeg_compressibility_rm(args, samples: Sequence[Sample]) -> list[float]:
+async def jpeg_compressibility_rm(reward_config: RewardConfig, samples: Sequence[Sample]) -> list[float]:
     return [jpeg_compressibility_score(frames_uint8(sample)) for sample in samples]
 
 
-async def brightness_rm(args, samples: Sequence[Sample]) -> list[float]:
+async def brightness_rm(reward_config: RewardConfig, samples: Sequence[Sample]) -> list[float]:
     return [brightness_score(frames_uint8(sample)) for sample in samples]

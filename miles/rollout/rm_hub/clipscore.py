@@ -19,6 +19,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from miles.config.sections import RewardConfig
 from miles.rollout.rm_hub.clip_models import (
     default_device,
     image_embeddings,
@@ -53,22 +54,22 @@ class ClipScoreScorer:
         return (CLIPSCORE_SCALE * cosine.clamp_min(0.0)).cpu().tolist()
 
 
-def clip_reward_workers(args) -> tuple[int, float, int]:
+def clip_reward_workers(reward_config: RewardConfig) -> tuple[int, float, int]:
     """(workers, GPUs per worker, batch size) of the CLIP-based rewards clipscore and aesthetic."""
     return (
-        args.clip_reward_num_workers,
-        args.clip_reward_num_gpus_per_worker,
-        args.clip_reward_batch_size,
+        reward_config.clip_reward_num_workers,
+        reward_config.clip_reward_num_gpus_per_worker,
+        reward_config.clip_reward_batch_size,
     )
 
 
-def get_clipscore_pool(args) -> ScorerPool:
-    model_path = args.clipscore_model_path
+def get_clipscore_pool(reward_config: RewardConfig) -> ScorerPool:
+    model_path = reward_config.clipscore_model_path
     if not model_path:
         raise MilesUserError("--rm-type clipscore needs --clipscore-model-path (a CLIP model folder)")
-    return get_scorer_pool("clipscore", ClipScoreScorer, (model_path,), *clip_reward_workers(args))
+    return get_scorer_pool("clipscore", ClipScoreScorer, (model_path,), *clip_reward_workers(reward_config))
 
 
-async def clipscore_rm(args, samples: Sequence[Sample]) -> list[float]:
-    pool = get_clipscore_pool(args)
-    return await mean_over_frames(samples, args.pickscore_num_frames, pool.score)
+async def clipscore_rm(reward_config: RewardConfig, samples: Sequence[Sample]) -> list[float]:
+    pool = get_clipscore_pool(reward_config)
+    return await mean_over_frames(samples, reward_config.pickscore_num_frames, pool.score)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numbers
 from typing import Any, Sequence
 
+from miles.config.sections import RewardConfig
 from miles.rollout.rm_hub.remote import post_samples, request_limits
 from miles.types import Sample
 from miles.utils.errors import MilesUserError
@@ -46,11 +47,11 @@ def geneval_score(value: Any, sample: Sample, url: str) -> Any:
     return value
 
 
-async def geneval_rm(args, samples: Sequence[Sample]) -> list[Any]:
-    url = args.geneval_url
+async def geneval_rm(reward_config: RewardConfig, samples: Sequence[Sample]) -> list[Any]:
+    url = reward_config.geneval_url
     if not url:
         raise MilesUserError("--rm-type geneval needs --geneval-url")
     for sample in samples:
         check_geneval_metadata(sample)
-    answers = await post_samples(url, samples, *request_limits(args), flag=FLAG)
+    answers = await post_samples(url, samples, *request_limits(reward_config), flag=FLAG)
     return [geneval_score(answer, sample, url) for answer, sample in zip(answers, samples)]

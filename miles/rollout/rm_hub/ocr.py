@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from miles.config.sections import RewardConfig
 from miles.rollout.rm_hub.builtin import frames_uint8
 from miles.rollout.rm_hub.workers import gather_scores, restartable
 from miles.types import Sample
@@ -91,13 +92,13 @@ class OcrReader:
 
 
 class OcrPool:
-    def __init__(self, args):
+    def __init__(self, reward_config: RewardConfig):
         import ray
 
         self.actors: list[Any] = []
         self.local: OcrReader | None = None
         if ray.is_initialized():
-            num_workers = args.ocr_num_workers
+            num_workers = reward_config.ocr_num_workers
             actor_class = ray.remote(OcrReader)
             options = restartable(num_cpus=1, num_gpus=0)  # a killed worker comes back (workers.py)
             self.actors = [actor_class.options(**options).remote() for _ in range(num_workers)]
@@ -128,12 +129,12 @@ class OcrPool:
 _POOLS: dict[tuple, OcrPool] = {}
 
 
-def get_ocr_pool(args) -> OcrPool:
+def get_ocr_pool(reward_config: RewardConfig) -> OcrPool:
     import ray
 
-    key = (args.ocr_num_workers, ray.is_initialized())
+    key = (reward_config.ocr_num_workers, ray.is_initialized())
     if key not in _POOLS:
-        _POOLS[key] = OcrPool(args)
+        _POOLS[key] = OcrPool(reward_config)
     return _POOLS[key]
 
 
@@ -143,7 +144,7 @@ def shutdown_ocr_pools() -> None:
     _POOLS.clear()
 
 
-async def ocr_rm(args, samples: Sequence[Sample]) -> list[float]:
+async def ocr_rm(reward_config: RewardConfig, samples: Sequence[Sample]) -> list[float]:
     rewards: list[float | None] = [None] * len(samples)
     to_read: list[int] = []
     for position, sample in enumerate(samples):
@@ -157,7 +158,7 @@ async def ocr_rm(args, samples: Sequence[Sample]) -> list[float]:
         for position in to_read:
             frames = frames_uint8(samples[position])
             images.append(frames[frames.shape[0] // 2])
-        texts = await get_ocr_pool(args).read(images)
+        texts = await get_ocr_pool(reward_config).read(images)
         for position, text in zip(to_read, texts):
             rewards[position] = ocr_reward_from_text(samples[position].prompt, text)
     return rewards  # type: ignore[return-value]

@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from miles.config.sections import RewardConfig
 from miles.rollout.rm_hub.clip_models import (
     default_device,
     frame_indices,
@@ -58,19 +59,19 @@ class PickScoreScorer:
         return scores.cpu().tolist()
 
 
-def get_pickscore_pool(args) -> ScorerPool:
+def get_pickscore_pool(reward_config: RewardConfig) -> ScorerPool:
     """The PickScore workers for these flags, created (and loaded) on first use."""
-    processor_path = args.pickscore_processor_path
-    model_path = args.pickscore_model_path
+    processor_path = reward_config.pickscore_processor_path
+    model_path = reward_config.pickscore_model_path
     if not processor_path or not model_path:
         raise MilesUserError("--rm-type pickscore needs --pickscore-model-path and --pickscore-processor-path")
     return get_scorer_pool(
         "pickscore",
         PickScoreScorer,
         (processor_path, model_path),
-        args.pickscore_num_workers,
-        args.pickscore_num_gpus_per_worker,
-        args.pickscore_batch_size,
+        reward_config.pickscore_num_workers,
+        reward_config.pickscore_num_gpus_per_worker,
+        reward_config.pickscore_batch_size,
     )
 
 
@@ -79,7 +80,7 @@ def shutdown_pickscore_pools() -> None:
     shutdown_scorer_pools()
 
 
-async def pickscore_rm(args, samples: Sequence[Sample]) -> list[float]:
+async def pickscore_rm(reward_config: RewardConfig, samples: Sequence[Sample]) -> list[float]:
     """Mean PickScore over each sample's selected frames (§10)."""
-    pool = get_pickscore_pool(args)
-    return await mean_over_frames(samples, args.pickscore_num_frames, pool.score)
+    pool = get_pickscore_pool(reward_config)
+    return await mean_over_frames(samples, reward_config.pickscore_num_frames, pool.score)

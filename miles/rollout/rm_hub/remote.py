@@ -29,6 +29,7 @@ from typing import Any, Sequence
 import aiohttp
 import msgpack
 
+from miles.config.sections import RewardConfig
 from miles.rollout.rm_hub.builtin import frames_uint8
 from miles.types import Sample
 from miles.utils.errors import MilesUserError
@@ -110,13 +111,13 @@ async def post_samples(url: str, samples: Sequence[Sample], timeout_s: float, ma
     raise MilesUserError(f"{flag} {url}: no valid response after {max_retries + 1} attempt(s): {last_error}")
 
 
-def request_limits(args) -> tuple[float, int]:
+def request_limits(reward_config: RewardConfig) -> tuple[float, int]:
     """(timeout in seconds, retries) of one HTTP reward request: --rm-timeout, --rm-max-retries."""
-    return args.rm_timeout, args.rm_max_retries
+    return reward_config.rm_timeout, reward_config.rm_max_retries
 
 
-async def remote_rm(args, samples: Sequence[Sample]) -> list[Any]:
-    url = args.rm_url
+async def remote_rm(reward_config: RewardConfig, samples: Sequence[Sample]) -> list[Any]:
+    url = reward_config.rm_url
     if not url:
         raise MilesUserError("--rm-type remote_rm needs --rm-url")
-    return await post_samples(url, samples, *request_limits(args), flag="--rm-url")
+    return await post_samples(url, samples, *request_limits(reward_config), flag="--rm-url")

@@ -34,6 +34,7 @@ import aiohttp
 import numpy as np
 from PIL import Image
 
+from miles.config.sections import RewardConfig
 from miles.rollout.rm_hub.builtin import frames_uint8
 from miles.rollout.rm_hub.remote import request_limits
 from miles.types import Sample
@@ -93,19 +94,19 @@ def reply_text(body: bytes, url: str) -> str:
 class VlmJudge:
     """One judging session: the endpoint, the key, the limits and a semaphore for the concurrency cap."""
 
-    def __init__(self, args):
-        base_url = args.vlm_judge_url
-        self.model = args.vlm_judge_model
+    def __init__(self, reward_config: RewardConfig):
+        base_url = reward_config.vlm_judge_url
+        self.model = reward_config.vlm_judge_model
         if not base_url or not self.model:
             raise MilesUserError("--rm-type vlm_judge needs --vlm-judge-url and --vlm-judge-model")
         self.url = chat_completions_url(base_url)
-        self.template = args.vlm_judge_prompt
-        self.timeout_s, self.max_retries = request_limits(args)
+        self.template = reward_config.vlm_judge_prompt
+        self.timeout_s, self.max_retries = request_limits(reward_config)
         self.headers = {"Content-Type": "application/json"}
-        key = os.environ.get(args.vlm_judge_api_key_env)
+        key = os.environ.get(reward_config.vlm_judge_api_key_env)
         if key:
             self.headers["Authorization"] = f"Bearer {key}"
-        self.semaphore = asyncio.Semaphore(args.vlm_judge_max_concurrency)
+        self.semaphore = asyncio.Semaphore(reward_config.vlm_judge_max_concurrency)
 
     def question(self, prompt: str) -> str:
         return self.template.replace("{prompt}", prompt)  # no str.format: prompts may hold braces
@@ -139,7 +140,7 @@ class VlmJudge:
                              f"{sample.prompt[:60]!r}) after {self.max_retries + 1} attempt(s): {last_error}")
 
 
-async def vlm_judge_rm(args, samples: Sequence[Sample]) -> list[float]:
-    judge = VlmJudge(args)
+async def vlm_judge_rm(reward_config: RewardConfig, samples: Sequence[Sample]) -> list[float]:
+    judge = VlmJudge(reward_config)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=judge.timeout_s)) as session:
         return list(await asyncio.gather(*(judge.judge(session, sample) for sample in samples)))
