@@ -82,7 +82,7 @@ class EvalSetsConfig:
     """The eval datasets (`--eval-prompt-data` pairs or `--eval-config`) and the defaults of their settings; a
     dataset of `--eval-config` may override each default."""
 
-    eval_prompt_data_pairs: list[tuple[str, str]]
+    eval_prompt_data: list[str] | None  # NAME PATH pairs
     eval_config: str | None
     input_key: str  # --eval-input-key, else --input-key
     metadata_key: str
@@ -129,7 +129,7 @@ def rollout_parts(model: "ModelConfig", sampling: "SamplingConfig", data: "DataC
         reward_selection=RewardSelection(reward_key=reward.reward_key, reward_weights=reward.reward_weights,
                                          eval_reward_key=evaluation.eval_reward_key),
         eval_sets=EvalSetsConfig(
-            eval_prompt_data_pairs=evaluation.eval_prompt_data_pairs, eval_config=evaluation.eval_config,
+            eval_prompt_data=evaluation.eval_prompt_data, eval_config=evaluation.eval_config,
             input_key=evaluation.eval_input_key or data.input_key, metadata_key=data.metadata_key,
             n_samples_per_eval_prompt=evaluation.n_samples_per_eval_prompt,
             num_steps=int(evaluation.diffusion_eval_num_steps or sampling.diffusion_num_steps),

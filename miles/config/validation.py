@@ -217,7 +217,7 @@ def _rule_run_length(args: argparse.Namespace) -> None:
         logger.warning("both --num-rollout %d and --num-epoch %d are set; --num-epoch is ignored",
                        args.num_rollout, args.num_epoch)
         args.num_epoch = None
-    # Unset --num-rollout is derived from the dataset (miles.rollout.data_source.num_rollout_from_args: --num-epoch
+    # Unset --num-rollout is derived from the dataset (miles.rollout.data_source.num_rollout_of: --num-epoch
     # passes, one by default), which needs the global prompt dataset.
     from_dataset = bool(args.prompt_data) and not args.disable_rollout_global_dataset
     if args.num_rollout is None and not from_dataset:

@@ -30,7 +30,7 @@ from miles.ray.shutdown import on_run_exit
 from miles.rollout.advantages import assign_advantages
 from miles.rollout.data_source import build_data_source
 from miles.rollout.eval_config import build_eval_datasets
-from miles.rollout.hooks import apply_rollout_sample_filter, load_rollout_hooks
+from miles.rollout.hooks import apply_rollout_sample_filter, call_rollout_function, call_rollout_log, load_rollout_hooks
 from miles.rollout.rm_hub import (
     configured_reward_types,
     load_reward_models,
@@ -47,20 +47,20 @@ T = TypeVar("T")
 
 class RolloutManager:
     def __init__(self, config: RunConfig, placement, run_logger) -> None:
+        # The one configuration of the rollout side; user hooks get it as the read-only `args` from
+        # miles/rollout/hooks.py, where they are called.
         self.config = config
-        # The rollout side runs the reference's hook signatures (`fn(args, ...)`): it reads the read-only view.
-        self.args = args = config.hook_args
         self.run_logger = run_logger
-        self.hooks = load_rollout_hooks(args)
+        self.hooks = load_rollout_hooks(config)
         self.sft_dataset = None
         self.data_source = None
         if config.trainer.loss_type == "sft_loss":
             from miles.rollout.sft_data import build_sft_dataset
 
-            self.sft_dataset = build_sft_dataset(args)
+            self.sft_dataset = build_sft_dataset(config)
         elif not config.debug.load_debug_rollout_data:
-            self.data_source = build_data_source(args)
-        self.eval_datasets = build_eval_datasets(config) if not config.debug.train_only else []
+            self.data_source = build_data_source(config)
+        self.eval_datasets = build_eval_datasets(config.eval_sets) if not config.debug.train_only else []
         self.fleet = EngineFleet(config, placement) if placement.num_engines > 0 else None
         if self.data_source is not None or self.eval_datasets:
             self._load_rewards(placement)
@@ -74,14 +74,15 @@ class RolloutManager:
 
     def _load_rewards(self, placement) -> None:
         """Start the model rewards' workers now, so a bad model path fails before the first rollout."""
-        reward_types = configured_reward_types(self.args, [dataset.rm_type for dataset in self.eval_datasets])
+        reward_config = self.config.reward
+        reward_types = configured_reward_types(reward_config, [dataset.rm_type for dataset in self.eval_datasets])
         if self.config.reward.colocate_reward:
             from miles.rollout.rm_hub.workers import colocate_reward_workers
 
             rollout_bundles = list(range(placement.num_engines * placement.gpus_per_engine))
             colocate_reward_workers(placement.rollout.placement_group, rollout_bundles,
-                                    model_reward_workers(self.args, reward_types), on_gpu=placement.device == "cuda")
-        load_reward_models(self.args, reward_types)
+                                    model_reward_workers(reward_config, reward_types), on_gpu=placement.device == "cuda")
+        load_reward_models(reward_config, reward_types)
 
     # ---- engines ------------------------------------------------------------------------------------
     @property
@@ -97,8 +98,7 @@ class RolloutManager:
         """Wait until every engine serves, then start the router in front of them."""
         if self.fleet is not None:
             self.fleet.wait_until_started()
-            self.config = self.config.with_router_url(self.fleet.router_url)
-            self.args = self.config.hook_args  # hooks see it as args.miles_router_url
+            self.config = self.config.with_router_url(self.fleet.router_url)  # hooks see args.miles_router_url
 
     def engine_urls(self) -> list[str]:
         return self.fleet.engine_urls() if self.fleet is not None else []
@@ -166,8 +166,7 @@ class RolloutManager:
         staleness = [self.weight_version - s.weight_version for s in samples if s.engine_url is not None]
         if staleness:
             metrics["rollout/staleness"] = sum(staleness) / len(staleness)
-        skip_default = self.hooks.rollout_log is not None and self.hooks.rollout_log(rollout_id, self.args, samples, metrics)
-        if not skip_default:
+        if not call_rollout_log(self.hooks, self.config, rollout_id, samples, metrics):
             self.run_logger.log(rollout_id, metrics)
             self.run_logger.log_samples(rollout_id, samples)
         if self.config.debug.save_debug_rollout_data:
@@ -197,7 +196,7 @@ class RolloutManager:
         start = time.perf_counter()
         samples, metrics = self._produce_samples(rollout_id)
         rollout_time = time.perf_counter() - start
-        apply_rollout_sample_filter(self.hooks, self.args, samples)  # masked samples still count for advantages
+        apply_rollout_sample_filter(self.hooks, self.config, samples)  # masked samples still count for advantages
         if self.config.trainer.loss_type != "sft_loss":
             metrics.update(assign_advantages(self.config, samples))
         metrics["rollout/num_samples"] = len(samples)
@@ -212,7 +211,7 @@ class RolloutManager:
             return self.sft_dataset.next_batch(rollout_id), {}
         if self.config.debug.load_debug_rollout_data:
             return self._load_debug_rollout(rollout_id), {}
-        groups = self.hooks.rollout_function(self.args, rollout_id, self.data_source, evaluation=False)
+        groups = call_rollout_function(self.hooks, self.config, rollout_id, self.data_source)
         samples = [sample for group in groups for sample in group]
         for position, sample in enumerate(samples):
             sample.index = position
@@ -251,7 +250,7 @@ class RolloutManager:
     def eval(self, rollout_id: int) -> dict[str, float]:
         metrics: dict[str, float] = {}
         for dataset in self.eval_datasets:
-            groups = self.hooks.eval_function(self.args, rollout_id, dataset, evaluation=True)
+            groups = call_rollout_function(self.hooks, self.config, rollout_id, dataset, evaluation=True)
             samples = [sample for group in groups for sample in group]
             rewards = torch.tensor([dataset.scalar_reward(s.reward) for s in samples])
             dataset_metrics = {
@@ -259,10 +258,7 @@ class RolloutManager:
                 f"eval/{dataset.name}/reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
                 **reward_component_metrics([s.reward for s in samples], f"eval/{dataset.name}/"),
             }
-            skip = self.hooks.eval_rollout_log is not None and self.hooks.eval_rollout_log(
-                rollout_id, self.args, samples, dataset_metrics
-            )
-            if not skip:
+            if not call_rollout_log(self.hooks, self.config, rollout_id, samples, dataset_metrics, evaluation=True):
                 self.run_logger.log(rollout_id, dataset_metrics)
                 self.run_logger.log_samples(rollout_id, samples, prefix=f"eval/{dataset.name}")
                 folder = os.path.join(self.config.logging.output_dir, "eval", str(rollout_id))

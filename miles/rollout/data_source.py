@@ -27,6 +27,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from miles.config.sections import DataConfig, HookArgs, RunConfig, run_config_of
+from miles.rollout.hooks import REQUIRED_METHODS, build_user_data_source, with_hook_args
 from miles.types import Sample
 from miles.utils.errors import MilesUserError
 from miles.utils.imports import load_function, load_object
@@ -224,42 +226,36 @@ def compute_num_rollout(
     return math.ceil(epochs * num_prompts / rollout_batch_size)
 
 
-def num_rollout_from_args(args) -> int:
+def num_rollout_of(data: DataConfig) -> int:
     """`compute_num_rollout` with the prompt count read from `--prompt-data`."""
-    if args.num_rollout is not None:
-        return args.num_rollout
-    if args.disable_rollout_global_dataset or not args.prompt_data:
+    if data.num_rollout is not None:
+        return data.num_rollout
+    if data.disable_rollout_global_dataset or not data.prompt_data:
         raise MilesUserError("set --num-rollout: without --prompt-data the number of rollouts cannot be derived")
-    num_prompts = len(load_prompt_data(args.prompt_data, _input_key(args), _metadata_key(args)))
-    return compute_num_rollout(None, args.num_epoch, num_prompts, args.rollout_batch_size)
-
-
-def _input_key(args) -> str:
-    return args.input_key
-
-
-def _metadata_key(args) -> str:
-    return args.metadata_key
+    num_prompts = len(load_prompt_data(data.prompt_data, data.input_key, data.metadata_key))
+    return compute_num_rollout(None, data.num_epoch, num_prompts, data.rollout_batch_size)
 
 
 def pop_first(args, rollout_id: int, buffer: list[Group], num_groups: int) -> list[Group]:
-    """The default buffer filter: the oldest `num_groups` groups."""
+    """The default buffer filter: the oldest `num_groups` groups (the hook's signature; `args` unused)."""
     return buffer[:num_groups]
 
 
 class RolloutDataSource:
     """Walks the prompt file epoch by epoch and makes prompt groups of `--n-samples-per-prompt` samples."""
 
-    def __init__(self, args):
-        self.args = args
-        self.n_samples_per_prompt = args.n_samples_per_prompt
-        self.seed = args.rollout_seed
-        self.shuffle = not args.no_rollout_shuffle
+    def __init__(self, config: RunConfig | HookArgs):
+        """`config`: the run's; a `--data-source-path` subclass passes the `args` it was built with."""
+        self.config = run_config_of(config)
+        settings = self.config.data_source
+        self.n_samples_per_prompt = settings.n_samples_per_prompt
+        self.seed = settings.rollout_seed
+        self.shuffle = not settings.no_rollout_shuffle
         self.rows: list[PromptRow] = []
-        if not args.disable_rollout_global_dataset:
-            if not args.prompt_data:
+        if not settings.disable_rollout_global_dataset:
+            if not settings.prompt_data:
                 raise MilesUserError("--prompt-data is required (or pass --disable-rollout-global-dataset with your own --data-source-path)")
-            self.rows = load_prompt_data(args.prompt_data, _input_key(args), _metadata_key(args))
+            self.rows = load_prompt_data(settings.prompt_data, settings.input_key, settings.metadata_key)
         self.epoch = 0
         self.offset = 0  # prompts consumed in the current epoch
         self.group_counter = 0  # next group_index (monotone across the run)
@@ -360,21 +356,20 @@ class RolloutDataSourceWithBuffer(RolloutDataSource):
     """The default data source: groups put back by partial rollouts (`add_samples`) are served first,
     chosen by `--buffer-filter-path` `fn(args, rollout_id, buffer, num_groups) -> list[group]`."""
 
-    def __init__(self, args):
-        super().__init__(args)
+    def __init__(self, config: RunConfig | HookArgs):
+        super().__init__(config)
         self.buffer: list[Group] = []
         self._calls = 0
-        path = args.buffer_filter_path
-        self.buffer_filter: Callable = (
-            load_function(path, "--buffer-filter-path", required_params=4) if path else pop_first
-        )
+        path = self.config.rollout.buffer_filter_path
+        chosen = load_function(path, "--buffer-filter-path", required_params=4) if path else pop_first
+        self.buffer_filter: Callable = with_hook_args(chosen, self.config)  # (rollout_id, buffer, num_groups)
 
     def get_samples(self, num_groups: int, rollout_id: int | None = None) -> list[Group]:
         rollout_id = self._calls if rollout_id is None else rollout_id
         self._calls += 1
         groups: list[Group] = []
         if self.buffer:
-            selected = self.buffer_filter(self.args, rollout_id, self.buffer, num_groups)
+            selected = self.buffer_filter(rollout_id, self.buffer, num_groups)
             if not isinstance(selected, list) or len(selected) > num_groups:
                 raise MilesUserError(
                     f"--buffer-filter-path must return a list of at most {num_groups} groups, got "
@@ -406,18 +401,16 @@ def _reindex(groups: list[Group]) -> list[Group]:
     return groups
 
 
-REQUIRED_METHODS = ("get_samples", "add_samples", "state_dict", "load_state_dict")
-
-
-def build_data_source(args) -> Any:
+def build_data_source(config: RunConfig | HookArgs) -> Any:
     """`--data-source-path` (a class taking `args`), else `RolloutDataSourceWithBuffer`."""
-    path = args.data_source_path
+    config = run_config_of(config)
+    path = config.data.data_source_path
     if not path:
-        return RolloutDataSourceWithBuffer(args)
+        return RolloutDataSourceWithBuffer(config)
     cls = load_object(path, "--data-source-path")
     if not callable(cls):
         raise MilesUserError(f"--data-source-path {path!r}: expected a class taking (args)")
     missing = [name for name in REQUIRED_METHODS if not callable(getattr(cls, name, None))]
     if missing:
         raise MilesUserError(f"--data-source-path {path!r}: missing method(s) {missing} (see docs/customization.md)")
-    return cls(args)
+    return build_user_data_source(cls, config)

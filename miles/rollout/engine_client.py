@@ -106,7 +106,8 @@ class EngineClient:
     def __init__(self, config: RunConfig, max_attempts: int = 5):
         self.router_url = (config.router_url or "").rstrip("/")
         if not self.router_url:
-            raise MilesUserError("args.miles_router_url is not set: the rollout needs the router (--use-miles-router)")
+            raise MilesUserError("the router URL is not set (miles_router_url): the rollout needs the router "
+                                 "(--use-miles-router)")
         rollout = config.rollout
         self.fault_tolerant = rollout.use_fault_tolerance
         self.max_attempts = max_attempts if self.fault_tolerant else 1

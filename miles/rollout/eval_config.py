@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from miles.config.sections import RunConfig
+from miles.config.rollout_sections import EvalSetsConfig
 from miles.rollout.data_source import PromptRow, load_prompt_data
 from miles.utils.errors import MilesUserError
 
@@ -69,16 +69,14 @@ class EvalDataset:
 OPTIONAL_KEYS = {f.name for f in fields(EvalDataset)} - {"name", "path"}
 
 
-def _defaults(config: RunConfig) -> dict[str, Any]:
+def _defaults(config: EvalSetsConfig) -> dict[str, Any]:
     return {
-        "input_key": config.evaluation.eval_input_key or config.data.input_key,
-        "metadata_key": config.data.metadata_key,
-        "n_samples_per_eval_prompt": config.evaluation.n_samples_per_eval_prompt,
-        "num_steps": int(
-            config.evaluation.diffusion_eval_num_steps or config.sampling.diffusion_num_steps
-        ),
-        "reward_key": config.evaluation.eval_reward_key or config.reward.reward_key,
-        "reward_weights": config.reward.reward_weights,
+        "input_key": config.input_key,
+        "metadata_key": config.metadata_key,
+        "n_samples_per_eval_prompt": config.n_samples_per_eval_prompt,
+        "num_steps": config.num_steps,
+        "reward_key": config.reward_key,
+        "reward_weights": config.reward_weights,
         "rm_type": None,  # None: routed like training (metadata.rm_type, --custom-rm-path, --rm-type)
     }
 
@@ -93,7 +91,7 @@ def _check(dataset: EvalDataset, where: str) -> EvalDataset:
     return dataset
 
 
-def _from_pairs(config: RunConfig, pairs: list[str]) -> list[EvalDataset]:
+def _from_pairs(config: EvalSetsConfig, pairs: list[str]) -> list[EvalDataset]:
     if len(pairs) % 2 != 0:
         raise MilesUserError(f"--eval-prompt-data takes NAME PATH pairs, got {len(pairs)} values: {pairs}")
     defaults = _defaults(config)
@@ -103,7 +101,7 @@ def _from_pairs(config: RunConfig, pairs: list[str]) -> list[EvalDataset]:
     ]
 
 
-def _from_config(run_config: RunConfig, config_path: str) -> list[EvalDataset]:
+def _from_config(eval_sets: EvalSetsConfig, config_path: str) -> list[EvalDataset]:
     from omegaconf import OmegaConf
 
     where = f"--eval-config {config_path}"
@@ -133,7 +131,7 @@ def _from_config(run_config: RunConfig, config_path: str) -> list[EvalDataset]:
         path = str(entry["path"])
         if not os.path.isabs(path) and not os.path.exists(path):
             path = os.path.join(folder, path)
-        values = {**_defaults(run_config), **shared, **{k: v for k, v in entry.items() if k not in ("name", "path")}}
+        values = {**_defaults(eval_sets), **shared, **{k: v for k, v in entry.items() if k not in ("name", "path")}}
         dataset = EvalDataset(name=str(entry["name"]), path=path, **values)
         dataset.n_samples_per_eval_prompt = int(dataset.n_samples_per_eval_prompt)
         dataset.num_steps = int(dataset.num_steps)
@@ -151,12 +149,12 @@ def _from_config(run_config: RunConfig, config_path: str) -> list[EvalDataset]:
     return datasets
 
 
-def build_eval_datasets(config: RunConfig) -> list[EvalDataset]:
+def build_eval_datasets(config: EvalSetsConfig) -> list[EvalDataset]:
     """The configured eval datasets ([] when none): `--eval-config` wins over `--eval-prompt-data`."""
-    config_path = config.evaluation.eval_config
+    config_path = config.eval_config
     if config_path:
         return _from_config(config, config_path)
-    pairs = config.evaluation.eval_prompt_data
+    pairs = config.eval_prompt_data
     if pairs:
         return _from_pairs(config, list(pairs))
     return []

@@ -29,6 +29,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from miles.config.rollout_sections import SftDataConfig
+from miles.config.sections import RunConfig
 from miles.models.base import GenerationShape
 from miles.types import GuidanceConfig, Sample
 from miles.utils.errors import MilesUserError
@@ -165,10 +167,10 @@ def _writable(folder: str) -> bool:
     return os.access(folder, os.W_OK)
 
 
-def sft_cache_folder(args, data_path: str, family_name: str, encoder_path: str) -> str:
+def sft_cache_folder(settings: SftDataConfig, data_path: str, family_name: str, encoder_path: str) -> str:
     """`<cache root>/<hash of the data file and the encoding settings>`."""
-    root = args.sft_cache_dir or os.path.join(os.path.dirname(os.path.abspath(data_path)), ".miles_sft_cache")
-    if not args.sft_cache_dir and not _writable(root):
+    root = settings.sft_cache_dir or os.path.join(os.path.dirname(os.path.abspath(data_path)), ".miles_sft_cache")
+    if not settings.sft_cache_dir and not _writable(root):
         fallback = os.path.join(os.path.expanduser("~"), ".cache", "miles", "sft_cache")
         logger.warning("SFT cache: %s is not writable; caching under %s instead", root, fallback)
         root = fallback
@@ -177,11 +179,11 @@ def sft_cache_folder(args, data_path: str, family_name: str, encoder_path: str) 
         _file_digest(data_path),
         family_name,
         os.path.abspath(encoder_path) if os.path.exists(encoder_path) else encoder_path,
-        args.diffusion_height,
-        args.diffusion_width,
-        args.sft_frame_stride,
-        args.diffusion_output_num_frames,
-        args.diffusion_fps,
+        settings.diffusion_height,
+        settings.diffusion_width,
+        settings.sft_frame_stride,
+        settings.diffusion_output_num_frames,
+        settings.diffusion_fps,
     )
     return os.path.join(root, key)
 
@@ -201,7 +203,7 @@ def load_encoder_pipeline(family: Any, path: str, dtype: torch.dtype, device: st
 
 
 def build_sft_samples(
-    args,
+    settings: SftDataConfig,
     family: Any | None = None,
     pipe: Any | None = None,
     device: str | torch.device = "cpu",
@@ -210,16 +212,15 @@ def build_sft_samples(
 ) -> list[Sample]:
     """Every row of `--prompt-data` as a Sample with `clean_latents` and `conditioning`, from the cache when
     possible. `family`/`pipe` default to the run's family and its encoders."""
-    from miles.config.sections import run_config_of
     from miles.models.common import build_train_pipeline_config, conditioning_unbatch
 
-    data_path = args.prompt_data
+    data_path = settings.prompt_data
     if not data_path:
         raise MilesUserError("--loss-type sft_loss needs --prompt-data (an SFT JSONL of captions and image/video paths)")
-    rows = load_sft_rows(data_path, args.input_key)
-    family = family or build_train_pipeline_config(**run_config_of(args).model.family_source())
-    encoder_path = args.sft_encoder_checkpoint or args.hf_checkpoint
-    folder = sft_cache_folder(args, data_path, getattr(family, "family", type(family).__name__), encoder_path)
+    rows = load_sft_rows(data_path, settings.input_key)
+    family = family or build_train_pipeline_config(**settings.family_source)
+    encoder_path = settings.sft_encoder_checkpoint or settings.hf_checkpoint
+    folder = sft_cache_folder(settings, data_path, getattr(family, "family", type(family).__name__), encoder_path)
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as err:
@@ -229,19 +230,19 @@ def build_sft_samples(
     if missing:
         logger.info("SFT: encoding %d of %d rows into %s", len(missing), len(rows), folder)
         pipe = pipe or load_encoder_pipeline(family, encoder_path, dtype, device)
-        num_frames = args.diffusion_output_num_frames if getattr(family, "is_video", False) else None
+        num_frames = settings.diffusion_output_num_frames if getattr(family, "is_video", False) else None
         shape = GenerationShape(
-            height=args.diffusion_height,
-            width=args.diffusion_width,
+            height=settings.diffusion_height,
+            width=settings.diffusion_width,
             num_frames=num_frames or 1,
-            fps=args.diffusion_fps,  # as the trainer's shape: Cosmos 3 writes it into the prompt
+            fps=settings.diffusion_fps,  # as the trainer's shape: Cosmos 3 writes it into the prompt
         )
-        stride = args.sft_frame_stride
+        stride = settings.sft_frame_stride
         bar = progress_bar(len(missing), "SFT: encoding rows", unit="row")
         for start in range(0, len(missing), batch_size):
             chunk = missing[start : start + batch_size]
             pixels = torch.from_numpy(
-                np.stack([read_frames(rows[i], args.diffusion_height, args.diffusion_width, stride, num_frames) for i in chunk])
+                np.stack([read_frames(rows[i], settings.diffusion_height, settings.diffusion_width, stride, num_frames) for i in chunk])
             )
             try:
                 latents = family.encode_images(pipe, pixels, shape)
@@ -280,13 +281,13 @@ class SftDataSource:
     """Epochs over the encoded SFT samples in a seeded permutation per epoch (`--rollout-seed` + epoch), with
     the position in `state_dict()` for resume — the same contract as the rollout data source."""
 
-    def __init__(self, args, samples: Sequence[Sample]):
+    def __init__(self, settings: SftDataConfig, samples: Sequence[Sample]):
         if not samples:
             raise MilesUserError("SFT data: no samples")
         self.samples = list(samples)
         # Samples per rollout, as in RL: --rollout-batch-size × --n-samples-per-prompt (1 for SFT, usually).
-        self.batch_size = args.rollout_batch_size * args.n_samples_per_prompt
-        self.seed = args.rollout_seed
+        self.batch_size = settings.rollout_batch_size * settings.n_samples_per_prompt
+        self.seed = settings.rollout_seed
         self.epoch = 0
         self.offset = 0
         self._order = self._epoch_order(0)
@@ -321,7 +322,7 @@ class SftDataSource:
         return len(self.samples)
 
 
-def build_sft_dataset(args) -> SftDataSource:
+def build_sft_dataset(config: RunConfig) -> SftDataSource:
     """Encode (or read from the cache) every SFT row, then serve them epoch by epoch (`next_batch`).
 
     Encodes in this process on its GPU when it has one (in `--diffusion-forward-dtype` there, fp32 on CPU);
@@ -330,8 +331,9 @@ def build_sft_dataset(args) -> SftDataSource:
     from miles.models.common import parse_dtype
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = parse_dtype(args.diffusion_forward_dtype) if device == "cuda" else torch.float32
-    samples = build_sft_samples(args, device=device, dtype=dtype, batch_size=args.sft_encode_batch_size)
+    settings = config.sft_data
+    dtype = parse_dtype(settings.diffusion_forward_dtype) if device == "cuda" else torch.float32
+    samples = build_sft_samples(settings, device=device, dtype=dtype, batch_size=settings.sft_encode_batch_size)
     if device == "cuda":
         torch.cuda.empty_cache()
-    return SftDataSource(args, samples)
+    return SftDataSource(settings, samples)

@@ -8,7 +8,7 @@ size; `condition_image.py`), splits each group of `--n-samples-per-prompt` sampl
 `--rollout-microgroup-size` (the last one may be smaller), and sends every microgroup as one request:
 - seed: `request_seed(--rollout-seed, group_index, G, offset)` (docs/algorithms.md §3); sample b of the
   microgroup gets seed + b on the engine;
-- SDE steps and returned latents: the step strategy (`resolve_step_strategy(args)`), evaluated on the
+- SDE steps and returned latents: the step strategy (`resolve_step_strategy(config)`), evaluated on the
   microgroup's first sample with that seed;
 - each microgroup is scored by `batched_async_rm` as soon as it returns (a whole group at once with
   `--group-rm`);
@@ -51,7 +51,7 @@ from miles.config.sections import RunConfig, run_config_of
 from miles.engine.protocol import ConditionImage, GenerateRequest
 from miles.rollout.condition_image import load_condition_image
 from miles.rollout.engine_client import EngineClient, EngineRequestError
-from miles.rollout.hooks import RolloutHooks, apply_dynamic_sampling_filter, load_rollout_hooks
+from miles.rollout.hooks import RolloutHooks, apply_dynamic_sampling_filter, call_generate, load_rollout_hooks
 from miles.rollout.rm_hub import batched_async_rm
 from miles.rollout.step_strategy_hub import request_seed, resolve_step_strategy
 from miles.types import GuidanceConfig, Sample
@@ -77,7 +77,8 @@ class RolloutGroups(list):
 
 def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False) -> list[list[Sample]]:
     """See the module docstring. Synchronous; runs its own event loop (on a helper thread if one is running).
-    The result is a `RolloutGroups` (a list of groups) whose `.metrics` holds the rollout's counters."""
+    The result is a `RolloutGroups` (a list of groups) whose `.metrics` holds the rollout's counters. `args`: the
+    hook signature's read-only args (users wrap this function); the rollout reads the typed config behind them."""
     groups, metrics = run_sync(generate_rollout_async(args, rollout_id, data_source, evaluation))
     return RolloutGroups(groups, metrics)
 
@@ -130,16 +131,17 @@ def build_request(
 class _Rollout:
     """State of one generate_rollout call."""
 
-    def __init__(self, args, rollout_id: int, hooks: RolloutHooks, client: EngineClient, evaluation: bool):
-        self.args = args
+    def __init__(self, config: RunConfig, rollout_id: int, hooks: RolloutHooks, client: EngineClient,
+                 evaluation: bool):
+        self.config = config
         self.rollout_id = rollout_id
         self.hooks = hooks
         self.client = client
         self.evaluation = evaluation
-        self.strategy = None if evaluation else resolve_step_strategy(args)
-        self.microgroup_size = max(1, args.rollout_microgroup_size)
-        self.num_steps = args.diffusion_num_steps
-        self.group_rm = args.group_rm
+        self.strategy = None if evaluation else resolve_step_strategy(config)
+        self.microgroup_size = max(1, config.rollout.rollout_microgroup_size)
+        self.num_steps = config.sampling.diffusion_num_steps
+        self.group_rm = config.reward.group_rm
         # engine-side seconds of this rollout's requests: where a rollout's time goes (bench/RESULTS.md)
         self.engine_seconds = {"denoise": 0.0, "decode": 0.0, "request": 0.0}
 
@@ -157,7 +159,7 @@ class _Rollout:
         """The group's input image, read once (off the event loop) at the output size; None for a text prompt."""
         if sample.input_image is None:
             return None
-        sampling = run_config_of(self.args).sampling
+        sampling = self.config.sampling
         return await asyncio.to_thread(load_condition_image, sample.input_image, sampling.diffusion_height,
                                        sampling.diffusion_width, f"prompt group {sample.group_index}")
 
@@ -165,17 +167,17 @@ class _Rollout:
                                   image: ConditionImage | None = None) -> None:
         """Fill `group[offset : offset + microgroup_size]` from one request (or the custom generate hook)."""
         samples = group[offset : offset + self.microgroup_size]
-        seed = request_seed(self.args.rollout_seed, group_index, group_size, offset)
+        seed = request_seed(self.config.sampling.rollout_seed, group_index, group_size, offset)
         if self.evaluation:
             sde_steps, return_latents = [], []
         else:
-            sde_steps, return_latents = self.strategy(self.args, samples[0], self.num_steps, seed)
-        request = build_request(run_config_of(self.args), samples[0].prompt, len(samples), seed, self.num_steps, sde_steps,
+            sde_steps, return_latents = self.strategy(self.config, samples[0], self.num_steps, seed)
+        request = build_request(self.config, samples[0].prompt, len(samples), seed, self.num_steps, sde_steps,
                                 return_latents, self.evaluation, image)
         if self.hooks.custom_generate is not None:
             params = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}
             params["router_url"] = self.client.router_url
-            returned = await self.hooks.custom_generate(self.args, samples, params)
+            returned = await call_generate(self.hooks, self.config, samples, params)
             if not isinstance(returned, list) or len(returned) != len(samples) or not all(
                 isinstance(s, Sample) for s in returned
             ):
@@ -206,7 +208,7 @@ class _Rollout:
         unscored = [s for s in samples if s.reward is None]
         if not unscored:
             return
-        rewards = await batched_async_rm(self.args, unscored, evaluation=self.evaluation)
+        rewards = await batched_async_rm(self.config, unscored, evaluation=self.evaluation)
         for sample, reward in zip(unscored, rewards):
             sample.reward = reward
 
@@ -218,7 +220,7 @@ def _get_groups(data_source, num_groups: int, rollout_id: int) -> list[list[Samp
     return get(num_groups)
 
 
-def _eval_groups(args, data_source) -> tuple[list[list[Sample]], int | None]:
+def _eval_groups(data_source) -> tuple[list[list[Sample]], int | None]:
     """(groups, num_steps override) for an EvalDataset or a plain list of groups."""
     if hasattr(data_source, "load_prompts"):
         n = int(getattr(data_source, "n_samples_per_eval_prompt", 1) or 1)
@@ -248,16 +250,15 @@ def _reindex(groups: list[list[Sample]]) -> None:
 async def generate_rollout_async(
     args, rollout_id: int, data_source, evaluation: bool = False
 ) -> tuple[list[list[Sample]], dict[str, float]]:
-    """The rollout as a coroutine; returns (groups, metrics)."""
-    hooks = load_rollout_hooks(args)
+    """The rollout as a coroutine; returns (groups, metrics). `args`: as for `generate_rollout`."""
+    config = run_config_of(args)
+    hooks = load_rollout_hooks(config)
     began = time.perf_counter()
-    async with EngineClient(run_config_of(args)) as client:
-        rollout = _Rollout(args, rollout_id, hooks, client, evaluation)
+    async with EngineClient(config) as client:
+        rollout = _Rollout(config, rollout_id, hooks, client, evaluation)
         if evaluation:
-            groups, num_steps = _eval_groups(args, data_source)
-            rollout.num_steps = num_steps or int(
-                args.diffusion_eval_num_steps or args.diffusion_num_steps
-            )
+            groups, num_steps = _eval_groups(data_source)
+            rollout.num_steps = num_steps or config.eval_sets.num_steps
             name = getattr(data_source, "name", None) or "groups"
             with progress_bar(sum(map(len, groups)), f"eval {name}", unit="sample") as bar:
 
@@ -269,7 +270,7 @@ async def generate_rollout_async(
             _reindex(groups)
             metrics = {"eval/rollout_seconds": time.perf_counter() - began, "eval/num_samples": sum(map(len, groups))}
             return groups, metrics
-        kept, generated, dropped, unused = await _generate_train_groups(args, rollout_id, data_source, rollout)
+        kept, generated, dropped, unused = await _generate_train_groups(config, rollout_id, data_source, rollout)
         stats = dict(client.stats)
     kept.sort(key=lambda g: g[0].group_index)
     _reindex(kept)
@@ -286,16 +287,16 @@ async def generate_rollout_async(
     return kept, metrics
 
 
-async def _generate_train_groups(args, rollout_id: int, data_source, rollout: _Rollout):
+async def _generate_train_groups(config: RunConfig, rollout_id: int, data_source, rollout: _Rollout):
     """(kept groups, generated, dropped, unused): `--over-sampling-batch-size` groups start at once (default
     `--rollout-batch-size`); a dropped group is replaced until `--rollout-batch-size` groups are kept; groups
     beyond that (finished late or cancelled in flight) are unused."""
-    target = args.rollout_batch_size
+    target = config.data.rollout_batch_size
     if target <= 0:
         raise MilesUserError(f"--rollout-batch-size must be > 0, got {target}")
-    first_wave = max(target, args.over_sampling_batch_size or target)
+    first_wave = max(target, config.rollout.over_sampling_batch_size or target)
     max_groups = max(MAX_GROUPS_FACTOR * target, first_wave)
-    group_size = args.n_samples_per_prompt
+    group_size = config.data.n_samples_per_prompt
     kept: list[list[Sample]] = []
     in_flight: set[asyncio.Task] = set()
     generated = dropped = 0
@@ -317,7 +318,7 @@ async def _generate_train_groups(args, rollout_id: int, data_source, rollout: _R
                     in_flight.add(asyncio.ensure_future(rollout.generate_group(group, group[0].group_index, group_size)))
             done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
             finished = [task.result() for task in done]  # re-raises a failed group's error
-            keep, drop = apply_dynamic_sampling_filter(rollout.hooks, args, finished)
+            keep, drop = apply_dynamic_sampling_filter(rollout.hooks, config, finished)
             kept.extend(keep)
             dropped += len(drop)
             bar.update(min(len(keep), target - bar.n))

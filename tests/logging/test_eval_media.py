@@ -45,7 +45,6 @@ def test_eval_grid_has_a_row_per_prompt_and_the_first_frame_of_videos(tmp_path):
 def test_eval_logs_reward_components_and_writes_the_grid(tmp_path):
     manager = object.__new__(RolloutManager)
     manager.config = make_args(tmp_path)
-    manager.args = manager.config.hook_args
     manager.run_logger = RunLogger(manager.config)
     manager.hooks = Namespace(eval_function=lambda args, rollout_id, dataset, evaluation: _groups(2, 2),
                               eval_rollout_log=None)

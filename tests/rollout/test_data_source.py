@@ -10,14 +10,14 @@ import uuid
 import pytest
 import torch
 
-from miles.config.sections import HookArgs
+from miles.config.sections import HookArgs, run_config_of
 from miles.testing.config import hook_args
 from miles.rollout.data_source import (
     RolloutDataSourceWithBuffer,
     build_data_source,
     compute_num_rollout,
     load_prompt_data,
-    num_rollout_from_args,
+    num_rollout_of,
     prompt_file_format,
 )
 from miles.utils.errors import MilesUserError
@@ -219,9 +219,9 @@ def test_num_rollout_derivation(tmp_path):
     assert compute_num_rollout(5, 3, 10, 4) == 5  # --num-rollout wins
     assert compute_num_rollout(None, None, 10, 4) == 3  # one epoch
     path = _write_prompts(tmp_path, 5)
-    assert num_rollout_from_args(_args(path, num_epoch=2, rollout_batch_size=4)) == 3
+    assert num_rollout_of(run_config_of(_args(path, num_epoch=2, rollout_batch_size=4)).data) == 3
     with pytest.raises(MilesUserError, match="set --num-rollout"):
-        num_rollout_from_args(_args(None, disable_rollout_global_dataset=True))
+        num_rollout_of(run_config_of(_args(None, disable_rollout_global_dataset=True)).data)
 
 
 # ---- other prompt formats: flow_grpo's text files and GenEval metadata --------------------------------------

@@ -6,18 +6,18 @@ import json
 
 import pytest
 
-from miles.config.sections import RunConfig
+from miles.config.rollout_sections import EvalSetsConfig
 from miles.rollout.eval_config import EvalDataset, build_eval_datasets
 from miles.testing.config import trainer_config
 from miles.utils.errors import MilesUserError
 
 
-def _args(**overrides) -> RunConfig:
+def _args(**overrides) -> EvalSetsConfig:
     values = dict(eval_prompt_data=None, eval_config=None, eval_input_key=None, input_key="input",
                   metadata_key="metadata", n_samples_per_eval_prompt=2, diffusion_eval_num_steps=None,
                   diffusion_num_steps=10, eval_reward_key=None, reward_key="ocr", rm_type="ocr")
     values.update(overrides)
-    return trainer_config(**values)
+    return trainer_config(**values).eval_sets
 
 
 @pytest.fixture

@@ -124,7 +124,7 @@ def test_eval_sets_take_the_weights_or_their_own(tmp_path):
     config.write_text(f"datasets:\n  - name: own\n    path: {prompts}\n    reward_weights: {{ocr: 2}}\n"
                       f"  - name: default\n    path: {prompts}\n")
     args = _args(eval_config=str(config), reward_weights={"ocr": 1.0, "pickscore": 1.0})
-    own, default = build_eval_datasets(run_config_of(args))
+    own, default = build_eval_datasets(run_config_of(args).eval_sets)
     assert own.reward_weights == {"ocr": 2.0} and default.reward_weights == {"ocr": 1.0, "pickscore": 1.0}
     assert own.scalar_reward({"ocr": 0.5, "pickscore": 0.25}) == 1.0
     assert default.scalar_reward({"ocr": 0.5, "pickscore": 0.25}) == 0.75
@@ -132,7 +132,7 @@ def test_eval_sets_take_the_weights_or_their_own(tmp_path):
         {"ocr": 0.5, "pickscore": 0.25}) == 0.25
     config.write_text(f"datasets:\n  - name: bad\n    path: {prompts}\n    reward_weights: {{ocr: x}}\n")
     with pytest.raises(MilesUserError, match=r"datasets\[0\]: reward_weights: the weight of 'ocr' is not a number"):
-        build_eval_datasets(run_config_of(args))
+        build_eval_datasets(run_config_of(args).eval_sets)
 
 
 BASE = ["--hf-checkpoint", "org/sd3-tiny", "--prompt-data", "prompts.jsonl", "--rollout-batch-size", "4",

@@ -12,16 +12,15 @@ import torch
 from PIL import Image
 
 import miles.rollout.sft_data as sft_data
-from miles.config.sections import run_config_of
 from miles.rollout.sft_data import SftDataSource, SftRow, build_sft_dataset, build_sft_samples, center_crop, load_sft_rows, read_frames
-from miles.testing.config import hook_args
+from miles.testing.config import trainer_config
 from miles.types import GuidanceConfig
 from miles.utils.errors import MilesUserError
 
 
-def _with(args, **changes):
-    """The same run's hook args with some flag values changed."""
-    return run_config_of(args).replace(**changes).hook_args
+def _with(config, **changes):
+    """The same run's configuration with some flag values changed."""
+    return config.replace(**changes)
 
 
 def _save_image(path, height: int, width: int, seed: int) -> np.ndarray:
@@ -93,10 +92,10 @@ def test_family_without_encode_images_is_a_clear_error(tmp_path):
         NoEncoder().encode_images(None, pixels, GenerationShape(8, 8))
     _save_image(tmp_path / "a.png", 16, 16, 0)
     data = _write_jsonl(tmp_path / "sft.jsonl", [{"input": "a", "image": "a.png"}])
-    args = hook_args(prompt_data=data, input_key="input", hf_checkpoint="unused", sft_encoder_checkpoint=None,
-                     diffusion_height=16, diffusion_width=16, sft_cache_dir=str(tmp_path / "cache"))
+    config = trainer_config(prompt_data=data, input_key="input", hf_checkpoint="unused", sft_encoder_checkpoint=None,
+                            diffusion_height=16, diffusion_width=16, sft_cache_dir=str(tmp_path / "cache"))
     with pytest.raises(MilesUserError, match="not supported for family 'my_family'"):
-        build_sft_samples(args, family=NoEncoder(), pipe=object())
+        build_sft_samples(config.sft_data, family=NoEncoder(), pipe=object())
 
 
 @pytest.fixture(scope="module")
@@ -114,10 +113,10 @@ def test_sd3_encoding_and_cache(tmp_path, sd3, monkeypatch):
     assert getattr(pipe, "transformer", None) is None  # encoders only
     originals = [_save_image(tmp_path / f"{i}.png", 40, 56, i) for i in range(3)]
     data = _write_jsonl(tmp_path / "sft.jsonl", [{"input": f"caption {i}", "image": f"{i}.png"} for i in range(3)])
-    args = hook_args(prompt_data=data, input_key="input", hf_checkpoint=path, diffusion_model_family="sd3",
-                     sft_encoder_checkpoint=None, diffusion_height=32, diffusion_width=32, sft_frame_stride=1,
-                     diffusion_output_num_frames=1, sft_cache_dir=str(tmp_path / "cache"))
-    samples = build_sft_samples(args, family=family, pipe=pipe, batch_size=2)
+    config = trainer_config(prompt_data=data, input_key="input", hf_checkpoint=path, diffusion_model_family="sd3",
+                            sft_encoder_checkpoint=None, diffusion_height=32, diffusion_width=32, sft_frame_stride=1,
+                            diffusion_output_num_frames=1, sft_cache_dir=str(tmp_path / "cache"))
+    samples = build_sft_samples(config.sft_data, family=family, pipe=pipe, batch_size=2)
     assert [s.prompt for s in samples] == ["caption 0", "caption 1", "caption 2"]
     assert [s.metadata["line"] for s in samples] == [1, 2, 3]
     assert samples[0].clean_latents.shape == (4, 8, 8)
@@ -137,20 +136,20 @@ def test_sd3_encoding_and_cache(tmp_path, sd3, monkeypatch):
     encoded_batches = []
     real_encode = family.encode_images
     monkeypatch.setattr(family, "encode_images", lambda p, pixels, shape: encoded_batches.append(len(pixels)) or real_encode(p, pixels, shape))
-    again = build_sft_samples(args, family=family, pipe=pipe)
+    again = build_sft_samples(config.sft_data, family=family, pipe=pipe)
     assert encoded_batches == []
     for first, second in zip(samples, again):
         assert torch.equal(first.clean_latents, second.clean_latents)
     _save_image(tmp_path / "2.png", 40, 56, 99)
     os.utime(tmp_path / "2.png", (1, 1))  # a different modification time
-    edited = build_sft_samples(args, family=family, pipe=pipe)
+    edited = build_sft_samples(config.sft_data, family=family, pipe=pipe)
     assert encoded_batches == [1]
     assert not torch.equal(edited[2].clean_latents, samples[2].clean_latents)
     assert torch.equal(edited[0].clean_latents, samples[0].clean_latents)
 
     # The run's entry point reads the complete cache without loading any model, then serves batches.
     monkeypatch.setattr(sft_data, "load_encoder_pipeline", lambda *a: pytest.fail("the cache was complete"))
-    dataset = build_sft_dataset(_with(args, rollout_batch_size=2, n_samples_per_prompt=1))
+    dataset = build_sft_dataset(_with(config, rollout_batch_size=2, n_samples_per_prompt=1))
     batch = dataset.next_batch(0)
     assert [s.index for s in batch] == [0, 1] and len(dataset.next_batch(1)) == 2
     by_prompt = {s.prompt: s for s in edited}
@@ -159,14 +158,14 @@ def test_sd3_encoding_and_cache(tmp_path, sd3, monkeypatch):
 
     video_data = _write_jsonl(tmp_path / "video.jsonl", [{"input": "v", "video": str(tmp_path)}])
     with pytest.raises(MilesUserError, match="trains on images"):
-        build_sft_samples(_with(args, prompt_data=video_data), family=family, pipe=pipe)
+        build_sft_samples(_with(config, prompt_data=video_data).sft_data, family=family, pipe=pipe)
 
     # A damaged cache entry is loaded with weights_only=True and named in one line.
     for cache_file in (tmp_path / "cache").rglob("*.pt"):  # every entry (the edited row left a stale one too)
         cache_file.write_bytes(cache_file.read_bytes()[:50])
     damaged = rf"SFT cache of {re.escape(data)}:1 .*: {re.escape(str(tmp_path / 'cache'))}/.*\.pt is truncated or corrupt"
     with pytest.raises(MilesUserError, match=damaged):
-        build_sft_samples(args, family=family, pipe=pipe)
+        build_sft_samples(config.sft_data, family=family, pipe=pipe)
 
 
 def test_wan2_2_video_samples_build_from_a_gif(tmp_path, tiny_checkpoint):
@@ -183,10 +182,10 @@ def test_wan2_2_video_samples_build_from_a_gif(tmp_path, tiny_checkpoint):
     frames = [Image.fromarray(rng.integers(0, 256, size=(24, 40, 3), dtype=np.uint8)) for _ in range(10)]
     frames[0].save(tmp_path / "clip.gif", save_all=True, append_images=frames[1:])
     data = _write_jsonl(tmp_path / "sft.jsonl", [{"input": "a clip", "video": "clip.gif"}])
-    args = hook_args(prompt_data=data, input_key="input", hf_checkpoint=path, diffusion_model_family="wan2_2",
-                     sft_encoder_checkpoint=None, diffusion_height=32, diffusion_width=32, sft_frame_stride=2,
-                     diffusion_output_num_frames=5, sft_cache_dir=str(tmp_path / "cache"))
-    (sample,) = build_sft_samples(args, family=family, pipe=pipe)
+    config = trainer_config(prompt_data=data, input_key="input", hf_checkpoint=path, diffusion_model_family="wan2_2",
+                            sft_encoder_checkpoint=None, diffusion_height=32, diffusion_width=32, sft_frame_stride=2,
+                            diffusion_output_num_frames=5, sft_cache_dir=str(tmp_path / "cache"))
+    (sample,) = build_sft_samples(config.sft_data, family=family, pipe=pipe)
     shape = GenerationShape(height=32, width=32, num_frames=5)
     pixels = torch.from_numpy(read_frames(load_sft_rows(data)[0], 32, 32, frame_stride=2, num_frames=5))[None]
     expected = family.encode_images(pipe, pixels, shape)[0]
@@ -194,7 +193,8 @@ def test_wan2_2_video_samples_build_from_a_gif(tmp_path, tiny_checkpoint):
     torch.testing.assert_close(sample.clean_latents, expected)
     assert set(sample.conditioning) == {"prompt_embeds"}
     with pytest.raises(MilesUserError, match="has 10 frames after --sft-frame-stride 1; --diffusion-output-num-frames asks for 13"):
-        build_sft_samples(_with(args, sft_frame_stride=1, diffusion_output_num_frames=13), family=family, pipe=pipe)
+        build_sft_samples(_with(config, sft_frame_stride=1, diffusion_output_num_frames=13).sft_data, family=family,
+                          pipe=pipe)
 
 
 def test_cosmos3_video_samples_carry_the_fps_they_were_encoded_for(tmp_path, tiny_checkpoint):
@@ -211,10 +211,10 @@ def test_cosmos3_video_samples_carry_the_fps_they_were_encoded_for(tmp_path, tin
     frames = [Image.fromarray(rng.integers(0, 256, size=(64, 40, 3), dtype=np.uint8)) for _ in range(10)]
     frames[0].save(tmp_path / "clip.gif", save_all=True, append_images=frames[1:])
     data = _write_jsonl(tmp_path / "sft.jsonl", [{"input": "a clip", "video": "clip.gif"}])
-    args = hook_args(prompt_data=data, input_key="input", hf_checkpoint=path, diffusion_model_family="cosmos3",
-                     sft_encoder_checkpoint=None, diffusion_height=64, diffusion_width=32, sft_frame_stride=2,
-                     diffusion_output_num_frames=5, diffusion_fps=16.0, sft_cache_dir=str(tmp_path / "cache"))
-    (sample,) = build_sft_samples(args, family=family, pipe=pipe)
+    config = trainer_config(prompt_data=data, input_key="input", hf_checkpoint=path, diffusion_model_family="cosmos3",
+                            sft_encoder_checkpoint=None, diffusion_height=64, diffusion_width=32, sft_frame_stride=2,
+                            diffusion_output_num_frames=5, diffusion_fps=16.0, sft_cache_dir=str(tmp_path / "cache"))
+    (sample,) = build_sft_samples(config.sft_data, family=family, pipe=pipe)
     shape = GenerationShape(height=64, width=32, num_frames=5, fps=16.0)
     pixels = torch.from_numpy(read_frames(load_sft_rows(data)[0], 64, 32, frame_stride=2, num_frames=5))[None]
     torch.testing.assert_close(sample.clean_latents, family.encode_images(pipe, pixels, shape)[0])
@@ -222,8 +222,8 @@ def test_cosmos3_video_samples_carry_the_fps_they_were_encoded_for(tmp_path, tin
     assert sample.conditioning["encoded_shape"].tolist() == [64, 32, 5, 16000]
     expected_ids = pipe.tokenize_prompt("a clip", None, num_frames=5, height=64, width=32, fps=16.0)[0]
     assert sample.conditioning["input_ids"][: len(expected_ids)].tolist() == expected_ids
-    at_24 = _with(args, diffusion_fps=None)
-    assert sft_cache_folder(at_24, data, "cosmos3", path) != sft_cache_folder(args, data, "cosmos3", path)
+    at_24 = _with(config, diffusion_fps=None).sft_data
+    assert sft_cache_folder(at_24, data, "cosmos3", path) != sft_cache_folder(config.sft_data, data, "cosmos3", path)
     (sample_24,) = build_sft_samples(at_24, family=family, pipe=pipe)
     assert sample_24.conditioning["encoded_shape"].tolist() == [64, 32, 5, 24000]
 
@@ -232,14 +232,14 @@ def test_sft_data_source_epochs_and_resume():
     from miles.types import Sample
 
     samples = [Sample(prompt=f"c{i}", index=i) for i in range(5)]
-    args = hook_args(rollout_seed=3, rollout_batch_size=1)
-    source = SftDataSource(args, samples)
+    config = trainer_config(rollout_seed=3, rollout_batch_size=1)
+    source = SftDataSource(config.sft_data, samples)
     order = [s.index for _ in range(4) for s in source.get_samples(3)]  # 12 = 2 epochs + 2
     assert sorted(order[:5]) == sorted(order[5:10]) == [0, 1, 2, 3, 4] and order[:5] != order[5:10]
-    first = SftDataSource(args, samples)
+    first = SftDataSource(config.sft_data, samples)
     first.get_samples(7)
-    resumed = SftDataSource(args, samples)
+    resumed = SftDataSource(config.sft_data, samples)
     resumed.load_state_dict(first.state_dict())
     assert [s.index for s in resumed.get_samples(5)] == order[7:12]
     with pytest.raises(MilesUserError, match="no samples"):
-        SftDataSource(args, [])
+        SftDataSource(config.sft_data, [])
