@@ -1,6 +1,7 @@
 """The configuration's boundaries, checked on the source: flags are read through the config package's objects
 (no `getattr(args, "x", default)` elsewhere), `miles.utils` stays a leaf, the engine and the math core do not
-depend on the config package at run time, and no modules of `miles` import each other in a circle."""
+depend on the config package at run time, the rollout side reads the typed configuration (`args`, the hooks'
+read-only view, only where user code is called), and no modules of `miles` import each other in a circle."""
 
 from __future__ import annotations
 
@@ -33,6 +34,42 @@ def runtime_imports(path: pathlib.Path) -> set[str]:
         elif isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
     return names
+
+
+# The one module of the rollout side that hands user hooks their `args` (docs/design.md §9).
+HOOK_ADAPTER = PACKAGE / "rollout" / "hooks.py"
+
+
+def args_reads(path: pathlib.Path) -> list[int]:
+    """Lines reading an attribute of a value named `args` (`args.x`, `self.args.x`, `getattr(args, ...)`)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+
+    def is_args(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "args") or (
+            isinstance(node, ast.Attribute) and node.attr == "args")
+
+    lines = {node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute) and is_args(node.value)}
+    lines |= {node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
+              and getattr(node.func, "id", None) in ("getattr", "vars") and node.args and is_args(node.args[0])}
+    return sorted(lines)
+
+
+def test_the_rollout_side_reads_args_only_in_the_hook_adapter():
+    checked = [path for path in sources("rollout") if path != HOOK_ADAPTER]
+    checked.append(PACKAGE / "ray" / "rollout_manager.py")  # it holds one configuration, the RunConfig
+    offenders = [f"{path.relative_to(PACKAGE.parent)}:{line}" for path in checked for line in args_reads(path)]
+    assert offenders == []
+
+
+def test_the_args_finder_sees_attribute_reads_and_getattr(tmp_path):
+    source = tmp_path / "module.py"
+    source.write_text("def f(args, self):\n"
+                      "    a = args.lr\n"
+                      "    b = self.args.rm_type\n"
+                      "    c = getattr(args, 'x', None)\n"
+                      "    d = kwargs.get('y')\n"
+                      "    return run_config_of(args).reward\n")
+    assert args_reads(source) == [2, 3, 4]
 
 
 def test_no_getattr_defaults_on_args_outside_the_config_package():
