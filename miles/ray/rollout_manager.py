@@ -76,12 +76,13 @@ class RolloutManager:
         """Start the model rewards' workers now, so a bad model path fails before the first rollout."""
         reward_config = self.config.reward
         reward_types = configured_reward_types(reward_config, [dataset.rm_type for dataset in self.eval_datasets])
-        if self.config.reward.colocate_reward:
+        if reward_config.colocate_reward:
             from miles.rollout.rm_hub.workers import colocate_reward_workers
 
             rollout_bundles = list(range(placement.num_engines * placement.gpus_per_engine))
             colocate_reward_workers(placement.rollout.placement_group, rollout_bundles,
-                                    model_reward_workers(reward_config, reward_types), on_gpu=placement.device == "cuda")
+                                    model_reward_workers(reward_config, reward_types),
+                                    on_gpu=placement.device == "cuda")
         load_reward_models(reward_config, reward_types)
 
     # ---- engines ------------------------------------------------------------------------------------

@@ -172,7 +172,8 @@ def apply_dynamic_sampling_filter(
     return kept, dropped
 
 
-def apply_rollout_sample_filter(hooks: RolloutHooks, config: RunConfig | HookArgs | None, samples: list[Sample]) -> int:
+def apply_rollout_sample_filter(hooks: RolloutHooks, config: RunConfig | HookArgs | None,
+                                samples: list[Sample]) -> int:
     """Run `--rollout-sample-filter-path` (it sets `sample.remove_sample = True`); returns the masked count.
 
     Masked samples keep their place in the batch: they count for advantage statistics (docs/algorithms.md §4)

@@ -242,7 +242,8 @@ def build_sft_samples(
         for start in range(0, len(missing), batch_size):
             chunk = missing[start : start + batch_size]
             pixels = torch.from_numpy(
-                np.stack([read_frames(rows[i], settings.diffusion_height, settings.diffusion_width, stride, num_frames) for i in chunk])
+                np.stack([read_frames(rows[i], settings.diffusion_height, settings.diffusion_width, stride, num_frames)
+                          for i in chunk])
             )
             try:
                 latents = family.encode_images(pipe, pixels, shape)

@@ -103,7 +103,8 @@ def _candidate_steps(settings: StepStrategyConfig, num_steps: int) -> list[int]:
     return values
 
 
-def epoch_global_random_choice(settings: StepStrategyConfig, sample, num_steps: int, seed: int) -> tuple[list[int], list[int]]:
+def epoch_global_random_choice(settings: StepStrategyConfig, sample, num_steps: int,
+                               seed: int) -> tuple[list[int], list[int]]:
     """K of the candidate steps, shared by every sample of one rollout "epoch" (§3).
 
     e = group_index // rollout_batch_size; S = sorted(C[p] for p in randperm(|C|)[:K]) with a torch generator seeded
