@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         EvaluationConfig,
         ModelConfig,
         RewardConfig,
+        RolloutConfig,
         SamplingConfig,
         TrainerConfig,
     )
@@ -34,8 +35,11 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class DataSourceConfig:
-    """The prompt data source: which file, how its rows are read, how groups are made and ordered."""
+    """The prompt data source: which class, which file, how its rows are read, how groups are made, ordered and
+    taken back from the buffer."""
 
+    data_source_path: str | None
+    buffer_filter_path: str | None
     prompt_data: str | None
     input_key: str
     metadata_key: str
@@ -106,11 +110,12 @@ class StepStrategyConfig:
     rollout_seed: int
 
 
-def rollout_parts(model: "ModelConfig", sampling: "SamplingConfig", data: "DataConfig",
+def rollout_parts(model: "ModelConfig", sampling: "SamplingConfig", rollout: "RolloutConfig", data: "DataConfig",
                   evaluation: "EvaluationConfig", trainer: "TrainerConfig", reward: "RewardConfig") -> dict[str, Any]:
     """The `RunConfig` fields of this module, from the sections (`RunConfig.from_args` calls it once)."""
     return dict(
         data_source=DataSourceConfig(
+            data_source_path=data.data_source_path, buffer_filter_path=rollout.buffer_filter_path,
             prompt_data=data.prompt_data, input_key=data.input_key, metadata_key=data.metadata_key,
             disable_rollout_global_dataset=data.disable_rollout_global_dataset,
             n_samples_per_prompt=data.n_samples_per_prompt, rollout_seed=sampling.rollout_seed,

@@ -383,7 +383,7 @@ SECTIONS: dict[str, type] = {
 
 
 # The sections `rollout_sections.rollout_parts` gathers the rollout side's parts from.
-ROLLOUT_PART_SOURCES = ("model", "sampling", "data", "evaluation", "trainer", "reward")
+ROLLOUT_PART_SOURCES = ("model", "sampling", "rollout", "data", "evaluation", "trainer", "reward")
 
 
 def _section(cls: type, values: Mapping[str, Any]) -> Any:

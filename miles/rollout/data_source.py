@@ -360,7 +360,7 @@ class RolloutDataSourceWithBuffer(RolloutDataSource):
         super().__init__(config)
         self.buffer: list[Group] = []
         self._calls = 0
-        path = self.config.rollout.buffer_filter_path
+        path = self.config.data_source.buffer_filter_path
         chosen = load_function(path, "--buffer-filter-path", required_params=4) if path else pop_first
         self.buffer_filter: Callable = with_hook_args(chosen, self.config)  # (rollout_id, buffer, num_groups)
 
@@ -404,7 +404,7 @@ def _reindex(groups: list[Group]) -> list[Group]:
 def build_data_source(config: RunConfig | HookArgs) -> Any:
     """`--data-source-path` (a class taking `args`), else `RolloutDataSourceWithBuffer`."""
     config = run_config_of(config)
-    path = config.data.data_source_path
+    path = config.data_source.data_source_path
     if not path:
         return RolloutDataSourceWithBuffer(config)
     cls = load_object(path, "--data-source-path")
