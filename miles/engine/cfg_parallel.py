@@ -357,7 +357,6 @@ def follower_main(runner_class: type, server_args, port: int, backend: str, pare
                   world_size: int = 2, mode: str = MODE_CFG_PARALLEL) -> None:
     """Rank 1..N-1: load the pipeline in a `runner_class` (see FollowerGroup), join the group, then serve commands
     until CMD_STOP."""
-
     logging.basicConfig(level=server_args.log_level.upper(),
                         format=f"%(asctime)s {mode}-follower-{rank} %(levelname)s %(message)s")
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
