@@ -364,3 +364,29 @@ def test_a_file_mixing_rows_with_and_without_an_input_image_is_refused(tmp_path)
     path.write_text('{"input": "b", "image": "ok.png"}\n{"input": "a"}\n')
     with pytest.raises(MilesUserError, match="mixed.jsonl:2: line 1 has an input image .* and line 2 has none"):
         load_prompt_data(str(path))
+
+
+SUBCLASSED_SOURCE = """
+    from miles.rollout.data_source import RolloutDataSourceWithBuffer
+
+    class Shouting(RolloutDataSourceWithBuffer):
+        def __init__(self, args):
+            super().__init__(args)
+            self.seen_batch = args.rollout_batch_size
+        def get_samples(self, num_groups, rollout_id=None):
+            groups = super().get_samples(num_groups, rollout_id=rollout_id)
+            for group in groups:
+                for sample in group:
+                    sample.prompt = sample.prompt.upper()
+            return groups
+"""
+
+
+def test_a_subclass_of_the_default_source_is_built_with_args_and_keeps_its_behaviour(tmp_path, user_module):
+    module = user_module(SUBCLASSED_SOURCE)
+    args = _args(_write_prompts(tmp_path, 3), data_source_path=f"{module}.Shouting", no_rollout_shuffle=True,
+                 rollout_batch_size=2)
+    source = build_data_source(run_config_of(args))
+    assert source.seen_batch == 2 and source.config is run_config_of(args)  # args in, the typed config kept
+    plain = RolloutDataSourceWithBuffer(_args(_write_prompts(tmp_path, 3), no_rollout_shuffle=True))
+    assert [g[0].prompt for g in source.get_samples(2)] == [g[0].prompt.upper() for g in plain.get_samples(2)]
