@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from miles.config.sections import RewardConfig
 from miles.rollout.rm_hub.builtin import frames_uint8
 from miles.tasks.shapes.score import score_scene
 from miles.tasks.shapes.spec import scene_from_metadata
@@ -23,7 +24,8 @@ from miles.types import Sample
 from miles.utils.errors import MilesUserError
 
 
-async def shapes_rm(args, samples: Sequence[Sample]) -> list[dict[str, float]]:
+async def shapes_rm(reward_config: RewardConfig, samples: Sequence[Sample]) -> list[dict[str, float]]:
+    """`reward_config` unused: the scene comes with each sample."""
     rewards = []
     for sample in samples:
         try:
