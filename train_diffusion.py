@@ -36,10 +36,6 @@ def train(args, resume: ResumePoint) -> None:
     from miles.ray.train_actor import TrainActorGroup
 
     config = RunConfig.from_args(args)  # the typed sections, built once; every part below reads them
-    if config.data.num_rollout is None:  # one pass (or --num-epoch passes) over the prompt data
-        from miles.rollout.data_source import num_rollout_of
-
-        config = config.replace(num_rollout=num_rollout_of(config.data))
     init_ray(config)
     run_logger = RunLogger(config, started_at=PROCESS_START)
     try:  # the pictures and curves are written however the run ends (an error, Ctrl-C): see RunLogger.finish

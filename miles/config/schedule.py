@@ -48,9 +48,10 @@ def resolve_num_rollout(args: argparse.Namespace) -> str:
     """Fill `args.num_rollout` from the prompt data when it is unset; returns how the length was chosen."""
     if args.num_rollout is not None:
         return "--num-rollout"
-    from miles.rollout.data_source import num_rollout_from_args
+    from miles.config.sections import RunConfig
+    from miles.rollout.data_source import num_rollout_of
 
-    args.num_rollout = num_rollout_from_args(args)
+    args.num_rollout = num_rollout_of(RunConfig.from_args(args).data)
     epochs = args.num_epoch or 1
     return (f"{epochs} epoch(s) of --prompt-data at --rollout-batch-size {args.rollout_batch_size} "
             f"(set --num-rollout or --num-epoch to change it)")
