@@ -284,8 +284,8 @@ class RolloutDataSource:
             if self._image_decodes(index):
                 rows.append(self.rows[index])
             elif len(self.skipped_images) == len(self.rows):
-                raise MilesUserError(f"--prompt-data {self.args.prompt_data!r}: no row's input image decodes "
-                                     f"({len(self.rows)} skipped)")
+                raise MilesUserError(f"--prompt-data {self.config.data_source.prompt_data!r}: no row's input image "
+                                     f"decodes ({len(self.rows)} skipped)")
         return rows
 
     def _image_decodes(self, index: int) -> bool:
@@ -297,7 +297,7 @@ class RolloutDataSource:
         if index in self.skipped_images:
             return False
         try:
-            check_image_file(row.image, f"--prompt-data {self.args.prompt_data}:{row.line}")
+            check_image_file(row.image, f"--prompt-data {self.config.data_source.prompt_data}:{row.line}")
         except MilesUserError as err:
             self.skipped_images.add(index)
             logger.warning("%s: skipping the row (%d of %d rows skipped for their input image so far)", err,

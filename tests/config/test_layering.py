@@ -137,14 +137,8 @@ def import_circles(graph: dict[str, set[str]]) -> list[tuple[str, ...]]:
     return sorted(circles)
 
 
-# Issue 29 (the checkpoint loader's rewrite) removes this one; delete the entry with it.
-KNOWN_CIRCLES = [("miles.backends.fsdp_utils.checkpoint", "miles.backends.fsdp_utils.model_export")]
-
-
 def test_no_import_circles_among_the_modules_of_miles():
-    circles = import_circles(import_graph())
-    assert [circle for circle in circles if circle not in KNOWN_CIRCLES] == []
-    assert [circle for circle in KNOWN_CIRCLES if circle not in circles] == [], "gone: drop it from KNOWN_CIRCLES"
+    assert import_circles(import_graph()) == []
 
 
 def test_the_circle_finder_counts_deferred_imports_and_not_type_checking_ones(tmp_path):
