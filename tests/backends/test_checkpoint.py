@@ -24,6 +24,7 @@ from miles.backends.fsdp_utils.checkpoint import (
 from miles.backends.fsdp_utils.spawn import free_port, init_distributed
 from miles.testing.tiny_rollout import load_tiny_family, make_rollout_samples, tiny_trainer_config, trained_state
 from miles.types import GuidanceConfig
+from miles.testing.payloads import RunsCode, swap_dcp_index_before_load
 from miles.utils.errors import MilesUserError
 
 NFT_SETTINGS = dict(
@@ -249,16 +250,6 @@ def test_save_interval_rule():
 
 
 # ---- nothing in a checkpoint runs code; a damaged one is one line naming the file --------------------------
-class RunsCode:
-    """A pickle payload: loading it with the unsafe loader would create `marker`."""
-
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
 @pytest.fixture()
 def saved(tiny, tmp_path):
     """A complete checkpoint (rollout 0) of a LoRA trainer, and a factory of trainers resuming from it."""
@@ -325,19 +316,9 @@ def test_an_index_of_none_does_not_fall_back_to_an_unchecked_rank_local_index(sa
 def test_an_index_swapped_between_the_check_and_the_load_is_never_read(saved, tmp_path, monkeypatch):
     """The check-then-load race: the index is replaced after it was checked, just before DCP loads. DCP loads
     with the copy that was checked, so the payload never runs and the resume is the one that was checked."""
-    import torch.distributed.checkpoint as dcp
-
     _, directory, resume = saved
     marker = str(tmp_path / "payload-ran")
-    real_load = dcp.load
-
-    def swap_then_load(*args, **kwargs):
-        for name in (".metadata", "__0.metadata"):
-            with open(os.path.join(directory, name), "wb") as handle:
-                pickle.dump(RunsCode(marker), handle)
-        return real_load(*args, **kwargs)
-
-    monkeypatch.setattr(dcp, "load", swap_then_load)
+    swap_dcp_index_before_load(monkeypatch, directory, marker)
     try:
         trainer = resume()
     except BaseException:  # noqa: BLE001 - before the fix DCP unpickled the payload and then failed

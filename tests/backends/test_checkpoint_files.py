@@ -18,22 +18,7 @@ from miles.backends.fsdp_utils.checkpoint_files import (
     load_dcp,
     read_dcp_index,
 )
-from miles.utils.errors import MilesUserError
-
-
-class RunsCode:
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
-def error_of(fn, *args) -> str:
-    with pytest.raises(MilesUserError) as info:
-        fn(*args)
-    assert "\n" not in str(info.value)
-    return str(info.value)
+from miles.testing.payloads import RunsCode, one_line_error
 
 
 @pytest.fixture
@@ -72,16 +57,16 @@ def test_payloads_none_links_and_huge_files_are_refused(saved, tmp_path):
     for data, message in cases:
         with open(index_path, "wb") as handle:
             handle.write(data)
-        assert message in error_of(read_dcp_index, index_path)
+        assert message in one_line_error(read_dcp_index, index_path)
     os.remove(index_path)
     target = tmp_path / "elsewhere"
     target.write_bytes(b"")
     os.symlink(target, index_path)
-    assert "is a symbolic link" in error_of(read_dcp_index, index_path)
+    assert "is a symbolic link" in one_line_error(read_dcp_index, index_path)
     os.remove(index_path)
     with open(index_path, "wb") as handle:
         handle.truncate(MAX_INDEX_BYTES + 1)  # sparse: no disk used
-    assert "more than the" in error_of(read_dcp_index, index_path)
+    assert "more than the" in one_line_error(read_dcp_index, index_path)
     assert not marker.exists()
 
 
@@ -93,7 +78,7 @@ def test_a_rank_local_index_goes_through_the_same_reader(saved, tmp_path):
         pickle.dump(RunsCode(str(marker)), handle)
     reader = VettedIndexReader(directory, index)
     assert reader.read_metadata() is index
-    assert "it refers to io.open" in error_of(lambda: reader.read_metadata(rank=0))
+    assert "it refers to io.open" in one_line_error(lambda: reader.read_metadata(rank=0))
     assert not marker.exists()
 
 
@@ -119,7 +104,7 @@ def test_edited_index_fields_are_refused_by_type(saved):
         edit(index)
         with open(index_path, "wb") as handle:
             pickle.dump(index, handle)
-        assert message in error_of(read_dcp_index, index_path)
+        assert message in one_line_error(read_dcp_index, index_path)
 
 
 def test_a_non_tensor_item_with_a_reduce_payload_does_not_run(tmp_path):
@@ -130,7 +115,7 @@ def test_a_non_tensor_item_with_a_reduce_payload_does_not_run(tmp_path):
         dcp.save({"w": torch.ones(2), "hyper": {"lr": RunsCode(str(marker))}}, checkpoint_id=directory, no_dist=True)
     state = {"w": torch.zeros(2), "hyper": {"lr": 0.1}}
     index = read_dcp_index(os.path.join(directory, ".metadata"))
-    assert "the item 'hyper.lr' holds io.open" in error_of(load_dcp, state, directory, index, True)
+    assert "the item 'hyper.lr' holds io.open" in one_line_error(load_dcp, state, directory, index, True)
     assert not marker.exists()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -29,6 +29,7 @@ from miles.backends.fsdp_utils.spawn import free_port, init_distributed
 from miles.testing.tiny_rollout import load_tiny_family, make_rollout_samples, tiny_trainer_config
 from miles.export import export_checkpoint
 from miles.types import GuidanceConfig
+from miles.testing.payloads import RunsCode, swap_dcp_index_before_load
 from miles.utils.errors import MilesUserError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -192,16 +193,6 @@ def test_export_mistakes_are_one_line_naming_the_flag_and_file(tiny, tmp_path):
                        pipeline_output(family, trainer, base_pipe, samples))
 
 
-class RunsCode:
-    """A pickle payload: unpickling it creates `marker`."""
-
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
 def test_export_reads_no_unchecked_index_and_no_shard_outside_the_checkpoint(tiny, tmp_path, monkeypatch):
     import pickle
 
@@ -222,14 +213,7 @@ def test_export_reads_no_unchecked_index_and_no_shard_outside_the_checkpoint(tin
 
     # the index swapped for a payload between the check and DCP's load: DCP loads with the checked copy
     real_load = dcp.load
-
-    def swap_then_load(*args, **kwargs):
-        for name in (".metadata", "__0.metadata"):
-            with open(os.path.join(directory, name), "wb") as handle:
-                pickle.dump(RunsCode(marker), handle)
-        return real_load(*args, **kwargs)
-
-    monkeypatch.setattr(dcp, "load", swap_then_load)
+    swap_dcp_index_before_load(monkeypatch, directory, marker)
     assert export("raced") == "lora" and not os.path.exists(marker)
     monkeypatch.setattr(dcp, "load", real_load)
 

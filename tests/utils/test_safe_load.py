@@ -3,35 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import pickle
 
-import pytest
 import torch
 
 from miles.types import Sample
-from miles.utils.errors import MilesUserError
+from miles.testing.payloads import RunsCode, one_line_error
 from miles.utils.safe_load import load_plain, plain_value_problem, save_plain
-
-
-class RunsCode:
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
-def error_of(fn, *args) -> str:
-    with pytest.raises(MilesUserError) as info:
-        fn(*args)
-    assert "\n" not in str(info.value)
-    return str(info.value)
 
 
 def test_load_plain_refuses_code_and_names_the_file(tmp_path):
     marker, path = tmp_path / "ran", str(tmp_path / "data.pt")
     torch.save({"x": torch.ones(2), "payload": RunsCode(str(marker))}, path)
-    message = error_of(load_plain, path, "--some-flag")
+    message = one_line_error(load_plain, path, "--some-flag")
     assert message.startswith(f"--some-flag: refusing to load {path} with weights_only=True: it holds io.open")
     assert not marker.exists()
 
@@ -41,10 +24,10 @@ def test_load_plain_damaged_and_missing_files(tmp_path):
     torch.save({"x": torch.arange(1000)}, path)
     data = open(path, "rb").read()
     open(path, "wb").write(data[:200])
-    assert error_of(load_plain, path, "--flag").startswith(f"--flag: {path} is truncated or corrupt (")
+    assert one_line_error(load_plain, path, "--flag").startswith(f"--flag: {path} is truncated or corrupt (")
     open(path, "wb").write(b"not a torch file")
-    assert "is truncated or corrupt" in error_of(load_plain, path, "--flag")
-    assert error_of(load_plain, str(tmp_path / "absent.pt"), "--flag").endswith("absent.pt does not exist")
+    assert "is truncated or corrupt" in one_line_error(load_plain, path, "--flag")
+    assert one_line_error(load_plain, str(tmp_path / "absent.pt"), "--flag").endswith("absent.pt does not exist")
 
 
 def test_plain_value_problem_names_the_first_unloadable_value():
@@ -56,7 +39,7 @@ def test_plain_value_problem_names_the_first_unloadable_value():
 
 def test_save_plain_refuses_before_writing(tmp_path):
     path = tmp_path / "out.pt"
-    message = error_of(save_plain, {"state": {"obj": argparse.Namespace()}}, str(path), "--flag")
+    message = one_line_error(save_plain, {"state": {"obj": argparse.Namespace()}}, str(path), "--flag")
     assert "it would hold state.obj: an object of type argparse.Namespace" in message and not path.exists()
 
 
@@ -69,7 +52,7 @@ def test_samples_round_trip_as_plain_records(tmp_path):
     back = Sample.from_record(record, "here")
     assert back.prompt == "a cat" and back.metadata == {"rm_type": "brightness"} and back.reward == {"score": 0.5}
     assert torch.equal(back.latents[1], torch.zeros(2)) and back.sde_step_indices == [0, 1]
-    assert "not a Sample record (unknown keys ['bogus']" in error_of(Sample.from_record, {**record, "bogus": 1}, "f:0")
+    assert "not a Sample record (unknown keys ['bogus']" in one_line_error(Sample.from_record, {**record, "bogus": 1}, "f:0")
 
 
 def test_load_debug_rollout_data_refuses_pickled_objects(tmp_path):
@@ -79,7 +62,7 @@ def test_load_debug_rollout_data_refuses_pickled_objects(tmp_path):
     marker, template = tmp_path / "ran", str(tmp_path / "rollout_{rollout_id}.pt")
     torch.save({"rollout_id": 0, "samples": [RunsCode(str(marker))]}, template.format(rollout_id=0))
     manager = argparse.Namespace(config=trainer_config(load_debug_rollout_data=template))
-    message = error_of(RolloutManager._load_debug_rollout, manager, 0)
+    message = one_line_error(RolloutManager._load_debug_rollout, manager, 0)
     assert message.startswith("--load-debug-rollout-data: refusing to load") and not marker.exists()
     save_plain({"rollout_id": 0, "samples": [Sample(prompt="p").to_record()]}, template.format(rollout_id=0), "t")
     assert [s.prompt for s in RolloutManager._load_debug_rollout(manager, 0)] == ["p"]
