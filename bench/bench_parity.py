@@ -20,6 +20,7 @@ family's decode) and the real trainer (`DiffusionTrainer`, one-rank FSDP2), in o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -101,6 +102,21 @@ def rollout(runner: ModelRunner, opts, prompts: list[str], samples_per_prompt: i
                      "total": finished - began}
 
 
+@contextlib.contextmanager
+def profiled(folder: str, name: str):
+    """torch.profiler over the block; the kernels by total device time into `folder/name.txt`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        yield
+    sort_by = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"{name}.txt"), "w") as out:
+        out.write(prof.key_averages().table(sort_by=sort_by, row_limit=60, max_name_column_width=90))
+    print(f"profile: {os.path.join(folder, name + '.txt')}", flush=True)
+
+
 def trainer_for(family, checkpoint: str, opts, tile: int, micro_batch_size: int, **overrides) -> DiffusionTrainer:
     height, width, frames = opts.shape
     # Real optimizer steps (forward, backward, clip, AdamW) at lr 0: timed like training, and the policy stays the
@@ -168,6 +184,12 @@ def cost_at_checkpoint(opts) -> None:
         trainer = trainer_for(family, opts.checkpoint, opts, mode_tile, tile, **lora)
         first, _ = timed_train(trainer, samples, 0, opts.device)
         _, seconds = timed_train(trainer, samples, 1, opts.device)
+        if opts.profile:
+            name = "group-on" if mode_tile else "group-off"
+            with profiled(opts.profile, f"{name}-rollout"):
+                rollout(runner, opts, prompts, opts.samples, opts.shape)
+            with profiled(opts.profile, f"{name}-train"):
+                timed_train(trainer, samples, 1, opts.device)
         pairs = first.get("train/num_pairs") or len(samples) * len(samples[0].sde_step_indices)
         rows.append((label, len(samples) / phases["total"], phases, pairs / seconds, seconds, probe_line(first)))
         if mode_tile:
@@ -245,6 +267,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="compile each block on both sides (--sglang-enable-torch-compile, --fsdp-torch-compile)")
     parser.add_argument("--probe-only", action="store_true", help="with --checkpoint: only the group-on probes")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="with --checkpoint: after the timed passes, one more rollout and train pass per mode "
+                             "under torch.profiler, each kernel table written to DIR")
     opts = parser.parse_args()
     opts.shape = (opts.height, opts.width, 1)
     if opts.device == "cpu":

@@ -12,11 +12,16 @@ op that the compiler cannot look into:
 - every `nn.Linear` (and the trainer's merged-weight LoRA value): the same cuBLAS call, on the same tile shapes
   (the group's fixed forward tiles), on both sides;
 - every `nn.LayerNorm` (and diffusers' `FP32LayerNorm`): ATen's fused layer norm;
-- the one reduction of diffusers' `RMSNorm` (the mean of squares); its element-wise rest stays compiled.
+- the one reduction of diffusers' `RMSNorm` (the mean of squares, one Triton pass on CUDA:
+  miles/models/row_mean_square.py); its element-wise rest stays compiled.
 
 What is left to the compiler is element-wise, and `emulate_precision_casts` makes it round after every op as eager
 PyTorch does, so its fusions cannot change a value. Attention is already one extern kernel (the group pins it).
 Backward formulas are plain ATen math: gradients need not match anything bit for bit.
+
+On CUDA both sides run these kernels whenever the group is on, compiled or not (`wanted`): the RMS reduction
+is a kernel of its own there, so an eager side must run it too to give a compiled side's bits. On the CPU the
+kernels compute eager PyTorch's values, so only compiled sides need them.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from miles.models.row_mean_square import empty_like_result, row_mean_square
 
 logger = logging.getLogger(__name__)
 
@@ -106,13 +113,13 @@ opaque_layer_norm.register_autograd(_layer_norm_backward, setup_context=_layer_n
 # --------------------------------------------------------------------------------------------------------------
 @torch.library.custom_op("miles::mean_square", mutates_args=())
 def opaque_mean_square(x: torch.Tensor) -> torch.Tensor:
-    """mean(x², last dim) in fp32, keepdim: diffusers' RMSNorm variance."""
-    return x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    """mean(x², last dim) in fp32, keepdim: diffusers' RMSNorm variance (one Triton pass on CUDA)."""
+    return row_mean_square(x)
 
 
 @opaque_mean_square.register_fake
 def _(x):
-    return x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+    return empty_like_result(x)
 
 
 def _mean_square_setup(ctx, inputs, output) -> None:
@@ -189,6 +196,11 @@ def install_opaque_kernels(module: nn.Module) -> dict[str, int]:
             continue
         sub._miles_opaque = True
     return counts
+
+
+def wanted(group_on: bool, compiled: bool, device_type: str) -> bool:
+    """Whether a side (engine or trainer) installs the opaque kernels: the one rule both sides follow."""
+    return group_on and (compiled or device_type == "cuda")
 
 
 def enable_eager_rounding() -> None:

@@ -20,7 +20,7 @@ from torch import nn
 
 from miles.backends.fsdp_utils.parallel_dims import ParallelDims
 from miles.models.batch_invariant import engine_holds_in_forward_dtype
-from miles.models.opaque_kernels import install_in_blocks
+from miles.models.opaque_kernels import install_in_blocks, wanted as opaque_kernels_wanted
 from miles.utils.compile import compile_blocks
 from miles.utils.errors import MilesUserError
 
@@ -169,7 +169,8 @@ def parallelize_module(
     opaque_kernels: bool = False,
 ) -> nn.Module:
     """Shard one denoiser module in place (per block, then the root); returns it (now an FSDPModule).
-    `opaque_kernels`: compiled blocks get the batch_invariant group's opaque kernels (miles/models/opaque_kernels.py)."""
+    `opaque_kernels`: the batch_invariant group is on, so the blocks get its opaque kernels where
+    `opaque_kernels.wanted` says (miles/models/opaque_kernels.py)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     forward_dtype, master_dtype, reduce_dtype = trainer_dtypes(trainer)
@@ -210,9 +211,9 @@ def parallelize_module(
         fsdp_kwargs["ignored_params"] = kept_whole
     if offload:
         fsdp_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    if opaque_kernels_wanted(opaque_kernels, trainer.fsdp_torch_compile, torch.device(device).type):
+        install_in_blocks(blocks)  # the batch_invariant group: the engine's kernels, so its bits
     if trainer.fsdp_torch_compile:
-        if opaque_kernels:  # the batch_invariant group, compiled: the engine's bits
-            install_in_blocks(blocks)
         compile_blocks(blocks)  # per block, before sharding (torchtitan order): one graph reused by every layer
     for block_list in blocks:
         for block in block_list:
