@@ -42,8 +42,7 @@ from miles.engine.sequence_parallel import (
 from miles.engine.server_args import ServerArgs
 from miles.models.base import GenerationShape, SequenceParallelLayout, TrainPipelineConfig, condition_image_mismatch
 from miles.models.batch_invariant import predict_velocity_in_tiles
-from miles.models import opaque_kernels
-from miles.models.opaque_kernels import install_in_blocks
+from miles.models.opaque_kernels import install_in_blocks, wanted as opaque_kernels_wanted
 from miles.models.common import build_train_pipeline_config, combine_cfg, generators_from_seeds, parse_dtype
 from miles.utils.compile import compile_blocks
 from miles.types import GuidanceConfig
@@ -168,9 +167,11 @@ class ModelRunner:
             for module in self.modules.values():
                 module.set_attention_backend(server_args.attention_backend)
         self.forward_modules: dict[str, nn.Module] = dict(self.modules)
-        if opaque_kernels.wanted(bool(server_args.forward_tile), server_args.enable_torch_compile, self.device.type):
+        if opaque_kernels_wanted(bool(server_args.forward_tile), server_args.enable_torch_compile, self.device.type):
             for module in self.modules.values():  # the batch_invariant group: the trainer's kernels, so its bits
-                install_in_blocks(self.family.transformer_block_lists(module))
+                block_lists = self.family.transformer_block_lists(module)
+                if block_lists:
+                    install_in_blocks(block_lists)
         if server_args.enable_torch_compile:
             self._compile(server_args.torch_compile_mode)
         self.pad_batches = bool(server_args.enable_torch_compile)  # see predict

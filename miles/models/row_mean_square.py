@@ -66,6 +66,8 @@ def _inverse(order: list[int]) -> list[int]:
 
 def empty_like_result(x: torch.Tensor) -> torch.Tensor:
     """The result's layout (shape x.shape[:-1] + (1,), fp32) without computing it: for the fake kernel."""
+    if not uses_triton(x):
+        return mean_square_formula(x)  # on a fake tensor: only the formula's layout is computed
     order = _row_major_order(x) or list(range(x.dim()))
     permuted = x.permute(order)
     out = x.new_empty((*permuted.shape[:-1], 1), dtype=torch.float32)
