@@ -21,16 +21,18 @@ sources of difference (docs/sde-backends.md):
 4. **LoRA seen as the engine sees it**: the engine runs the merged weight W' = W + s·B·A (rounded to the
    forward dtype, `merged_lora_weight`). The trainer's LoRA layers compute the forward value with that same
    W' and take the LoRA gradients from the unmerged path, whose value is added as `lora − lora.detach()`
-   (exactly 0), so values match the engine bit for bit and gradients are LoRA's own.
+   (exactly 0), so values match the engine bit for bit and gradients are LoRA's own. Between two optimizer
+   steps W' is formed once (`lora_merged_once`), where the weights are whole on the rank.
 
 The SDE log-prob reduces each sample on its own (`miles.diffusion.sde.mean_over_non_batch`), always.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import types
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -177,13 +179,18 @@ def _merged_value_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tenso
     if self.disable_adapters or self.merged:
         return self._miles_unpatched_forward(x, *args, **kwargs)
     base = self.base_layer
-    adapters = lora_adapters(self)
-    if getattr(self, "_miles_opaque", False):  # compiled: the merge and the matmul outside the graph's fusions
-        weight = opaque_merged_lora_weight(base.weight.detach(), [a.detach() for a, _, _ in adapters],
-                                           [b.detach() for _, b, _ in adapters], [s for _, _, s in adapters])
+    opaque = getattr(self, "_miles_opaque", False)  # compiled: the merge and the matmul outside the graph's fusions
+    weight = getattr(self, "_miles_merged_weight", None)  # formed once per optimizer step (`lora_merged_once`)
+    if weight is None:
+        adapters = lora_adapters(self)
+        if opaque:
+            weight = opaque_merged_lora_weight(base.weight.detach(), [a.detach() for a, _, _ in adapters],
+                                               [b.detach() for _, b, _ in adapters], [s for _, _, s in adapters])
+        else:
+            weight = merged_lora_weight(base.weight, adapters, base.weight.dtype).detach()
+    if opaque:
         result = opaque_linear(x.to(weight.dtype), weight, base.bias)
     else:
-        weight = merged_lora_weight(base.weight, adapters, base.weight.dtype).detach()
         result = F.linear(x.to(weight.dtype), weight, base.bias)
     lora = None
     detached = x.detach()
@@ -197,6 +204,57 @@ def _merged_value_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tenso
     if lora is not None:
         result = result + (lora - lora.detach()).to(result.dtype)  # adds exactly 0, carries the LoRA gradients
     return result
+
+
+def _patched_lora_layers(module: nn.Module) -> list[nn.Module]:
+    return [sub for sub in module.modules() if getattr(sub, "_miles_unpatched_forward", None) is not None]
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor itself, or a DTensor's local tensor where that is the whole tensor (a one-rank shard mesh)."""
+    if hasattr(tensor, "to_local"):
+        local = tensor.to_local()
+        if local.shape != tensor.shape:
+            raise RuntimeError("lora_merged_once needs every weight whole on this rank (one shard rank); "
+                               f"a weight of shape {list(tensor.shape)} is sharded to {list(local.shape)}")
+        return local
+    return tensor
+
+
+@contextlib.contextmanager
+def lora_merged_once(module: nn.Module) -> Iterator[None]:
+    """Within the block, every patched LoRA layer of `module` runs one W' formed on entry instead of forming it
+    on every forward: for the micro-batches between two optimizer steps the weights do not change, so W' is
+    the same tensor each would form (the same `merged_lora_weight` of the same forward-dtype values: FSDP's
+    forward copy of a master weight is its rounding to the forward dtype, which the formula applies first).
+    It saves one merge per layer per micro-batch, on the device and in the dispatching host thread. Needs the
+    weights whole on this rank (`holds_weights_whole`); anything that changes them inside the block (an EMA
+    swap) runs under `lora_merge_suspended`."""
+    layers = _patched_lora_layers(module)
+    with torch.no_grad():
+        for layer in layers:
+            adapters = [(_whole(a), _whole(b), scaling) for a, b, scaling in lora_adapters(layer)]
+            base = _whole(layer.base_layer.weight)
+            layer._miles_merged_weight = merged_lora_weight(base, adapters, base.dtype)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer._miles_merged_weight = None
+
+
+@contextlib.contextmanager
+def lora_merge_suspended(module: nn.Module) -> Iterator[None]:
+    """Within the block the patched LoRA layers form W' per forward again (the weights are swapped); on exit
+    the W' formed by an enclosing `lora_merged_once` is back."""
+    held = {layer: getattr(layer, "_miles_merged_weight", None) for layer in _patched_lora_layers(module)}
+    for layer in held:
+        layer._miles_merged_weight = None
+    try:
+        yield
+    finally:
+        for layer, weight in held.items():
+            layer._miles_merged_weight = weight
 
 
 def patch_lora_layers(module: nn.Module) -> int:

@@ -4,7 +4,8 @@ Set in the trainer's environment (e.g. `--train-env-vars '{"MILES_PROFILE_TRAIN_
 writes `<dir>/train_rollout<id>_rank<r>.txt` for the rollouts listed in `MILES_PROFILE_TRAIN_ROLLOUTS` (a comma
 list of rollout ids, default `2`: past the first iteration's compiles and colocation decisions). The file holds
 the step's wall time next to the time the device spent in kernels, the process's scheduling (niceness, CPU
-affinity, intra-op threads), and torch.profiler's tables sorted by device time and by host time. A step whose
+affinity, intra-op threads), the trainer thread's CPU time and preemptions with the busiest threads and processes
+over the step (miles/utils/host_usage.py), and torch.profiler's tables sorted by device time and by host time. A step whose
 wall time is far above its kernel time is host-bound; one whose kernels themselves take longer than in
 `bench/bench_train.py --profile` shares the device.
 
@@ -22,6 +23,8 @@ import time
 from typing import Iterator
 
 import torch
+
+from miles.utils.host_usage import HostUsage
 
 PROFILE_DIR_ENV = "MILES_PROFILE_TRAIN_DIR"
 PROFILE_ROLLOUTS_ENV = "MILES_PROFILE_TRAIN_ROLLOUTS"
@@ -63,10 +66,12 @@ def profile_train_step(rollout_id: int, rank: int, device: torch.device) -> Iter
     host = not cuda or os.environ.get(PROFILE_HOST_ENV) == "1"
     activities = ([ProfilerActivity.CPU] if host else []) + ([ProfilerActivity.CUDA] if cuda else [])
     began = time.perf_counter()
+    host_before = HostUsage.measure(with_tables=True)
     with profile(activities=activities) as prof:
         yield
         if cuda:
             torch.cuda.synchronize(device)
+    host_usage = HostUsage.measure(with_tables=True).delta(host_before)
     wall = time.perf_counter() - began
     averages = prof.key_averages()
     kernel_s = sum(event.self_device_time_total for event in averages) / 1e6
@@ -75,6 +80,7 @@ def profile_train_step(rollout_id: int, rank: int, device: torch.device) -> Iter
         f"rollout {rollout_id}, rank {rank}: wall {wall:.3f} s (profiled), device kernels {kernel_s:.3f} s"
         + (f", {host_ops} host-side operator calls" if host else ""),
         scheduling_summary(),
+        *host_usage.report(),
         "",
         "## by device time" if cuda else "## by host time",
         averages.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=30,

@@ -104,9 +104,15 @@ def test_without_the_group_batching_changes_the_numbers(tiny):
     assert metrics["train/model_output_max_abs_diff"] > 0.0
 
 
-def test_lora_trainer_matches_an_engine_running_merged_weights(tiny):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_lora_trainer_matches_an_engine_running_merged_weights(tiny, dtype):
+    """The trainer forms W' once per optimizer step (`lora_merged_once`, one rank); in bf16 from fp32 masters."""
     args, family, pipe = tiny
-    _, trainer = replay(tiny, rollout(family, pipe, args.model.hf_checkpoint, tile=3), tile=3, use_lora=True)
+    if dtype == "bf16":
+        pipe = family.load_pipeline(args.model.hf_checkpoint, torch.bfloat16)
+    _, trainer = replay(tiny, rollout(family, pipe, args.model.hf_checkpoint, tile=3, dtype=dtype), tile=3,
+                        use_lora=True, diffusion_forward_dtype=dtype)
+    assert trainer.merge_lora_once
     with torch.no_grad():  # a trained adapter: B != 0, so the merged weight differs from the base
         generator = torch.Generator().manual_seed(3)
         for name, param in trainer.model.named_parameters():
@@ -114,7 +120,7 @@ def test_lora_trainer_matches_an_engine_running_merged_weights(tiny):
                 local = param.to_local()
                 local.copy_(torch.randn(local.shape, generator=generator) * 0.05)
     merged = {name: tensor.clone() for name, tensor in iter_named_tensors(trainer)}
-    samples = rollout(family, pipe, args.model.hf_checkpoint, tile=3, weights=merged)
+    samples = rollout(family, pipe, args.model.hf_checkpoint, tile=3, weights=merged, dtype=dtype)
     metrics = trainer.train(1, samples)
     assert metrics["train/model_output_max_abs_diff"] == 0.0
     assert metrics["train/log_prob_mean_abs_diff"] == 0.0
@@ -215,3 +221,66 @@ def test_the_pinned_attention_kernel_supports_what_the_family_calls():
     assert parity_attention_backend(torch.bfloat16, gqa) == "_native_flash"
     assert parity_attention_backend(torch.float32, plain) == "_native_efficient"  # flash has no fp32 kernel
     assert parity_attention_backend(torch.float32, gqa) == "_native_math"  # efficient has no grouped-query
+
+
+def _lora_linear(dtype: torch.dtype) -> torch.nn.Module:
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from miles.models.batch_invariant import patch_lora_layers
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 12))
+    model = inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=["0"]), model)
+    model.requires_grad_(False)
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            param.requires_grad_(True)
+            param.data.normal_(0, 0.3)
+    model[0].base_layer.to(dtype)
+    assert patch_lora_layers(model) == 1
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merged_once_gives_the_per_forward_values_and_gradients(dtype):
+    from miles.models.batch_invariant import lora_merged_once
+
+    model = _lora_linear(dtype)
+    x = torch.randn(5, 16, dtype=dtype)
+
+    def run():
+        out = model(x)
+        out.float().square().sum().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        model.zero_grad(set_to_none=True)
+        return out.detach(), grads
+
+    per_forward, per_forward_grads = run()
+    with lora_merged_once(model):
+        assert model[0]._miles_merged_weight is not None
+        once, once_grads = run()
+    assert model[0]._miles_merged_weight is None  # freed on exit
+    assert torch.equal(per_forward, once)
+    assert all(torch.equal(a, b) for a, b in zip(per_forward_grads, once_grads))
+
+
+def test_a_suspended_merge_sees_swapped_weights_and_comes_back():
+    """What an EMA swap inside a window needs: the swapped weights' own W', then the window's W' again."""
+    from miles.models.batch_invariant import lora_merge_suspended, lora_merged_once
+
+    model = _lora_linear(torch.float32)
+    x = torch.randn(3, 16)
+    lora_b = model[0].lora_B["default"].weight
+    with torch.no_grad(), lora_merged_once(model):
+        before = model(x)
+        saved = lora_b.clone()
+        lora_b.mul_(2.0)  # "swap" in other weights
+        with lora_merge_suspended(model):
+            swapped = model(x)
+        lora_b.copy_(saved)
+        after = model(x)
+        assert not torch.equal(before, swapped)
+        assert torch.equal(before, after)
+    with torch.no_grad():
+        lora_b.mul_(2.0)
+        assert torch.equal(model(x), swapped)  # the suspended forward formed the swapped weights' W'

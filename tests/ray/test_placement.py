@@ -57,3 +57,25 @@ def test_a_run_joins_a_cluster_only_when_one_is_named():
     assert cluster_address(_args(ray_address="auto"), environ={"RAY_ADDRESS": "10.0.0.1:6379"}) == "auto"
     assert cluster_address(_args(), environ={"RAY_ADDRESS": "local"}) is None
     assert cluster_address(_args(ray_address="local"), environ={"RAY_ADDRESS": "10.0.0.1:6379"}) is None
+
+
+def test_a_private_ray_runs_its_workers_at_ordinary_priority(monkeypatch):
+    """The trainer and engines dispatch every kernel from one thread: Ray's default niceness 15 is not theirs."""
+    import os
+
+    import ray
+
+    from miles.ray.placement import local_ray_system_config, start_or_join_ray
+
+    assert local_ray_system_config(environ={"RAY_worker_niceness": "10"}) == {}  # the user's setting decides
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    start_or_join_ray(_args(), runtime_env={})
+    try:
+        @ray.remote(num_cpus=0)
+        def niceness() -> int:
+            return os.nice(0)
+
+        assert ray.get(niceness.remote()) == os.nice(0)
+    finally:
+        ray.shutdown()

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from miles.backends.fsdp_utils import deterministic
 from miles.backends.fsdp_utils.parallel_dims import ParallelDims
-from miles.backends.fsdp_utils.parallelize import parallelize_module, trainer_dtypes
+from miles.backends.fsdp_utils.parallelize import holds_weights_whole, parallelize_module, trainer_dtypes
 from miles.backends.fsdp_utils.train_data import (
     TrainBatch,
     collate,
@@ -30,10 +30,17 @@ from miles.backends.fsdp_utils.train_data import (
 )
 from miles.config.sections import RunConfig
 from miles.models.base import GenerationShape
-from miles.models.batch_invariant import patch_lora_layers, pin_attention, predict_velocity_in_tiles
+from miles.models.batch_invariant import (
+    lora_merge_suspended,
+    lora_merged_once,
+    patch_lora_layers,
+    pin_attention,
+    predict_velocity_in_tiles,
+)
 from miles.types import GuidanceConfig, Sample
 from miles.utils.device_memory import allocator_counts
 from miles.utils.errors import MilesUserError
+from miles.utils.host_usage import HostUsage
 from miles.utils.imports import load_function
 from miles.utils.profiling import profile_train_step
 
@@ -150,6 +157,9 @@ class DiffusionTrainer:
         self.module_names = self._module_names()
         # the batch_invariant patch group (miles/models/batch_invariant.py): forwards in the engine's tiles
         self.forward_tile = config.sampling.parity_forward_tile
+        # its LoRA layers form the merged weight once per optimizer step where the weights are whole on the rank
+        self.merge_lora_once = bool(self.forward_tile and config.trainer.use_lora
+                                    and holds_weights_whole(config.trainer, self.dims))
         self.model: nn.ModuleDict | None = None
         self.ema = None
         self.flops_per_pair: float | None = None
@@ -270,12 +280,16 @@ class DiffusionTrainer:
             self.model, latents, sigmas, conditioning, guidance, self.shape, self.forward_dtype
         )
 
+    def _weights_fixed(self):
+        """Context for forwards between two optimizer steps: the LoRA layers' merged weight formed once."""
+        return lora_merged_once(self.model) if self.merge_lora_once else contextlib.nullcontext()
+
     @contextlib.contextmanager
     def reference_weights(self):
         """No-grad context with the reference policy in the live modules (`--ref-mode`, §5/§8)."""
         with torch.no_grad():
             if self.ref_mode == "ema":
-                with self.ema.swapped():
+                with self.ema.swapped(), lora_merge_suspended(self.model):
                     yield
             elif self.ref_mode == "lora_base":
                 for module in self.model.values():
@@ -401,6 +415,10 @@ class DiffusionTrainer:
     @torch.no_grad()
     def recompute_old_log_probs(self, windows) -> None:
         """§5: with the pre-update weights, overwrite ℓ_old of every pair in windows 1…W−1."""
+        with self._weights_fixed():
+            self._recompute_old_log_probs(windows)
+
+    def _recompute_old_log_probs(self, windows) -> None:
         for window in windows[1:]:
             for micro_batch in window:
                 batch = self._batch(micro_batch)
@@ -428,6 +446,7 @@ class DiffusionTrainer:
 
     def _train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
         started = time.perf_counter()
+        host_before = HostUsage.measure()
         allocator_before = allocator_counts(self.device)
         config = self.config
         skip_step = config.debug.debug_skip_optimizer_step
@@ -452,12 +471,12 @@ class DiffusionTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             loss_is_finite = torch.ones((), dtype=torch.bool, device=self.device)  # on the device: no sync per batch
             lr = self.optimizer.param_groups[0]["lr"]
-            for micro_batch in window:
-                batch = self._batch(micro_batch)
-                # FLOPs are counted once, eagerly; a dispatch mode around compiled blocks would force recompiles
-                measure = self.flops_per_pair is None and not skip_step and not config.trainer.fsdp_torch_compile
-                with self._flop_counter(measure, len(micro_batch)):
-                    with torch.set_grad_enabled(not skip_step):
+            with self._weights_fixed():  # the window's micro-batches: no optimizer step between them
+                for micro_batch in window:
+                    batch = self._batch(micro_batch)
+                    # FLOPs are counted once, eagerly; a dispatch mode around compiled blocks would force recompiles
+                    measure = self.flops_per_pair is None and not skip_step and not config.trainer.fsdp_torch_compile
+                    with self._flop_counter(measure, len(micro_batch)), torch.set_grad_enabled(not skip_step):
                         per_pair_loss, pair_metrics = self._micro_batch_loss(batch, rollout_id, window_index, metrics)
                         if not skip_step:
                             from miles.diffusion.losses import window_reduce
@@ -465,8 +484,8 @@ class DiffusionTrainer:
                             loss = window_reduce(per_pair_loss * batch.loss_mask, plan.pairs_per_window)
                             loss_is_finite &= torch.isfinite(loss.detach())
                             self.scaler.scale(loss).backward()
-                for name, values in pair_metrics.items():
-                    metrics.add(name, values)
+                    for name, values in pair_metrics.items():
+                        metrics.add(name, values)
             if not skip_step:
                 where = f"rollout {rollout_id}, step {window_index + 1}/{len(plan.windows)}"
                 grad_norm = self._optimizer_step(where, loss_is_finite)
@@ -489,6 +508,7 @@ class DiffusionTrainer:
         result["perf/train_prepare_s"] = staged
         for key, value in allocator_counts(self.device).items():
             result[f"perf/train_{key}"] = float(value - allocator_before[key])
+        result.update(HostUsage.measure().delta(host_before).metrics("perf/train_"))  # host-bound or not
         return result
 
     def _save_debug_train_data(self, rollout_id: int, plan) -> None:

@@ -143,10 +143,15 @@ def enable_gradient_checkpointing(module: nn.Module, blocks: list[nn.ModuleList]
             block_list[index] = checkpoint_wrapper(block)
 
 
+def holds_weights_whole(trainer: TrainerConfig, dims: ParallelDims) -> bool:
+    """Each rank's shard is the whole tensor (one rank shards: dp_shard × sp = 1) and stays on the device (no
+    `--fsdp-cpu-offload`)."""
+    return not trainer.fsdp_cpu_offload and dims.dp_shard * dims.sp == 1
+
+
 def frozen_params_kept_whole(module: nn.Module, trainer: TrainerConfig, dims: ParallelDims) -> set[nn.Parameter]:
     """The frozen parameters (the base weights under LoRA) that FSDP leaves alone: held whole, in the forward
-    dtype, on the trainer's device. Only when each rank's shard is the whole tensor anyway (one rank shards:
-    dp_shard × sp = 1) and the shards stay on the device (no `--fsdp-cpu-offload`).
+    dtype, on the trainer's device. Only where `holds_weights_whole`.
 
     Otherwise FSDP casts every frozen fp32 master weight to the forward dtype before each micro-batch's forward
     and again before its backward: thousands of small copies per micro-batch that never change a value, which
@@ -154,7 +159,7 @@ def frozen_params_kept_whole(module: nn.Module, trainer: TrainerConfig, dims: Pa
     nothing updates. A frozen weight's forward-dtype copy is exactly what FSDP's cast produced, so the layers
     compute the same values. Parameters the engine holds in fp32 (diffusers' `_keep_in_fp32_modules`) stay
     with FSDP: a weight sync sends every frozen weight too, and those must keep reaching the engine unrounded."""
-    if trainer.fsdp_cpu_offload or dims.dp_shard * dims.sp > 1:
+    if not holds_weights_whole(trainer, dims):
         return set()
     kept = set()
     for name, param in module.named_parameters():
