@@ -40,3 +40,32 @@ def test_nothing_is_kept_whole_when_shards_span_ranks_or_live_on_the_host():
     everything = {"proj.weight", "proj.bias", "head.weight", "head.bias"}
     assert kept_names(module) == everything
     assert kept_names(module, world_size=2, replicate=2) == everything  # replicas hold whole shards anyway
+
+
+def _units(use_lora: bool, tiny_checkpoint) -> tuple[bool, list[bool]]:
+    """(root is an FSDP unit, whether each transformer block is one) after the trainer's init on one rank."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    from miles.backends.fsdp_utils.actor import DiffusionTrainer
+    from miles.backends.fsdp_utils.spawn import free_port, init_distributed
+    from miles.testing.tiny_rollout import build_tiny_family, tiny_trainer_config
+
+    config = tiny_trainer_config(tiny_checkpoint("sd3"), use_lora=use_lora)
+    init_distributed(0, 1, "gloo", free_port())
+    try:
+        trainer = DiffusionTrainer(config, build_tiny_family(config))
+        trainer.init()
+        transformer = trainer.model["transformer"]
+        blocks = [block for blocks in trainer.family.transformer_block_lists(transformer) for block in blocks]
+        return isinstance(transformer, FSDPModule), [isinstance(block, FSDPModule) for block in blocks]
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_one_rank_lora_is_one_unit_and_a_full_fine_tune_a_unit_per_block(tiny_checkpoint):
+    """Per-block units shard nothing at one rank; under LoRA they would only add hooks to every block."""
+    root, blocks = _units(True, tiny_checkpoint)
+    assert root and blocks and not any(blocks)
+    root, blocks = _units(False, tiny_checkpoint)
+    assert root and blocks and all(blocks)

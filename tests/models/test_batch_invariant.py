@@ -101,7 +101,22 @@ def test_without_the_group_batching_changes_the_numbers(tiny):
     args, family, pipe = tiny
     samples = rollout(family, pipe, args.model.hf_checkpoint, tile=0)
     metrics, _ = replay(tiny, samples, tile=0, micro_batch_size=1)
+    if metrics["train/model_output_max_abs_diff"] == 0.0 and _gemm_rows_ignore_the_batch():
+        pytest.skip("this CPU's GEMM gives a row the same bits at every batch size (one thread): batching changes "
+                    "nothing here for the group to remove")
     assert metrics["train/model_output_max_abs_diff"] > 0.0
+
+
+def _gemm_rows_ignore_the_batch() -> bool:
+    """Whether `F.linear` on 5 samples' rows equals it on each sample's rows alone, at the tiny models' widths."""
+    generator = torch.Generator().manual_seed(0)
+    for rows, width, out in ((16, 32, 32), (16, 32, 128), (24, 64, 64), (20, 64, 256)):
+        x = torch.randn(5 * rows, width, generator=generator)
+        weight = torch.randn(out, width, generator=generator)
+        alone = torch.cat([torch.nn.functional.linear(part, weight) for part in x.split(rows)])
+        if not torch.equal(torch.nn.functional.linear(x, weight), alone):
+            return False
+    return True
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

@@ -2,7 +2,7 @@
 
 Order (torchtitan style): attention backend → sequence parallelism (diffusers context-parallel plan) →
 activation checkpointing → (optional `torch.compile` per block, `--fsdp-torch-compile`) → `fully_shard` on
-every transformer block the family lists, then on the module root.
+every transformer block the family lists, then on the module root (the root alone for LoRA on one shard rank).
 Dtypes: parameters are held in `--fsdp-master-dtype` (sharded master weights, optimizer state), all-gathered
 and computed in `--diffusion-forward-dtype` (MixedPrecisionPolicy.param_dtype), gradients reduce-scattered in
 `--fsdp-reduce-dtype`. On a one-rank shard mesh, frozen parameters are held whole in the forward dtype instead
@@ -220,15 +220,22 @@ def parallelize_module(
         install_in_blocks(blocks)  # the batch_invariant group: the engine's kernels, so its bits
     if trainer.fsdp_torch_compile:
         compile_blocks(blocks)  # per block, before sharding (torchtitan order): one graph reused by every layer
-    for block_list in blocks:
-        for block in block_list:
-            fully_shard(block, **fsdp_kwargs)
+    # At one shard rank under LoRA FSDP manages only the adapters (the base is held whole): a unit per block
+    # would shard nothing and cost every block four hooks per micro-batch (gather, reshard, gather again for
+    # the backward, reduce the gradients), all paid by the host threads that dispatch the step, which is
+    # host-bound there (bench/RESULTS.md). The root unit alone manages the adapters then.
+    unit_per_block = not (kept_whole and trainer.use_lora)
+    if unit_per_block:
+        for block_list in blocks:
+            for block in block_list:
+                fully_shard(block, **fsdp_kwargs)
     fully_shard(module, **fsdp_kwargs)
     if dims.sp_enabled:
         set_sequence_parallel_gradient_reduction(module, dims, torch.device(device).type)
     logger.info(
         "sharded %s: %d block lists, param %s / master %s / reduce %s, cpu offload %s, mesh %s, "
-        "%d frozen parameters held whole in %s",
+        "%d frozen parameters held whole in %s, %s",
         name, len(blocks), forward_dtype, master_dtype, reduce_dtype, offload, dims, len(kept_whole), forward_dtype,
+        "a unit per block" if unit_per_block else "the root as the one unit",
     )
     return module
