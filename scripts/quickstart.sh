@@ -10,7 +10,7 @@ bash scripts/setup_env.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
 OUT=outputs/quickstart
 BASE=miles/tasks/shapes/pretrained/sd3
-ROLLOUTS=24
+ROLLOUTS=40
 mkdir -p "$OUT"
 .venv/bin/python -m miles.tasks.shapes.data --out "$OUT/data" >/dev/null
 rm -rf "$OUT/metrics.jsonl" "$OUT/export"
@@ -24,6 +24,6 @@ rm -rf "$OUT/metrics.jsonl" "$OUT/export"
   --num-rollout "$ROLLOUTS" --diffusion-num-steps 8 \
   --diffusion-height 32 --diffusion-width 32 --diffusion-guidance-scale 1.0 --diffusion-noise-level 0.7 \
   --diffusion-forward-dtype fp32 --diffusion-generator-device cpu \
-  --loss-type policy_loss --diffusion-clip-range 1e-3 --lr 3e-5 --micro-batch-size 8 \
+  --loss-type policy_loss --diffusion-clip-range 1e-3 --lr 3e-4 --micro-batch-size 8 \
   --export-interval "$ROLLOUTS" --output-dir "$OUT" "$@"
 .venv/bin/python -m miles.tasks.shapes.report --run "$OUT" --base "$BASE" --prompts "$OUT/data/heldout.jsonl"

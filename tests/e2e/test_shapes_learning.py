@@ -6,14 +6,14 @@ reaches the framework's held-out score on the same model, seeds and hyper-parame
 The held-out score is the scorer's 0/1 GenEval rule (`shapes_correct`) over the held-out prompts, sampled
 with the ODE from fixed seeds (the eval before the first rollout and after the last).
 
-NOT YET IN CI: these runs do not reach the +0.15 the issue asks for within a CI-sized budget. Measured on the
-shared 2-core machine (2026-12-02, the shipped base, 4 prompts x 8 samples per rollout, 8 steps, held-out 25
-prompts x 2 samples): Flow-GRPO at lr 3e-5 went 0.16 -> 0.18 -> 0.20 over 16 rollouts (dense 0.602 -> 0.622);
-NFT at lr 3e-5 went 0.16 -> 0.16 -> 0.18 (dense 0.602 -> 0.573); at lr 1e-4 to 1e-3 for Flow-GRPO and 3e-4 to
-2e-3 for NFT the held-out score fell (likely Adam's first full-size steps knocking the EMA-averaged base off its
-optimum: SFT at 3e-4 fell from 0.16 to 0.10 in two steps). They run with
-`MILES_SHAPES_LEARNING=1` (about 2 minutes each on an idle 2-core machine) until a configuration that learns
-by the margin is found; docs/shapes.md and docs/status.md say the same.
+NOT YET IN CI: these runs do not reach the +0.15 the issue asks for. The shipped base (2026-12-02: half its
+pretraining images carry a stray object, docs/shapes.md) scores 0.08 held-out (dense 0.41), with strays on 30 %
+of its images and 0.12 were they not there; measured on the shared 2-core machine (4 prompts x 8 samples per
+rollout, 8 steps, held-out 25 prompts x 2 samples): Flow-GRPO at lr 1e-4 and 3e-4 went 0.08 -> 0.12 in 16
+rollouts (about 60 s each), and 0.08 -> 0.12 (dense 0.41 -> 0.44) in 40 rollouts at 3e-4 (107 s); NFT at 3e-4
+0.08 -> 0.08 (dense 0.41 -> 0.50, 80 s); SFT at 1e-4 0.08 -> 0.12 (dense 0.43, 38 s). Removing the strays is worth at most 0.12 - 0.08 on this base; the rest of it (blobby shapes,
+blended colours) is too weak for +0.15. The tests run with `MILES_SHAPES_LEARNING=1` until a base that leaves
+that much room is shipped; docs/shapes.md and docs/status.md say the same.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(os.environ.get("MILES_SHAPES_LEARNING") != "1",
-                       reason="issue 27: no CI-sized configuration yet raises the held-out score by +0.15 (see the "
+                       reason="issue 27: the shipped base leaves no +0.15 of held-out room for CI-sized runs (see the "
                               "module docstring); MILES_SHAPES_LEARNING=1 runs them"),
 ]
 
@@ -46,7 +46,7 @@ SIZE, NUM_STEPS = 32, 8
 EVAL_SAMPLES = 2  # per held-out prompt
 PROMPTS, GROUP = 4, 8  # per rollout: prompts x samples per prompt
 NOISE_LEVEL, CLIP_RANGE = 0.7, 1e-3
-GRPO_LR, GRPO_ROLLOUTS = 3e-5, 16
+GRPO_LR, GRPO_ROLLOUTS = 3e-4, 16
 MARGIN = 0.15  # the least rise of the held-out score that counts as learning
 CORRECT = "eval/heldout/reward/shapes_correct_mean"
 
@@ -127,7 +127,7 @@ def test_nft_raises_the_heldout_score(data, tmp_path):
     before, after = before_after(train([
         *rl_flags(data, tmp_path / "run", rollouts), "--loss-type", "nft", "--diffusion-sde-type", "ode",
         "--diffusion-noise-level", "0", "--use-ema", "--ema-rollout-policy", "ema", "--globalize-reward-std",
-        "--lr", "3e-5"]))
+        "--lr", "3e-4"]))
     assert after >= before + MARGIN, f"DiffusionNFT: held-out {before:.3f} -> {after:.3f}"
 
 
@@ -136,7 +136,7 @@ def test_sft_on_the_renderer_raises_the_heldout_score(data, tmp_path):
     before, after = before_after(train([
         *common_flags(data, tmp_path / "run", rollouts), "--prompt-data", str(data / "sft.jsonl"),
         "--loss-type", "sft_loss", "--rollout-batch-size", "16", "--global-batch-size", "16",
-        "--micro-batch-size", "16", "--lr", "3e-5"]))
+        "--micro-batch-size", "16", "--lr", "1e-4"]))
     assert after >= before + MARGIN, f"SFT: held-out {before:.3f} -> {after:.3f}"
 
 

@@ -29,6 +29,9 @@ class HeldoutScore:
     correct: float  # mean of the 0/1 scores
     dense: float
     images: torch.Tensor  # uint8 [N, H, W, 3], prompt-major (every seed of prompt 0 first)
+    stray_rate: float = 0.0  # fraction of images with an object in a colour the prompt did not ask for
+    correct_but_strays: float = 0.0  # the 0/1 score were those objects not there
+    correct_by_tag: dict[str, float] | None = None
 
 
 def read_scenes(path: str) -> list[tuple[str, Scene]]:
@@ -60,8 +63,14 @@ def heldout_score(family, pipe, scenes: list[tuple[str, Scene]], *, num_steps: i
     pixels = torch.cat(images)
     scores = [score_scene(scene, pixels[i * samples_per_prompt + j].numpy())
               for i, (_, scene) in enumerate(scenes) for j in range(samples_per_prompt)]
+    tags = [scene.tag for _, scene in scenes for _ in range(samples_per_prompt)]
+    by_tag = {tag: sum(s.correct for s, t in zip(scores, tags) if t == tag) / tags.count(tag)
+              for tag in dict.fromkeys(tags)}
     return HeldoutScore(correct=sum(s.correct for s in scores) / len(scores),
-                        dense=sum(s.dense for s in scores) / len(scores), images=pixels)
+                        dense=sum(s.dense for s in scores) / len(scores), images=pixels,
+                        stray_rate=sum(s.strays > 0 for s in scores) / len(scores),
+                        correct_but_strays=sum(s.correct_but_strays for s in scores) / len(scores),
+                        correct_by_tag=by_tag)
 
 
 def main() -> None:
@@ -77,7 +86,9 @@ def main() -> None:
     score = heldout_score(family, pipe, read_scenes(args.prompts), num_steps=args.num_steps,
                           samples_per_prompt=args.samples_per_prompt, size=args.size,
                           guidance_scale=args.guidance_scale)
-    print(f"held-out correct {score.correct:.3f}  dense {score.dense:.3f}")
+    print(f"held-out correct {score.correct:.3f}  dense {score.dense:.3f}  stray rate {score.stray_rate:.3f}  "
+          f"correct but strays {score.correct_but_strays:.3f}  by tag "
+          + " ".join(f"{tag} {value:.2f}" for tag, value in score.correct_by_tag.items()))
 
 
 if __name__ == "__main__":

@@ -6,18 +6,22 @@ Three stages, each seeded (`--seed`), single-threaded for bitwise repeatability 
 unless `--threads`):
 
 1. data: `--images-per-scene` renders of every train scene of `split_scenes` (never a held-out one), at the
-   model's image size;
+   model's image size; a seeded `--stray-fraction` of them (`STRAY_FRACTION`) carry one small **stray
+   object** the prompt did not ask for (`render(..., stray=True)`). That is the base's deliberate,
+   prompt-independent flaw: it learns to add a stray to about that fraction of its images, on any prompt, a
+   defect the scorer penalises and RL (or SFT on the clean renders) can remove on every prompt at once;
 2. VAE: the AutoencoderKL trained as a plain autoencoder (posterior mean, L2 reconstruction in [-1, 1], a
-   small KL term keeping the latents near a unit Gaussian) for `--vae-steps`; then `shift_factor` and
-   `scaling_factor` are set to the latents' mean and 1/std, as SD3's are;
+   small KL term keeping the latents near a unit Gaussian) for `--vae-steps` (1200: its reconstructions of
+   the renders then score 1.0; 200 scored 0.78); then `shift_factor` and `scaling_factor` are set to the
+   latents' mean and 1/std, as SD3's are;
 3. denoiser: the transformer trained by flow matching (docs/algorithms.md §1, §7) on the cached latents, with
-   the random text encoders frozen and each scene's prompt encoded once: σ from SD3.5's shifted uniform
+   the random text encoders frozen and each prompt encoded once (`--train-text` trains them jointly, with the
+   same AdamW and EMA: no better held-out score at 6000 steps and 1.6× the time per step, docs/shapes.md): σ
+   from SD3.5's shifted uniform
    schedule, x_σ = (1 − σ)·x0 + σ·ε, loss ‖v_θ(x_σ, σ, c) − (ε − x0)‖²; 10 % of the prompts dropped to the
-   empty prompt so that guidance is possible. The saved transformer is the exponential moving average of the
-   trained one (decay `EMA_DECAY`), which samples cleaner shapes than the last iterate. `--dit-steps` sets
-   how much it learns: the shipped model stops
-   early on purpose, drawing recognisable shapes with counts and relations often wrong (held-out score in
-   docs/shapes.md), which is what leaves room for RL.
+   empty prompt so that guidance is possible. The saved weights are the exponential moving average of the
+   trained ones (decay `EMA_DECAY`), which samples cleaner shapes than the last iterate. `--dit-steps` sets
+   how much it learns (held-out scores per step count in docs/shapes.md).
 
 The pipeline is saved with `save_pretrained` (safetensors) into `--out`, the layout of a real SD3 checkpoint.
 """
@@ -40,15 +44,20 @@ logger = logging.getLogger(__name__)
 SIZES = {"small": SMALL, "large": LARGE}
 CONDITION_DROPOUT = 0.1
 EMA_DECAY = 0.999
+STRAY_FRACTION = 0.5  # of the pretraining images carry one stray object: the base's systematic flaw
 
 
-def render_dataset(size: int, images_per_scene: int, seed: int) -> tuple[torch.Tensor, list[str]]:
-    """([N, 3, size, size] in [-1, 1], the N prompts), train scenes only."""
+def render_dataset(size: int, images_per_scene: int, seed: int,
+                   stray_fraction: float = 0.0) -> tuple[torch.Tensor, list[str]]:
+    """([N, 3, size, size] in [-1, 1], the N prompts), train scenes only; each image has a stray object
+    (`render(..., stray=True)`) with probability `stray_fraction` (a seeded draw per image)."""
     train, _ = split_scenes(seed=0)
+    strays = np.random.default_rng(seed).random(images_per_scene * len(train)) < stray_fraction
     images, prompts = [], []
     for copy in range(images_per_scene):
         for index, scene in enumerate(train):
-            images.append(render(scene, size, seed=seed * 1_000_003 + copy * 10_007 + index))
+            images.append(render(scene, size, seed=seed * 1_000_003 + copy * 10_007 + index,
+                                 stray=bool(strays[copy * len(train) + index])))
             prompts.append(scene.prompt())
     pixels = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
     return pixels, prompts
@@ -80,14 +89,18 @@ def encode_latents(vae, pixels: torch.Tensor, batch_size: int = 64) -> torch.Ten
     return (means - shift) * scale
 
 
-@torch.no_grad()
 def encode_prompts(pipe, prompts: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Each distinct prompt (and "") once: (prompt_embeds [L, D], pooled [P])."""
-    unique = sorted(set(prompts) | {""})
+    """Each distinct prompt once: (prompt_embeds [L, D], pooled [P]), through the pipeline's own
+    `encode_prompt` (differentiable when the text encoders train)."""
+    unique = sorted(set(prompts))
     embeds, _, pooled, _ = pipe.encode_prompt(prompt=unique, prompt_2=None, prompt_3=None,
                                               do_classifier_free_guidance=False,
                                               max_sequence_length=pipe.tokenizer_3.model_max_length)
-    return {prompt: (embeds[i].cpu(), pooled[i].cpu()) for i, prompt in enumerate(unique)}
+    return {prompt: (embeds[i], pooled[i]) for i, prompt in enumerate(unique)}
+
+
+def text_encoders(pipe) -> list[torch.nn.Module]:
+    return [pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3]
 
 
 def shifted_sigmas(u: torch.Tensor, shift: float) -> torch.Tensor:
@@ -96,18 +109,30 @@ def shifted_sigmas(u: torch.Tensor, shift: float) -> torch.Tensor:
 
 
 def train_denoiser(pipe, latents: torch.Tensor, prompts: list[str], steps: int, batch_size: int, lr: float,
-                   generator: torch.Generator, snapshot=None, snapshot_steps: tuple[int, ...] = ()) -> None:
-    """`snapshot(step)` is called after each step of `snapshot_steps`, the EMA weights swapped in."""
+                   generator: torch.Generator, snapshot=None, snapshot_steps: tuple[int, ...] = (),
+                   train_text: bool = False) -> None:
+    """`snapshot(step)` is called after each step of `snapshot_steps`, the EMA weights swapped in. With
+    `train_text` the three text encoders train jointly with the transformer (same optimizer, same EMA; kept in
+    eval mode, so without dropout): each step encodes its batch's prompts with gradients. Without it they stay
+    frozen and every prompt is encoded once."""
     transformer = pipe.transformer
-    average = [p.detach().clone() for p in transformer.parameters()]
-    encoded = encode_prompts(pipe, prompts)
-    optimizer = torch.optim.AdamW(transformer.parameters(), lr=lr, weight_decay=0.0)
+    modules = [transformer] + (text_encoders(pipe) if train_text else [])
+    params = [p for module in modules for p in module.parameters()]
+    for encoder in text_encoders(pipe):
+        encoder.requires_grad_(train_text)
+    average = [p.detach().clone() for p in params]
+    if not train_text:
+        with torch.no_grad():
+            encoded = encode_prompts(pipe, prompts + [""])
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     shift = float(pipe.scheduler.config.shift)
     transformer.train()
     for step in range(steps):
         rows = torch.randint(len(latents), (batch_size,), generator=generator)
         dropped = torch.rand(batch_size, generator=generator) < CONDITION_DROPOUT
         texts = ["" if drop else prompts[row] for row, drop in zip(rows.tolist(), dropped.tolist())]
+        if train_text:
+            encoded = encode_prompts(pipe, texts)
         embeds = torch.stack([encoded[text][0] for text in texts])
         pooled = torch.stack([encoded[text][1] for text in texts])
         x0 = latents[rows]
@@ -121,26 +146,27 @@ def train_denoiser(pipe, latents: torch.Tensor, prompts: list[str], steps: int, 
         loss = (velocity - (noise - x0).to(device)).pow(2).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         decay = min(EMA_DECAY, (1 + step) / (10 + step))
         with torch.no_grad():
-            torch._foreach_lerp_(average, [p.detach() for p in transformer.parameters()], 1 - decay)
+            torch._foreach_lerp_(average, [p.detach() for p in params], 1 - decay)
         if snapshot is not None and step + 1 in snapshot_steps:
-            with swapped_in(transformer, average):
+            with swapped_in(params, average):
                 snapshot(step + 1)
         if step % 50 == 0 or step == steps - 1:
             logger.info("denoiser step %d/%d: loss %.4f", step + 1, steps, loss.item())
     with torch.no_grad():
-        for param, value in zip(transformer.parameters(), average):
+        for param, value in zip(params, average):
             param.copy_(value)
+    for module in modules:
+        module.requires_grad_(False)
     transformer.eval()
 
 
 @contextlib.contextmanager
-def swapped_in(module, values):
-    """Within the block the module holds `values` (the EMA), then its own parameters again."""
-    params = list(module.parameters())
+def swapped_in(params: list[torch.nn.Parameter], values):
+    """Within the block the parameters hold `values` (the EMA), then their own values again."""
     saved = [p.detach().clone() for p in params]
     with torch.no_grad():
         for param, value in zip(params, values):
@@ -153,16 +179,17 @@ def swapped_in(module, values):
                 param.copy_(value)
 
 
-def pretrain(out_dir: str, size: ModelSize = SMALL, seed: int = 0, images_per_scene: int = 8, vae_steps: int = 200,
-             dit_steps: int = 12000, batch_size: int = 16, vae_lr: float = 2e-3, dit_lr: float = 1e-3,
-             snapshot_steps: tuple[int, ...] = (), device: str = "cpu") -> str:
+def pretrain(out_dir: str, size: ModelSize = SMALL, seed: int = 0, images_per_scene: int = 8, vae_steps: int = 1200,
+             dit_steps: int = 16000, batch_size: int = 16, vae_lr: float = 2e-3, dit_lr: float = 1e-3,
+             snapshot_steps: tuple[int, ...] = (), device: str = "cpu", stray_fraction: float = STRAY_FRACTION,
+             train_text: bool = False) -> str:
     """Pretrain into `out_dir`; `snapshot_steps` also saves the pipeline after those denoiser steps into
     `<out_dir>-step<N>` (to choose how far to train)."""
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)  # on the CPU: the same draws whatever --device
     pipe = build_untrained_pipeline(size, seed).to(device)
     start = time.monotonic()
-    pixels, prompts = render_dataset(size.image_size, images_per_scene, seed)
+    pixels, prompts = render_dataset(size.image_size, images_per_scene, seed, stray_fraction)
     logger.info("rendered %d images in %.1fs", len(pixels), time.monotonic() - start)
     train_vae(pipe.vae, pixels, vae_steps, batch_size, vae_lr, generator)
     latents = encode_latents(pipe.vae, pixels)
@@ -171,7 +198,8 @@ def pretrain(out_dir: str, size: ModelSize = SMALL, seed: int = 0, images_per_sc
     def snapshot(step: int) -> None:
         pipe.save_pretrained(f"{out_dir}-step{step}")
 
-    train_denoiser(pipe, latents, prompts, dit_steps, batch_size, dit_lr, generator, snapshot, snapshot_steps)
+    train_denoiser(pipe, latents, prompts, dit_steps, batch_size, dit_lr, generator, snapshot, snapshot_steps,
+                   train_text)
     logger.info("denoiser done at %.1fs", time.monotonic() - start)
     pipe.save_pretrained(out_dir)
     return out_dir
@@ -184,17 +212,22 @@ def main() -> None:
                         help="small: 32 px, the shipped CPU model; large: 128 px, the GPU benchmark's")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--images-per-scene", type=int, default=8)
-    parser.add_argument("--vae-steps", type=int, default=200)
-    parser.add_argument("--dit-steps", type=int, default=12000)
+    parser.add_argument("--vae-steps", type=int, default=1200)
+    parser.add_argument("--dit-steps", type=int, default=16000)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--snapshot-steps", default="", help="comma-separated denoiser steps to save as <out>-step<N>")
+    parser.add_argument("--stray-fraction", type=float, default=STRAY_FRACTION,
+                        help="the fraction of pretraining images with one stray object the prompt did not ask for")
+    parser.add_argument("--train-text", action="store_true",
+                        help="train the text encoders jointly with the transformer (default: random and frozen)")
     parser.add_argument("--device", default="cpu", help="cpu (bitwise repeatable) or cuda (the large model)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: bitwise repeatable)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
     print(pretrain(args.out, SIZES[args.size], args.seed, args.images_per_scene, args.vae_steps, args.dit_steps,
-                   args.batch_size, snapshot_steps=tuple(int(s) for s in args.snapshot_steps.split(",") if s), device=args.device))
+                   args.batch_size, snapshot_steps=tuple(int(s) for s in args.snapshot_steps.split(",") if s),
+                   device=args.device, stray_fraction=args.stray_fraction, train_text=args.train_text))
 
 
 if __name__ == "__main__":

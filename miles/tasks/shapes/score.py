@@ -57,6 +57,8 @@ class DetectedObject:
 class SceneScore:
     correct: float  # 0.0 or 1.0
     dense: float
+    strays: int = 0  # objects in colours the prompt did not ask for
+    correct_but_strays: float = 0.0  # `correct` with those objects ignored (a diagnostic, not a reward)
 
 
 def label_components(mask: np.ndarray) -> tuple[np.ndarray, int]:
@@ -150,17 +152,20 @@ def score_scene(scene: Scene, image: np.ndarray) -> SceneScore:
         exact = [o for o in of_color if o.shape == group.shape]
         parts.append(0.5 * _count_score(len(of_color), group.count) + 0.5 * _count_score(len(exact), group.count))
         correct &= len(exact) == group.count
+    requested = {group.color for group in scene.objects}
+    strays = sum(1 for o in objects if o.color not in requested)
+    counted = correct and len(objects) - strays == scene.num_objects
     correct &= len(objects) == scene.num_objects
     if scene.relation is not None:
         first = _pick(objects, scene.objects[0].color, scene.objects[0].shape)
         second = _pick(objects, scene.objects[1].color, scene.objects[1].shape)
         if first is None or second is None:
             parts.append(0.0)
-            correct = False
+            correct = counted = False
         else:
             offset = relation_offset(first, second, scene.relation) / size
             parts.append(float(np.clip(0.5 + offset / (2 * RELATION_RAMP), 0.0, 1.0)))
             correct &= offset >= RELATION_MARGIN
-    requested = {group.color for group in scene.objects}
-    strangers = sum(1 for o in objects if o.color not in requested)
-    return SceneScore(correct=float(correct), dense=float(np.mean(parts)) / (1 + strangers))
+            counted &= offset >= RELATION_MARGIN
+    return SceneScore(correct=float(correct), dense=float(np.mean(parts)) / (1 + strays), strays=strays,
+                      correct_but_strays=float(counted))

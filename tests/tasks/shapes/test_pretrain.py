@@ -11,7 +11,9 @@ from safetensors.torch import load_file
 
 from miles.tasks.shapes import PRETRAINED_SD3
 from miles.tasks.shapes.model import SMALL, TEXT_LENGTH, build_clip_tokenizer, build_t5_tokenizer, prompt_words
-from miles.tasks.shapes.pretrain import pretrain
+from miles.tasks.shapes.pretrain import pretrain, render_dataset
+from miles.tasks.shapes.score import score_scene
+from miles.tasks.shapes.spec import split_scenes
 
 
 def test_every_prompt_word_is_one_token():
@@ -33,16 +35,34 @@ def test_the_shipped_model_is_safetensors_of_the_small_architecture():
 
 def test_pretraining_is_deterministic(tmp_path):
     """A snapshot after N denoiser steps of one run has the same bits as another run with `--dit-steps N` (so
-    runs repeat, and the shipped model, a snapshot, is what a plain run saves)."""
+    runs repeat, and the shipped model, a snapshot, is what a plain run saves); with the text encoders trained
+    too, the path with more state."""
     longer, shorter = str(tmp_path / "a"), str(tmp_path / "b")
-    pretrain(longer, images_per_scene=1, vae_steps=2, dit_steps=3, batch_size=4, snapshot_steps=(2,))
-    pretrain(shorter, images_per_scene=1, vae_steps=2, dit_steps=2, batch_size=4)
-    for component in ("transformer", "vae"):
-        a = load_file(os.path.join(longer + "-step2", component, "diffusion_pytorch_model.safetensors"))
-        b = load_file(os.path.join(shorter, component, "diffusion_pytorch_model.safetensors"))
+    pretrain(longer, images_per_scene=1, vae_steps=2, dit_steps=3, batch_size=4, snapshot_steps=(2,), train_text=True)
+    pretrain(shorter, images_per_scene=1, vae_steps=2, dit_steps=2, batch_size=4, train_text=True)
+    for component, name in (("transformer", "diffusion_pytorch_model"), ("vae", "diffusion_pytorch_model"),
+                            ("text_encoder", "model"), ("text_encoder_3", "model")):
+        a = load_file(os.path.join(longer + "-step2", component, f"{name}.safetensors"))
+        b = load_file(os.path.join(shorter, component, f"{name}.safetensors"))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), component
     final = load_file(os.path.join(longer, "transformer", "diffusion_pytorch_model.safetensors"))
     step2 = load_file(os.path.join(shorter, "transformer", "diffusion_pytorch_model.safetensors"))
     assert not all(torch.equal(final[k], step2[k]) for k in final)  # the third step changed it
+    t5_final = load_file(os.path.join(longer, "text_encoder_3", "model.safetensors"))
+    t5_step2 = load_file(os.path.join(shorter, "text_encoder_3", "model.safetensors"))
+    assert not all(torch.equal(t5_final[k], t5_step2[k]) for k in t5_final)  # the text side trains too
     vae = json.load(open(os.path.join(longer, "vae", "config.json")))
     assert vae["scaling_factor"] != 1.0 and vae["shift_factor"] != 0.0  # set from the latents' statistics
+
+
+def test_about_the_stray_fraction_of_the_pretraining_images_carry_a_stray():
+    train, _ = split_scenes(seed=0)
+    pixels, prompts = render_dataset(32, 1, seed=0, stray_fraction=0.5)
+    images = ((pixels + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    scores = [score_scene(scene, image) for scene, image in zip(train, images)]
+    assert prompts == [scene.prompt() for scene in train]
+    assert all(s.correct_but_strays == 1.0 for s in scores)  # the requested objects are all there
+    assert 0.42 <= sum(s.strays == 1 for s in scores) / len(scores) <= 0.55
+    clean, _ = render_dataset(32, 1, seed=0)
+    assert all(score_scene(scene, image).correct == 1.0 for scene, image in
+               zip(train, ((clean + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()))
