@@ -168,19 +168,37 @@ def _rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Ten
     return hidden_states
 
 
-def install_opaque_kernels(module: nn.Module) -> dict[str, int]:
+def _lora_factors(module: nn.Module) -> set[int]:
+    """The ids of the A and B layers inside `module`'s merged-value LoRA layers."""
+    factors = set()
+    for sub in module.modules():
+        if getattr(sub, "_miles_unpatched_forward", None) is not None:
+            for name in ("lora_A", "lora_B"):
+                factors.update(id(layer) for layer in getattr(sub, name).values())
+    return factors
+
+
+def install_opaque_kernels(module: nn.Module, linear: bool = True) -> dict[str, int]:
     """Route `module`'s linear layers, layer norms and RMS norms through the opaque kernels (in place, before
     compiling). PEFT LoRA wrappers patched by `batch_invariant.patch_lora_layers` are marked, so their
-    merged-weight value goes through `opaque_linear` and `opaque_merged_lora_weight`; their inner layers are
-    patched like any other. Returns
-    counts per kind."""
+    merged-weight value goes through `opaque_linear` and `opaque_merged_lora_weight`. Their A and B layers stay
+    as they are: the merged-value forward adds their term as `lora - lora.detach()`, exactly 0, so how the
+    compiler fuses them reaches the gradients of A and B only, never a value the engine must match; as opaque
+    calls they were half of a LoRA forward's custom-op dispatches, each paid by the host thread.
+    `linear=False` leaves every linear layer to the compiler (measured by bench/bench_train_host.py's
+    `--linear native`). Returns counts per kind."""
     counts = {"linear": 0, "layer_norm": 0, "rms_norm": 0, "lora": 0}
+    factors = _lora_factors(module)
     for sub in module.modules():
-        if getattr(sub, "_miles_opaque", False):
+        if getattr(sub, "_miles_opaque", False) or id(sub) in factors:
             continue
         if getattr(sub, "_miles_unpatched_forward", None) is not None:  # a merged-value LoRA layer
+            if not linear:
+                continue
             counts["lora"] += 1
         elif type(sub) is nn.Linear:
+            if not linear:
+                continue
             sub.forward = types.MethodType(_linear_forward, sub)
             counts["linear"] += 1
         elif type(sub) is nn.LayerNorm and len(sub.normalized_shape) == 1:

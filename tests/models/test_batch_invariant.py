@@ -299,3 +299,22 @@ def test_a_suspended_merge_sees_swapped_weights_and_comes_back():
     with torch.no_grad():
         lora_b.mul_(2.0)
         assert torch.equal(model(x), swapped)  # the suspended forward formed the swapped weights' W'
+
+
+def test_opaque_kernels_leave_the_lora_factors_to_the_compiler():
+    """A merged-value LoRA layer's value goes through the opaque kernels; its A and B layers do not (their term
+    is `lora - lora.detach()`, exactly 0 in the value), and the value and gradients are the eager ones."""
+    from miles.models.opaque_kernels import install_opaque_kernels
+
+    reference, model = _lora_linear(torch.float32), _lora_linear(torch.float32)
+    assert install_opaque_kernels(model) == {"linear": 1, "layer_norm": 0, "rms_norm": 0, "lora": 1}  # + base layer
+    for factor in (model[0].lora_A["default"], model[0].lora_B["default"]):
+        assert "forward" not in vars(factor)  # the class's own forward, not an opaque one
+    x = torch.randn(5, 16)
+    outputs = []
+    for net in (reference, model):
+        out = net(x)
+        out.square().sum().backward()
+        outputs.append((out.detach(), [p.grad for p in net.parameters() if p.requires_grad]))
+    assert torch.equal(outputs[0][0], outputs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(outputs[0][1], outputs[1][1]))
