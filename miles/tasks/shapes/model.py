@@ -14,7 +14,8 @@ at a size that trains on two CPU cores:
 - VAE: AutoencoderKL with two levels (scale factor 2) and 4 latent channels: a 32 px image is a 16×16 latent;
 - transformer: `SD3Transformer2DModel`, patch 2, `width` = heads × 16, `num_layers` joint blocks.
 
-`ModelSize` holds the knobs; `SMALL` is the shipped CPU model, `LARGE` the GPU benchmark's.
+`ModelSize` holds the knobs; `SMALL` is the CPU-pretrained model, `WIDE` (same image size, a wider DiT) the
+GPU-pretrained one, `LARGE` the GPU benchmark's.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class ModelSize:
 
 
 SMALL = ModelSize()
+WIDE = ModelSize(num_layers=4, num_heads=6)  # 32 px like SMALL, a 96-wide DiT: the GPU-pretrained base
 LARGE = ModelSize(image_size=128, num_layers=8, num_heads=8, vae_channels=(32, 64))
 
 

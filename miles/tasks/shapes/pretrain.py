@@ -30,18 +30,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
+import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from miles.tasks.shapes.model import LARGE, SMALL, ModelSize, build_untrained_pipeline
+from miles.tasks.shapes.model import LARGE, SMALL, WIDE, ModelSize, build_untrained_pipeline
 from miles.tasks.shapes.render import render
 from miles.tasks.shapes.spec import split_scenes
 
 logger = logging.getLogger(__name__)
-SIZES = {"small": SMALL, "large": LARGE}
+SIZES = {"small": SMALL, "wide": WIDE, "large": LARGE}
 CONDITION_DROPOUT = 0.1
 EMA_DECAY = 0.999
 STRAY_FRACTION = 0.5  # of the pretraining images carry one stray object: the base's systematic flaw
@@ -61,6 +64,32 @@ def render_dataset(size: int, images_per_scene: int, seed: int,
             prompts.append(scene.prompt())
     pixels = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
     return pixels, prompts
+
+
+@dataclass(frozen=True)
+class DenoiserSchedule:
+    """How long the denoiser trains and its learning rate over that time. Training stops after `steps` or
+    `max_seconds` (if set), whichever comes first; `cosine` decays the rate to zero over the same horizon
+    (progress = the larger of the two fractions), after a linear warm-up over the first `warmup` of it."""
+    steps: int = 16000
+    lr: float = 1e-3
+    shape: str = "constant"  # or "cosine"
+    warmup: float = 0.0
+    max_seconds: float | None = None
+
+    def progress(self, step: int, elapsed: float) -> float:
+        fraction = step / self.steps
+        if self.max_seconds:
+            fraction = max(fraction, elapsed / self.max_seconds)
+        return min(fraction, 1.0)
+
+    def rate(self, progress: float) -> float:
+        if self.shape == "constant":
+            return self.lr
+        if progress < self.warmup:
+            return self.lr * progress / self.warmup
+        span = max(1e-9, 1.0 - self.warmup)
+        return self.lr * 0.5 * (1.0 + math.cos(math.pi * (progress - self.warmup) / span))
 
 
 def train_vae(vae, pixels: torch.Tensor, steps: int, batch_size: int, lr: float, generator: torch.Generator) -> None:
@@ -108,7 +137,7 @@ def shifted_sigmas(u: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * u / (1 + (shift - 1) * u)
 
 
-def train_denoiser(pipe, latents: torch.Tensor, prompts: list[str], steps: int, batch_size: int, lr: float,
+def train_denoiser(pipe, latents: torch.Tensor, prompts: list[str], schedule: DenoiserSchedule, batch_size: int,
                    generator: torch.Generator, snapshot=None, snapshot_steps: tuple[int, ...] = (),
                    train_text: bool = False) -> None:
     """`snapshot(step)` is called after each step of `snapshot_steps`, the EMA weights swapped in. With
@@ -124,10 +153,17 @@ def train_denoiser(pipe, latents: torch.Tensor, prompts: list[str], steps: int, 
     if not train_text:
         with torch.no_grad():
             encoded = encode_prompts(pipe, prompts + [""])
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=schedule.lr, weight_decay=0.0)
     shift = float(pipe.scheduler.config.shift)
     transformer.train()
-    for step in range(steps):
+    start = time.monotonic()
+    for step in range(schedule.steps):
+        progress = schedule.progress(step, time.monotonic() - start)
+        if progress >= 1.0:
+            logger.info("denoiser stopped at step %d: --max-seconds reached", step)
+            break
+        for group in optimizer.param_groups:
+            group["lr"] = schedule.rate(progress)
         rows = torch.randint(len(latents), (batch_size,), generator=generator)
         dropped = torch.rand(batch_size, generator=generator) < CONDITION_DROPOUT
         texts = ["" if drop else prompts[row] for row, drop in zip(rows.tolist(), dropped.tolist())]
@@ -154,8 +190,9 @@ def train_denoiser(pipe, latents: torch.Tensor, prompts: list[str], steps: int, 
         if snapshot is not None and step + 1 in snapshot_steps:
             with swapped_in(params, average):
                 snapshot(step + 1)
-        if step % 50 == 0 or step == steps - 1:
-            logger.info("denoiser step %d/%d: loss %.4f", step + 1, steps, loss.item())
+        if step % 50 == 0 or step == schedule.steps - 1:
+            logger.info("denoiser step %d/%d: loss %.4f, lr %.2e", step + 1, schedule.steps, loss.item(),
+                        optimizer.param_groups[0]["lr"])
     with torch.no_grad():
         for param, value in zip(params, average):
             param.copy_(value)
@@ -182,7 +219,8 @@ def swapped_in(params: list[torch.nn.Parameter], values):
 def pretrain(out_dir: str, size: ModelSize = SMALL, seed: int = 0, images_per_scene: int = 8, vae_steps: int = 1200,
              dit_steps: int = 16000, batch_size: int = 16, vae_lr: float = 2e-3, dit_lr: float = 1e-3,
              snapshot_steps: tuple[int, ...] = (), device: str = "cpu", stray_fraction: float = STRAY_FRACTION,
-             train_text: bool = False) -> str:
+             train_text: bool = False, vae_batch_size: int | None = None,
+             schedule: DenoiserSchedule | None = None) -> str:
     """Pretrain into `out_dir`; `snapshot_steps` also saves the pipeline after those denoiser steps into
     `<out_dir>-step<N>` (to choose how far to train)."""
     torch.manual_seed(seed)
@@ -191,15 +229,15 @@ def pretrain(out_dir: str, size: ModelSize = SMALL, seed: int = 0, images_per_sc
     start = time.monotonic()
     pixels, prompts = render_dataset(size.image_size, images_per_scene, seed, stray_fraction)
     logger.info("rendered %d images in %.1fs", len(pixels), time.monotonic() - start)
-    train_vae(pipe.vae, pixels, vae_steps, batch_size, vae_lr, generator)
+    train_vae(pipe.vae, pixels, vae_steps, vae_batch_size or batch_size, vae_lr, generator)
     latents = encode_latents(pipe.vae, pixels)
     logger.info("vae done at %.1fs", time.monotonic() - start)
 
     def snapshot(step: int) -> None:
         pipe.save_pretrained(f"{out_dir}-step{step}")
 
-    train_denoiser(pipe, latents, prompts, dit_steps, batch_size, dit_lr, generator, snapshot, snapshot_steps,
-                   train_text)
+    schedule = schedule or DenoiserSchedule(steps=dit_steps, lr=dit_lr)
+    train_denoiser(pipe, latents, prompts, schedule, batch_size, generator, snapshot, snapshot_steps, train_text)
     logger.info("denoiser done at %.1fs", time.monotonic() - start)
     pipe.save_pretrained(out_dir)
     return out_dir
@@ -209,12 +247,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="output folder (diffusers format)")
     parser.add_argument("--size", choices=tuple(SIZES), default="small",
-                        help="small: 32 px, the shipped CPU model; large: 128 px, the GPU benchmark's")
+                        help="small: 32 px, 3 blocks of width 48 (CPU); wide: 32 px, 4 blocks of width 96 (the shipped "
+                             "base, pretrained on a GPU); large: 128 px, the GPU benchmark's")
+    parser.add_argument("--num-layers", type=int, help="override the size's number of transformer blocks")
+    parser.add_argument("--num-heads", type=int, help="override the size's attention heads (16 dimensions each)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--images-per-scene", type=int, default=8)
     parser.add_argument("--vae-steps", type=int, default=1200)
     parser.add_argument("--dit-steps", type=int, default=16000)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--vae-batch-size", type=int, help="the VAE stage's batch (default: --batch-size)")
+    parser.add_argument("--dit-lr", type=float, default=1e-3, help="the denoiser's peak learning rate")
+    parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant")
+    parser.add_argument("--warmup", type=float, default=0.0, help="cosine: the warm-up's fraction of the horizon")
+    parser.add_argument("--max-seconds", type=float,
+                        help="stop the denoiser after this many seconds (cosine decays over this horizon too)")
     parser.add_argument("--snapshot-steps", default="", help="comma-separated denoiser steps to save as <out>-step<N>")
     parser.add_argument("--stray-fraction", type=float, default=STRAY_FRACTION,
                         help="the fraction of pretraining images with one stray object the prompt did not ask for")
@@ -225,9 +272,14 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
-    print(pretrain(args.out, SIZES[args.size], args.seed, args.images_per_scene, args.vae_steps, args.dit_steps,
+    size = dataclasses.replace(SIZES[args.size], **{key: value for key, value in
+                               (("num_layers", args.num_layers), ("num_heads", args.num_heads)) if value})
+    schedule = DenoiserSchedule(steps=args.dit_steps, lr=args.dit_lr, shape=args.lr_schedule, warmup=args.warmup,
+                                max_seconds=args.max_seconds)
+    print(pretrain(args.out, size, args.seed, args.images_per_scene, args.vae_steps, args.dit_steps,
                    args.batch_size, snapshot_steps=tuple(int(s) for s in args.snapshot_steps.split(",") if s),
-                   device=args.device, stray_fraction=args.stray_fraction, train_text=args.train_text))
+                   device=args.device, stray_fraction=args.stray_fraction, train_text=args.train_text,
+                   vae_batch_size=args.vae_batch_size, schedule=schedule))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from miles.tasks.shapes import PRETRAINED_SD3
 from miles.tasks.shapes.model import SMALL, TEXT_LENGTH, build_clip_tokenizer, build_t5_tokenizer, prompt_words
-from miles.tasks.shapes.pretrain import pretrain, render_dataset
+from miles.tasks.shapes.pretrain import DenoiserSchedule, pretrain, render_dataset
 from miles.tasks.shapes.score import score_scene
 from miles.tasks.shapes.spec import split_scenes
 
@@ -66,3 +66,13 @@ def test_about_the_stray_fraction_of_the_pretraining_images_carry_a_stray():
     clean, _ = render_dataset(32, 1, seed=0)
     assert all(score_scene(scene, image).correct == 1.0 for scene, image in
                zip(train, ((clean + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()))
+
+
+def test_the_denoiser_schedule_warms_up_decays_and_stops_on_time():
+    constant = DenoiserSchedule(steps=100, lr=1e-3)
+    assert constant.rate(constant.progress(50, 0.0)) == 1e-3
+    cosine = DenoiserSchedule(steps=100, lr=1e-3, shape="cosine", warmup=0.1, max_seconds=10.0)
+    assert cosine.rate(0.05) == 0.5e-3  # halfway through the warm-up
+    assert cosine.rate(0.1) == 1e-3 and abs(cosine.rate(0.55) - 0.5e-3) < 1e-12 and cosine.rate(1.0) < 1e-18
+    assert cosine.progress(10, 0.0) == 0.1 and cosine.progress(10, 5.0) == 0.5  # the later of steps and time
+    assert cosine.progress(10, 12.0) == 1.0  # time is up: training stops
