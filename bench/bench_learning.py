@@ -48,7 +48,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--size", choices=("small", "large"), default="small",
-                        help="small: the shipped 32 px model; large: 128 px, 8 blocks (pretrained into --checkpoint)")
+                        help="small: the shipped 32 px base; large: 128 px, 8 blocks (pretrained into --checkpoint)")
     parser.add_argument("--checkpoint", default=None, help="the base model (default: the shipped small one)")
     parser.add_argument("--pretrain-steps", type=int, default=20000,
                         help="denoiser steps when pretraining --size large")

@@ -8,7 +8,8 @@
 - `evaluate`, `report`: the held-out score in one process, and a run's before/after grid and curve.
 
 The reward is `--rm-type shapes` (miles/rollout/rm_hub/shapes.py). `PRETRAINED_SD3` is the shipped base model,
-a `StableDiffusion3Pipeline` folder written by `python -m miles.tasks.shapes.pretrain`.
+a `StableDiffusion3Pipeline` folder written by `python -m miles.tasks.shapes.pretrain` on one GPU
+(`scripts/shapes_gpu_pretrain.sh`).
 """
 
 import os

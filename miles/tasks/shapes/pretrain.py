@@ -1,9 +1,10 @@
-"""Pretrain the `shapes` base model on the renderer's images, on CPU, deterministically.
+"""Pretrain a `shapes` base model on the renderer's images: on CPU deterministically, or on a GPU.
 
-    python -m miles.tasks.shapes.pretrain --out miles/tasks/shapes/pretrained/sd3
+    python -m miles.tasks.shapes.pretrain --out DIR       # the small CPU base, bit for bit (~20 min, 2 cores)
+    bash scripts/shapes_gpu_pretrain.sh DIR               # the shipped base (`--size wide`, one GPU, ~7 min)
 
-Three stages, each seeded (`--seed`), single-threaded for bitwise repeatability (`torch.set_num_threads(1)`
-unless `--threads`):
+Three stages, each seeded (`--seed`), on CPU single-threaded for bitwise repeatability (`torch.set_num_threads(1)`
+unless `--threads`; GPU kernels and `--max-seconds` are not repeatable bit for bit):
 
 1. data: `--images-per-scene` renders of every train scene of `split_scenes` (never a held-out one), at the
    model's image size; a seeded `--stray-fraction` of them (`STRAY_FRACTION`) carry one small **stray

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from miles.tasks.shapes import PRETRAINED_SD3
-from miles.tasks.shapes.model import SMALL, TEXT_LENGTH, build_clip_tokenizer, build_t5_tokenizer, prompt_words
+from miles.tasks.shapes.model import TEXT_LENGTH, WIDE, build_clip_tokenizer, build_t5_tokenizer, prompt_words
 from miles.tasks.shapes.pretrain import DenoiserSchedule, pretrain, render_dataset
 from miles.tasks.shapes.score import score_scene
 from miles.tasks.shapes.spec import split_scenes
@@ -24,13 +24,14 @@ def test_every_prompt_word_is_one_token():
     assert clip.model_max_length == t5.model_max_length == TEXT_LENGTH
 
 
-def test_the_shipped_model_is_safetensors_of_the_small_architecture():
+def test_the_shipped_model_is_safetensors_of_the_wide_architecture():
     files = [os.path.join(root, name) for root, _, names in os.walk(PRETRAINED_SD3) for name in names]
     weights = [f for f in files if not f.endswith((".json", ".txt"))]
     assert weights and all(f.endswith(".safetensors") for f in weights), weights
     config = json.load(open(os.path.join(PRETRAINED_SD3, "transformer", "config.json")))
-    assert (config["num_layers"], config["num_attention_heads"]) == (SMALL.num_layers, SMALL.num_heads)
-    assert sum(os.path.getsize(f) for f in files) < 4 * 2**20
+    assert (config["num_layers"], config["num_attention_heads"]) == (WIDE.num_layers, WIDE.num_heads)
+    assert config["sample_size"] * 2 == WIDE.image_size
+    assert sum(os.path.getsize(f) for f in files) < 8 * 2**20
 
 
 def test_pretraining_is_deterministic(tmp_path):
