@@ -218,10 +218,9 @@ def swapped_in(params: list[torch.nn.Parameter], values):
 
 
 def pretrain(out_dir: str, size: ModelSize = SMALL, seed: int = 0, images_per_scene: int = 8, vae_steps: int = 1200,
-             dit_steps: int = 16000, batch_size: int = 16, vae_lr: float = 2e-3, dit_lr: float = 1e-3,
+             schedule: DenoiserSchedule = DenoiserSchedule(), batch_size: int = 16, vae_lr: float = 2e-3,
              snapshot_steps: tuple[int, ...] = (), device: str = "cpu", stray_fraction: float = STRAY_FRACTION,
-             train_text: bool = False, vae_batch_size: int | None = None,
-             schedule: DenoiserSchedule | None = None) -> str:
+             train_text: bool = False, vae_batch_size: int | None = None) -> str:
     """Pretrain into `out_dir`; `snapshot_steps` also saves the pipeline after those denoiser steps into
     `<out_dir>-step<N>` (to choose how far to train)."""
     torch.manual_seed(seed)
@@ -237,7 +236,6 @@ def pretrain(out_dir: str, size: ModelSize = SMALL, seed: int = 0, images_per_sc
     def snapshot(step: int) -> None:
         pipe.save_pretrained(f"{out_dir}-step{step}")
 
-    schedule = schedule or DenoiserSchedule(steps=dit_steps, lr=dit_lr)
     train_denoiser(pipe, latents, prompts, schedule, batch_size, generator, snapshot, snapshot_steps, train_text)
     logger.info("denoiser done at %.1fs", time.monotonic() - start)
     pipe.save_pretrained(out_dir)
@@ -277,10 +275,10 @@ def main() -> None:
                                (("num_layers", args.num_layers), ("num_heads", args.num_heads)) if value})
     schedule = DenoiserSchedule(steps=args.dit_steps, lr=args.dit_lr, shape=args.lr_schedule, warmup=args.warmup,
                                 max_seconds=args.max_seconds)
-    print(pretrain(args.out, size, args.seed, args.images_per_scene, args.vae_steps, args.dit_steps,
-                   args.batch_size, snapshot_steps=tuple(int(s) for s in args.snapshot_steps.split(",") if s),
+    print(pretrain(args.out, size, args.seed, args.images_per_scene, args.vae_steps, schedule, args.batch_size,
+                   snapshot_steps=tuple(int(s) for s in args.snapshot_steps.split(",") if s),
                    device=args.device, stray_fraction=args.stray_fraction, train_text=args.train_text,
-                   vae_batch_size=args.vae_batch_size, schedule=schedule))
+                   vae_batch_size=args.vae_batch_size))
 
 
 if __name__ == "__main__":

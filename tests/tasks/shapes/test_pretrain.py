@@ -36,11 +36,13 @@ def test_the_shipped_model_is_safetensors_of_the_wide_architecture():
 
 def test_pretraining_is_deterministic(tmp_path):
     """A snapshot after N denoiser steps of one run has the same bits as another run with `--dit-steps N` (so
-    runs repeat, and the shipped model, a snapshot, is what a plain run saves); with the text encoders trained
+    runs repeat, and a snapshot is what a plain run of that length saves); with the text encoders trained
     too, the path with more state."""
     longer, shorter = str(tmp_path / "a"), str(tmp_path / "b")
-    pretrain(longer, images_per_scene=1, vae_steps=2, dit_steps=3, batch_size=4, snapshot_steps=(2,), train_text=True)
-    pretrain(shorter, images_per_scene=1, vae_steps=2, dit_steps=2, batch_size=4, train_text=True)
+    pretrain(longer, images_per_scene=1, vae_steps=2, schedule=DenoiserSchedule(steps=3), batch_size=4,
+             snapshot_steps=(2,), train_text=True)
+    pretrain(shorter, images_per_scene=1, vae_steps=2, schedule=DenoiserSchedule(steps=2), batch_size=4,
+             train_text=True)
     for component, name in (("transformer", "diffusion_pytorch_model"), ("vae", "diffusion_pytorch_model"),
                             ("text_encoder", "model"), ("text_encoder_3", "model")):
         a = load_file(os.path.join(longer + "-step2", component, f"{name}.safetensors"))
