@@ -11,11 +11,13 @@ at a size that trains on two CPU cores:
   beside the 64 image tokens (the SD3 family reads the T5 length from the tokenizer when it is below 256);
 - text encoders: 2-layer CLIP towers (width `CLIP_WIDTH`) and a 2-layer T5 (width `2 · CLIP_WIDTH`, the
   width the pipeline pads the CLIP states to);
-- VAE: AutoencoderKL with two levels (scale factor 2) and 4 latent channels: a 32 px image is a 16×16 latent;
+- VAE: AutoencoderKL with one level per entry of `vae_channels` (scale factor 2^(levels − 1)) and 4 latent
+  channels: a 32 px image with two levels is a 16×16 latent, as is a 128 px image with four;
 - transformer: `SD3Transformer2DModel`, patch 2, `width` = heads × 16, `num_layers` joint blocks.
 
 `ModelSize` holds the knobs; `SMALL` is the CPU-pretrained model, `WIDE` (same image size, a wider DiT) the
-GPU-pretrained one, `LARGE` the GPU benchmark's.
+GPU-pretrained one, `LARGE` the GPU benchmark's: 128 px through an 8× VAE, as SD3.5's VAE is, so its DiT sees the
+same 64 image tokens and can be larger for the same time per step.
 """
 
 from __future__ import annotations
@@ -36,12 +38,16 @@ class ModelSize:
     image_size: int = 32
     num_layers: int = 3
     num_heads: int = 3  # of 16 dimensions each
-    vae_channels: tuple[int, int] = (8, 16)
+    vae_channels: tuple[int, ...] = (8, 16)  # one VAE level each: scale factor 2^(len − 1)
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return 2 ** (len(self.vae_channels) - 1)
 
 
 SMALL = ModelSize()
 WIDE = ModelSize(num_layers=4, num_heads=6)  # 32 px like SMALL, a 96-wide DiT: the GPU-pretrained base
-LARGE = ModelSize(image_size=128, num_layers=8, num_heads=8, vae_channels=(32, 64))
+LARGE = ModelSize(image_size=128, num_layers=6, num_heads=8, vae_channels=(32, 64, 128, 128))  # 16×16 latents
 
 
 def prompt_words() -> list[str]:
@@ -109,14 +115,15 @@ def build_untrained_pipeline(size: ModelSize = SMALL, seed: int = 0):
         relative_attention_num_buckets=8, relative_attention_max_distance=32, decoder_start_token_id=0,
         pad_token_id=tokenizer_3.pad_token_id, eos_token_id=tokenizer_3.eos_token_id))
     width = 16 * size.num_heads
-    latent = size.image_size // 2
+    latent = size.image_size // size.vae_scale_factor
+    levels = len(size.vae_channels)
     transformer = SD3Transformer2DModel(
         sample_size=latent, patch_size=2, in_channels=4, num_layers=size.num_layers, attention_head_dim=16,
         num_attention_heads=size.num_heads, joint_attention_dim=text_width, caption_projection_dim=width,
         pooled_projection_dim=2 * CLIP_WIDTH, out_channels=4, pos_embed_max_size=latent)
     vae = AutoencoderKL(
-        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=size.vae_channels, layers_per_block=1,
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * levels,
+        up_block_types=("UpDecoderBlock2D",) * levels, block_out_channels=size.vae_channels, layers_per_block=1,
         latent_channels=4, norm_num_groups=4, sample_size=size.image_size, scaling_factor=1.0, shift_factor=0.0,
         use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=False)
     return StableDiffusion3Pipeline(

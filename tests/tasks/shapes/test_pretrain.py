@@ -10,8 +10,10 @@ import torch
 from safetensors.torch import load_file
 
 from miles.tasks.shapes import PRETRAINED_SD3
-from miles.tasks.shapes.model import TEXT_LENGTH, WIDE, build_clip_tokenizer, build_t5_tokenizer, prompt_words
-from miles.tasks.shapes.pretrain import DenoiserSchedule, pretrain, render_dataset
+from miles.tasks.shapes.evaluate import load_pipeline
+from miles.tasks.shapes.model import (LARGE, TEXT_LENGTH, WIDE, build_clip_tokenizer, build_t5_tokenizer,
+                                      build_untrained_pipeline, prompt_words)
+from miles.tasks.shapes.pretrain import DenoiserSchedule, pretrain, render_dataset, vae_roundtrip_score
 from miles.tasks.shapes.score import score_scene
 from miles.tasks.shapes.spec import split_scenes
 
@@ -79,3 +81,23 @@ def test_the_denoiser_schedule_warms_up_decays_and_stops_on_time():
     assert cosine.rate(0.1) == 1e-3 and abs(cosine.rate(0.55) - 0.5e-3) < 1e-12 and cosine.rate(1.0) < 1e-18
     assert cosine.progress(10, 0.0) == 0.1 and cosine.progress(10, 5.0) == 0.5  # the later of steps and time
     assert cosine.progress(10, 12.0) == 1.0  # time is up: training stops
+
+
+def test_rendering_in_worker_processes_gives_the_same_images():
+    one, prompts = render_dataset(32, 1, seed=3, stray_fraction=0.5)
+    two, prompts_two = render_dataset(32, 1, seed=3, stray_fraction=0.5, workers=2)
+    assert prompts == prompts_two and torch.equal(one, two)
+
+
+def test_the_large_size_draws_128_px_through_an_8x_vae_onto_the_wide_sizes_latent_grid():
+    pipe = build_untrained_pipeline(LARGE)
+    assert (LARGE.image_size, pipe.vae_scale_factor) == (128, 8)
+    assert pipe.transformer.config.sample_size == LARGE.image_size // LARGE.vae_scale_factor == 16
+    latents = pipe.vae.encode(torch.zeros(1, 3, 128, 128)).latent_dist.mean
+    assert latents.shape == (1, 4, 16, 16)
+
+
+def test_the_shipped_vae_reconstructs_renders_the_scorer_accepts_and_a_random_one_does_not():
+    _, pipe = load_pipeline(PRETRAINED_SD3)
+    assert vae_roundtrip_score(pipe.vae, WIDE.image_size, count=32) >= 0.95
+    assert vae_roundtrip_score(build_untrained_pipeline(WIDE).vae, WIDE.image_size, count=32) <= 0.1
