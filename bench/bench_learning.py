@@ -1,31 +1,38 @@
 """Wall-clock time to a target held-out score on the `shapes` task (docs/shapes.md), one table.
 
     python bench/bench_learning.py --device cpu                        # the shipped 32 px model: a smoke test
-    python bench/bench_learning.py --device cuda --size large \
-        --checkpoint /tmp/shapes-large --target 0.6 --max-rollouts 200  # 128 px, pretrained first if missing
+    python bench/bench_learning.py --device cuda --methods nft,flow_grpo_window,flow_grpo,plain --prompts 16 \
+        --group 8 --micro-batch-size 32 --lr 5e-5 --nft-lr 1e-4 --noise-level 1.0 --target-gain 0.15 \
+        --max-rollouts 60 --eval-interval 2 --eval-samples 4 --max-seconds 100   # bench/RESULTS.md's GPU table
+    python bench/bench_learning.py --device cuda --size large --checkpoint DIR ...  # 128 px, pretrained if missing
 
-Methods, each from the same pretrained base, the same prompts, seeds and batch (P prompts × G samples):
+Methods, each from the same pretrained base with the same batch (P prompts × G samples per rollout):
 - `flow_grpo`: `train_diffusion.py` with every step an SDE step (on CUDA the documented fast command:
-  `--fsdp-torch-compile --sglang-enable-torch-compile --diffusion-recompute-old-log-prob`);
+  `--fsdp-torch-compile --sglang-enable-torch-compile`, exactly on-policy);
 - `flow_grpo_window`: the same with a window of `--window` SDE steps (`--diffusion-num-sde-steps`, the
   `sde_window` strategy with `--diffusion-sde-window-range 0,<steps>`);
 - `nft`: DiffusionNFT (ODE rollouts with the EMA, `--loss-type nft`);
 - `plain`: a single-process Flow-GRPO loop over the same pipeline (the diffusers modules, the math of
-  `miles.diffusion.sde` / `losses`, AdamW; `torch.compile` of the transformer on CUDA), evaluated with
-  `miles.tasks.shapes.evaluate` at the same seeds as the framework's eval.
+  `miles.diffusion.sde` / `losses`, AdamW; on CUDA bf16 and each transformer block `.compile()`d, as
+  diffusers' regional-compilation docs show), evaluated with `miles.tasks.shapes.evaluate` at the same seeds as
+  the framework's eval.
 
 Each run evaluates the held-out set every `--eval-interval` rollouts; a method's time to target is the
 wall-clock from its launch (start-up included) to the end of the first eval at or above `--target`, and its
-training time the same without the evals. A run that never reaches it shows its best score. Rows are printed
-as they finish and kept in `--rows-jsonl` when given.
+training time the same without the evals. A run stops at the first eval at or above the target (the bench sends
+`train_diffusion.py` SIGTERM, which it ends cleanly on), after `--max-rollouts`, or after `--max-seconds`; one
+that never reaches the target shows its best score. Rows are printed as they finish and kept in `--rows-jsonl`
+when given.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -39,6 +46,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from miles.tasks.shapes import PRETRAINED_SD3  # noqa: E402
+from miles.tasks.shapes.pretrain import SIZES as PRETRAIN_SIZES  # noqa: E402
 
 METHODS = ("flow_grpo", "flow_grpo_window", "nft", "plain")
 CORRECT = "eval/heldout/reward/shapes_correct_mean"
@@ -48,12 +56,13 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--size", choices=("small", "large"), default="small",
-                        help="small: the shipped 32 px base; large: 128 px, 8 blocks (pretrained into --checkpoint)")
+                        help="small: the shipped 32 px base; large: 128 px through an 8x VAE, 6 blocks of width 128 "
+                             "(pretrained into --checkpoint when missing)")
     parser.add_argument("--checkpoint", default=None, help="the base model (default: the shipped small one)")
-    parser.add_argument("--pretrain-steps", type=int, default=20000,
-                        help="denoiser steps when pretraining --size large")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--target", type=float, default=0.3, help="held-out shapes_correct to reach")
+    parser.add_argument("--target-gain", type=float, default=None,
+                        help="instead of --target: this much above the method's own first eval (the base)")
     parser.add_argument("--max-rollouts", type=int, default=12)
     parser.add_argument("--eval-interval", type=int, default=4)
     parser.add_argument("--eval-samples", type=int, default=2, help="samples per held-out prompt")
@@ -66,12 +75,20 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--noise-level", type=float, default=0.7)
     parser.add_argument("--clip-range", type=float, default=1e-3)
     parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--max-seconds", type=float, default=None, help="stop a method after this much wall time")
     parser.add_argument("--rows-jsonl", default=None)
     return parser.parse_args()
 
 
 def image_size(opts) -> int:
-    return 32 if opts.size == "small" else 128
+    return PRETRAIN_SIZES["wide" if opts.size == "small" else "large"].image_size
+
+
+# The 128 px base: the shipped base's recipe (scripts/shapes_gpu_pretrain.sh) at the `large` size.
+LARGE_PRETRAIN = ["--size", "large", "--images-per-scene", "32", "--render-workers", "8", "--vae-steps", "2000",
+                  "--vae-batch-size", "64", "--vae-lr", "5e-4", "--vae-grad-clip", "1.0", "--dit-steps", "1000000",
+                  "--batch-size", "256", "--dit-lr", "7e-4", "--lr-schedule", "cosine", "--warmup", "0.03",
+                  "--max-seconds", "360", "--threads", "4"]
 
 
 def ensure_checkpoint(opts) -> str:
@@ -79,9 +96,9 @@ def ensure_checkpoint(opts) -> str:
         return PRETRAINED_SD3
     path = opts.checkpoint or os.path.join(tempfile.gettempdir(), "shapes-large")
     if not os.path.exists(os.path.join(path, "model_index.json")):
-        print(f"pretraining the {opts.size} model into {path} ({opts.pretrain_steps} steps)", flush=True)
-        subprocess.run([sys.executable, "-m", "miles.tasks.shapes.pretrain", "--out", path, "--size", opts.size,
-                        "--dit-steps", str(opts.pretrain_steps), "--device", opts.device], check=True, cwd=REPO_ROOT)
+        print(f"pretraining the {opts.size} model into {path}", flush=True)
+        subprocess.run([sys.executable, "-m", "miles.tasks.shapes.pretrain", "--out", path, *LARGE_PRETRAIN,
+                        "--device", opts.device], check=True, cwd=REPO_ROOT)
     return path
 
 
@@ -106,7 +123,7 @@ def framework_flags(opts, method: str, checkpoint: str, data: str, out: str) -> 
         flags += ["--loss-type", "policy_loss", "--diffusion-noise-level", str(opts.noise_level),
                   "--diffusion-clip-range", str(opts.clip_range), "--lr", str(opts.lr)]
         if opts.device == "cuda":
-            flags += ["--fsdp-torch-compile", "--sglang-enable-torch-compile", "--diffusion-recompute-old-log-prob"]
+            flags += ["--fsdp-torch-compile", "--sglang-enable-torch-compile"]
     if method == "flow_grpo_window":
         flags += ["--diffusion-step-strategy-path", "miles.rollout.step_strategy_hub.sde_window",
                   "--diffusion-num-sde-steps", str(opts.window), "--diffusion-sde-window-range", f"0,{opts.steps}"]
@@ -122,26 +139,50 @@ def run_framework(opts, method: str, checkpoint: str, data: str) -> dict:
     if opts.device == "cpu":
         env["OMP_NUM_THREADS"] = "1"
     started = time.time()
-    result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "train_diffusion.py"),
-                             *framework_flags(opts, method, checkpoint, data, out)],
-                            cwd=REPO_ROOT, env=env, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"{method}: train_diffusion.py failed ({result.returncode}):\n{result.stderr[-4000:]}")
-    records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if line.strip()]
+    log = open(os.path.join(out, "console.log"), "w")
+    process = subprocess.Popen([sys.executable, os.path.join(REPO_ROOT, "train_diffusion.py"),
+                                *framework_flags(opts, method, checkpoint, data, out)],
+                               cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    metrics, evals, stopped = os.path.join(out, "metrics.jsonl"), [], False
+    while process.poll() is None:
+        time.sleep(1.0)
+        evals = read_evals(metrics, started)
+        over_time = opts.max_seconds is not None and time.time() - started > opts.max_seconds
+        if not stopped and ((evals and evals[-1][1] >= target_of(opts, evals)) or over_time):
+            process.send_signal(signal.SIGTERM)  # the run ends cleanly (miles/ray/shutdown.py)
+            stopped = True
+    log.close()
+    evals = read_evals(metrics, started)
+    if process.returncode != 0 and not (stopped and evals):
+        tail = open(os.path.join(out, "console.log")).read()[-4000:]
+        raise SystemExit(f"{method}: train_diffusion.py failed ({process.returncode}):\n{tail}")
+    return summarise(opts, method, evals)
+
+
+def read_evals(metrics: str, started: float) -> list[tuple[int, float, float, float]]:
+    if not os.path.exists(metrics):
+        return []
     evals, eval_seconds = [], 0.0
-    for record in records:
+    for line in open(metrics):
+        if not line.strip().endswith("}"):
+            continue  # a line still being written
+        record = json.loads(line)
         eval_seconds += record.get("perf/eval_time", 0.0)
         if CORRECT in record:
             evals.append((record["rollout_id"], record[CORRECT], record["time"] - started, eval_seconds))
-    return summarise(opts, method, evals)
+    return evals
+
+
+def target_of(opts, evals) -> float:
+    return opts.target if opts.target_gain is None else evals[0][1] + opts.target_gain - 1e-9
 
 
 def summarise(opts, method: str, evals: list[tuple[int, float, float, float]]) -> dict:
     """evals: (rollout, score, seconds since launch at the end of that eval, eval seconds so far)."""
-    row = {"method": method, "start": evals[0][1], "best": max(e[1] for e in evals), "rollouts": None,
-           "wall_s": None, "train_s": None}
+    row = {"method": method, "start": evals[0][1], "best": max(e[1] for e in evals), "target": target_of(opts, evals),
+           "rollouts": None, "wall_s": None, "train_s": None}
     for rollout, score, wall, eval_seconds in evals:
-        if score >= opts.target:
+        if score >= target_of(opts, evals):
             row.update(rollouts=rollout, wall_s=wall, train_s=wall - eval_seconds)
             break
     print(json.dumps(row), flush=True)
@@ -152,6 +193,7 @@ def run_plain(opts, checkpoint: str, data: str) -> dict:
     """Flow-GRPO in this process: every step an SDE step, the dense reward, per-group advantages, one AdamW step
     per rollout on the clipped loss (the framework's defaults: grad clip 1, advantage clip 5)."""
     from miles.diffusion.losses import policy_loss
+    from miles.models.base import GenerationShape
     from miles.diffusion.sde import build_sde_backend
     from miles.tasks.shapes.evaluate import heldout_score, load_pipeline, read_scenes
     from miles.tasks.shapes.score import score_scene
@@ -161,7 +203,12 @@ def run_plain(opts, checkpoint: str, data: str) -> dict:
     family, pipe = load_pipeline(checkpoint)
     pipe.to(device)
     transformer = pipe.transformer
-    forward = torch.compile(transformer) if device == "cuda" else transformer
+    autocast = torch.autocast("cuda", torch.bfloat16) if device == "cuda" else contextlib.nullcontext()
+    if device == "cuda":  # diffusers' regional compilation: each repeated block on its own
+        torch._dynamo.config.recompile_limit = 64  # sampling, training and eval shapes each compile once
+        for block in transformer.transformer_blocks:
+            block.compile()
+    latent_shape = family.latent_sample_shape(pipe, GenerationShape(size, size))
     optimizer = torch.optim.AdamW(transformer.parameters(), lr=opts.lr)
     sde = build_sde_backend("sde", opts.noise_level, False)
     pipe.scheduler.set_timesteps(opts.steps, device=device)
@@ -172,8 +219,9 @@ def run_plain(opts, checkpoint: str, data: str) -> dict:
     evals, eval_seconds = [], 0.0
 
     def velocity(x, sigma, embeds, pooled):
-        return forward(hidden_states=x, timestep=(1000 * sigma).expand(len(x)), encoder_hidden_states=embeds,
-                       pooled_projections=pooled, return_dict=False)[0].float()
+        with autocast:
+            return transformer(hidden_states=x, timestep=(1000 * sigma).expand(len(x)), encoder_hidden_states=embeds,
+                               pooled_projections=pooled, return_dict=False)[0].float()
 
     def evaluate(rollout: int) -> None:
         nonlocal eval_seconds
@@ -186,6 +234,9 @@ def run_plain(opts, checkpoint: str, data: str) -> dict:
     for rollout in range(opts.max_rollouts):
         if rollout % opts.eval_interval == 0:
             evaluate(rollout)
+            over_time = opts.max_seconds is not None and time.time() - started > opts.max_seconds
+            if evals[-1][1] >= target_of(opts, evals) or over_time:
+                return summarise(opts, "plain", evals)
         groups = []
         for _ in range(opts.prompts):
             walk = walk or order.sample(train_scenes, len(train_scenes))
@@ -196,7 +247,7 @@ def run_plain(opts, checkpoint: str, data: str) -> dict:
                                                       max_sequence_length=pipe.tokenizer_3.model_max_length,
                                                       device=device)
             generators = [torch.Generator(device).manual_seed(1000 * rollout + b) for b in range(batch)]
-            x = torch.stack([torch.randn((4, size // 2, size // 2), generator=g, device=device) for g in generators])
+            x = torch.stack([torch.randn(latent_shape, generator=g, device=device) for g in generators])
             trajectory, log_probs = [x], []
             for k in range(opts.steps):
                 out = sde.sample(x, velocity(x, sigmas[k], embeds, pooled), sigmas[k].expand(batch),
@@ -240,16 +291,18 @@ def main() -> None:
         rows.append(row)
         if opts.rows_jsonl:
             with open(opts.rows_jsonl, "a") as f:
-                f.write(json.dumps({**row, "size": opts.size, "device": opts.device, "target": opts.target}) + "\n")
-    print(f"\ntime to held-out shapes_correct >= {opts.target} ({opts.size}, {opts.device}, "
+                f.write(json.dumps({**row, "size": opts.size, "device": opts.device}) + "\n")
+    goal = f"{opts.target}" if opts.target_gain is None else f"its first eval + {opts.target_gain}"
+    print(f"\ntime to held-out shapes_correct >= {goal} ({opts.size}, {opts.device}, "
           f"{opts.prompts}x{opts.group} samples per rollout, {opts.steps} steps)")
-    print(f"| method | start | best | rollouts to target | wall s (with start-up) | train s (no eval) |")
-    print("|---|---|---|---|---|---|")
+    print("| method | start | target | best | rollouts to target | wall s (with start-up) | train s (no eval) |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         reached = row["rollouts"] is not None
         cells = [f"{row['rollouts']}" if reached else "not reached",
                  f"{row['wall_s']:.1f}" if reached else "–", f"{row['train_s']:.1f}" if reached else "–"]
-        print(f"| {row['method']} | {row['start']:.3f} | {row['best']:.3f} | " + " | ".join(cells) + " |")
+        print(f"| {row['method']} | {row['start']:.3f} | {row['target']:.3f} | {row['best']:.3f} | "
+              + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

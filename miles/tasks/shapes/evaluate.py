@@ -60,7 +60,7 @@ def heldout_score(family, pipe, scenes: list[tuple[str, Scene]], *, num_steps: i
                                   num_steps=num_steps, shape=GenerationShape(size, size),
                                   guidance=GuidanceConfig(guidance_scale=guidance_scale))
         images.append(output.images[:, 0])
-    pixels = torch.cat(images)
+    pixels = torch.cat(images).cpu()
     scores = [score_scene(scene, pixels[i * samples_per_prompt + j].numpy())
               for i, (_, scene) in enumerate(scenes) for j in range(samples_per_prompt)]
     tags = [scene.tag for _, scene in scenes for _ in range(samples_per_prompt)]
