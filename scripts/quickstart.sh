@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up ./.venv and train the pretrained `shapes` base model (a small SD3 pipeline shipped in
 # miles/tasks/shapes/pretrained/sd3) on CPU with DiffusionNFT against the built-in GenEval-style `shapes` reward
-# (24 rollouts, about 4 minutes; measured 0.36 -> 0.66 held-out, docs/shapes.md).
+# (24 rollouts, about 3 to 4 minutes; measured 0.36 -> 0.62 to 0.66 held-out by machine, docs/shapes.md).
 # At the end it prints the held-out score before and after training and writes outputs/quickstart/:
 # heldout_curve.png, before_after.png (the same held-out prompts and seeds, base vs trained), metrics.jsonl,
 # reward_curve.png, samples.png. Extra flags are passed to train_diffusion.py. docs/shapes.md explains the task.
