@@ -3,14 +3,15 @@
     python bench/bench_learning.py --device cpu                        # the shipped 32 px model: a smoke test
     python bench/bench_learning.py --device cuda --methods nft,flow_grpo_window,flow_grpo,plain --prompts 16 \
         --group 8 --micro-batch-size 32 --lr 5e-5 --nft-lr 1e-4 --noise-level 1.0 --target-gain 0.15 \
-        --max-rollouts 60 --eval-interval 2 --eval-samples 4 --max-seconds 100   # bench/RESULTS.md's GPU table
+        --max-rollouts 60 --eval-interval 2 --eval-samples 4 --max-seconds 100 \
+        --window 2 --window-range 0,8                                           # bench/RESULTS.md's GPU table
     python bench/bench_learning.py --device cuda --size large --checkpoint DIR ...  # 128 px, pretrained if missing
 
 Methods, each from the same pretrained base with the same batch (P prompts × G samples per rollout):
 - `flow_grpo`: `train_diffusion.py` with every step an SDE step (on CUDA the documented fast command:
   `--fsdp-torch-compile --sglang-enable-torch-compile`, exactly on-policy);
-- `flow_grpo_window`: the same with a window of `--window` SDE steps (`--diffusion-num-sde-steps`, the
-  `sde_window` strategy with `--diffusion-sde-window-range 0,<steps>`);
+- `flow_grpo_window`: the same with `--window` SDE steps per prompt group inside `--window-range` (the
+  `sde_window` strategy; the defaults, one step at step 0 or 1, are the CI learning test's Flow-GRPO);
 - `nft`: DiffusionNFT (ODE rollouts with the EMA, `--loss-type nft`);
 - `plain`: a single-process Flow-GRPO loop over the same pipeline (the diffusers modules, the math of
   `miles.diffusion.sde` / `losses`, AdamW; on CUDA bf16 and each transformer block `.compile()`d, as
@@ -69,7 +70,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=4, help="prompts per rollout")
     parser.add_argument("--group", type=int, default=8, help="samples per prompt")
     parser.add_argument("--steps", type=int, default=8, help="denoising steps")
-    parser.add_argument("--window", type=int, default=2, help="SDE steps of flow_grpo_window")
+    parser.add_argument("--window", type=int, default=1, help="SDE steps of flow_grpo_window")
+    parser.add_argument("--window-range", default="0,2", help="lo,hi: where flow_grpo_window's steps may start")
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--nft-lr", type=float, default=3e-4)
     parser.add_argument("--noise-level", type=float, default=0.7)
@@ -126,7 +128,7 @@ def framework_flags(opts, method: str, checkpoint: str, data: str, out: str) -> 
             flags += ["--fsdp-torch-compile", "--sglang-enable-torch-compile"]
     if method == "flow_grpo_window":
         flags += ["--diffusion-step-strategy-path", "miles.rollout.step_strategy_hub.sde_window",
-                  "--diffusion-num-sde-steps", str(opts.window), "--diffusion-sde-window-range", f"0,{opts.steps}"]
+                  "--diffusion-num-sde-steps", str(opts.window), "--diffusion-sde-window-range", opts.window_range]
     if method == "nft":
         flags += ["--loss-type", "nft", "--diffusion-sde-type", "ode", "--diffusion-noise-level", "0", "--use-ema",
                   "--ema-rollout-policy", "ema", "--globalize-reward-std", "--lr", str(opts.nft_lr)]
