@@ -9,9 +9,11 @@ every sample as a train pair (Flow-GRPO clipped loss), micro-batches of `--micro
 
 - plain: what a competent user writes in one process: the diffusers pipeline in bf16, the prompts batched, CFG
   as one doubled batch, LoRA through PEFT (or every parameter in fp32 with bf16 autocast), fused AdamW; the SDE
-  step and log-prob formulas of `miles.diffusion.sde`. In each `--plain-modes` mode: `compiled` (the reference
-  every ratio is against: `.compile()` on each transformer block and on the VAE decoder, as diffusers'
-  regional-compilation docs show), `eager`.
+  step and log-prob formulas of `miles.diffusion.sde` (bench/plain_loop.py). In each `--plain-modes` mode:
+  `compiled` (the reference every ratio is against: `.compile()` on each transformer block and on the VAE
+  decoder, as diffusers' regional-compilation docs show), `eager`, and `fused` (LoRA only, an experiment, not a
+  reference: each sample's gradient taken during the rollout into a per-sample copy of the adapter, so nothing is
+  replayed; its MFU is against its own, smaller floor).
 - miles: `train_diffusion.py` itself, as docs/quickstart.md shows it (`--colocate`, real Ray, an engine
   process, HTTP, weight sync), in each requested `--miles-modes` (`eager`; `compiled` adds
   `--fsdp-torch-compile --sglang-enable-torch-compile`, the documented GPU command, exact through the default
@@ -51,6 +53,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+import plain_loop  # noqa: E402  (bench/plain_loop.py: the plain loops)
 from miles.config.flags import all_flags  # noqa: E402
 
 PHASES = ("rollout", "release", "onload", "train", "save", "resume", "weight_sync", "offload", "eval", "log")
@@ -98,11 +101,11 @@ def measured_peak_tflops(device: str) -> float:
     b = torch.randn(size, size, device=device, dtype=dtype)
     best = float("inf")
     for _ in range(3):
-        _sync(device)
+        plain_loop.sync(device)
         began = time.perf_counter()
         for _ in range(repeats):
             a @ b
-        _sync(device)
+        plain_loop.sync(device)
         best = min(best, (time.perf_counter() - began) / repeats)
     return 2 * size**3 / best / 1e12
 
@@ -140,143 +143,8 @@ def iteration_floor(opts, lora: bool, tflop: float, peak: float) -> dict:
     pairs = images * (opts.trained_steps or opts.steps)
     rollout = images * cfg * opts.steps * tflop / peak
     train = pairs * cfg * (2 if lora else 3) * tflop / peak
-    return {"rollout": rollout, "train": train, "iteration": rollout + train}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# the plain loop
-# ---------------------------------------------------------------------------------------------------------
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def plain_loop(opts, checkpoint: str, prompts: list[str], lora: bool, compiled: bool) -> dict:
-    """The reference: one process, batched prompts, CFG as one doubled batch; eager, or `compiled` as diffusers'
-    regional-compilation docs show (`.compile()` on each transformer block and on the VAE decoder). Returns
-    timings."""
-    from diffusers import StableDiffusion3Pipeline
-    from peft import LoraConfig
-
-    from miles.diffusion.losses import policy_loss
-    from miles.diffusion.sde import build_sde_backend
-    from miles.models.sd3 import SD3_LORA_TARGETS
-
-    started = time.perf_counter()
-    device = opts.device
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    pipe = StableDiffusion3Pipeline.from_pretrained(checkpoint, torch_dtype=dtype).to(device)
-    pipe.set_progress_bar_config(disable=True)
-    transformer = pipe.transformer
-    if lora:
-        transformer.requires_grad_(False)
-        transformer.add_adapter(LoraConfig(r=32, lora_alpha=64, init_lora_weights="gaussian",
-                                           target_modules=list(SD3_LORA_TARGETS)))
-        for param in transformer.parameters():
-            if param.requires_grad:
-                param.data = param.data.float()  # adapters in fp32, the frozen base in bf16
-    else:
-        transformer.float().requires_grad_(True)  # fp32 master weights, bf16 autocast
-    if compiled:
-        # diffusers' regional compilation: each repeated block compiled in place, and the VAE decoder. The
-        # dynamo cache limit is raised as its docs advise when a loop sees several shapes (rollout and train
-        # batches, with and without grad): without it dynamo falls back to eager after 8 graphs.
-        torch._dynamo.config.cache_size_limit = 64
-        for block in transformer.transformer_blocks:
-            block.compile()
-        pipe.vae.decoder.compile()
-    params = [p for p in transformer.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-5, fused=device == "cuda")
-    sde = build_sde_backend("sde", opts.noise_level, False)
-    pipe.scheduler.set_timesteps(opts.steps, device=device)
-    sigmas = pipe.scheduler.sigmas.float()
-    p, m, n = len(prompts), opts.samples, opts.steps
-    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
-
-    def velocity(x, sigma, text, pooled):
-        x2 = torch.cat([x, x])
-        timestep = (sigma * 1000).expand(x2.shape[0])
-        with autocast:
-            out = transformer(hidden_states=x2.to(dtype), timestep=timestep, encoder_hidden_states=text,
-                              pooled_projections=pooled, return_dict=False)[0].float()
-        uncond, cond = out.chunk(2)
-        return uncond + opts.guidance * (cond - uncond)
-
-    timings = []
-    for iteration in range(opts.iterations):
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
-                prompts, None, None, negative_prompt=[""] * p, do_classifier_free_guidance=True,
-                num_images_per_prompt=m, device=device)
-            text = torch.cat([negative, embeds])
-            pooled_text = torch.cat([negative_pooled, pooled])
-            generators = [torch.Generator(device).manual_seed(1000 * iteration + b) for b in range(p * m)]
-            factor = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
-            shape = (transformer.config.in_channels, opts.height // factor, opts.width // factor)
-            x = torch.stack([torch.randn(shape, generator=g, device=device) for g in generators])
-            trajectory, log_probs = [x], []
-            for k in range(n):
-                v = velocity(x, sigmas[k], text, pooled_text)
-                out = sde.sample(x, v, sigmas[k].expand(p * m), sigmas[k + 1].expand(p * m),
-                                 sigmas[1].expand(p * m), generators)
-                x = out.next_latents
-                trajectory.append(x)
-                log_probs.append(out.log_prob)
-            vae = pipe.vae
-            images = vae.decode((x / vae.config.scaling_factor + vae.config.shift_factor).to(vae.dtype)).sample
-            images = ((images.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
-        _sync(device)
-        t1 = time.perf_counter()
-        rewards = images.float().mean(dim=(1, 2, 3)) / 255
-        grouped = rewards.view(p, m)
-        advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
-        _sync(device)
-        t2 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        trained = range(opts.trained_steps or n)
-        pairs = [(b, k) for b in range(p * m) for k in trained]
-        for start in range(0, len(pairs), opts.micro_batch_size):
-            chunk = pairs[start : start + opts.micro_batch_size]
-            b_idx = torch.tensor([b for b, _ in chunk], device=device)
-            k_idx = [k for _, k in chunk]
-            xs = torch.stack([trajectory[k][b] for b, k in chunk])
-            xs_next = torch.stack([trajectory[k + 1][b] for b, k in chunk])
-            sig = sigmas[k_idx]
-            text_mb = torch.cat([text[: p * m][b_idx], text[p * m :][b_idx]])
-            pooled_mb = torch.cat([pooled_text[: p * m][b_idx], pooled_text[p * m :][b_idx]])
-            x2 = torch.cat([xs, xs])
-            with autocast:
-                out = transformer(hidden_states=x2.to(dtype), timestep=torch.cat([sig, sig]) * 1000,
-                                  encoder_hidden_states=text_mb, pooled_projections=pooled_mb,
-                                  return_dict=False)[0].float()
-            uncond, cond = out.chunk(2)
-            v = uncond + opts.guidance * (cond - uncond)
-            new = sde.log_prob(xs, v, xs_next, sig, sigmas[[k + 1 for k in k_idx]], sigmas[1].expand(len(chunk))).log_prob
-            old = torch.stack([log_probs[k][b] for b, k in chunk])
-            loss, _ = policy_loss(new, old, advantages[b_idx], 1e-4, 5.0)
-            (loss.sum() / len(pairs)).backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        _sync(device)
-        t3 = time.perf_counter()
-        timings.append({"rollout": t1 - t0, "reward": t2 - t1, "train": t3 - t2, "iteration": t3 - t0})
-        print(f"  plain {'compiled' if compiled else 'eager'} {'lora' if lora else 'full'} iteration {iteration}: " +
-              " ".join(f"{k}={v:.2f}" for k, v in timings[-1].items()), flush=True)
-    peak = torch.cuda.max_memory_reserved() / (1 << 30) if device == "cuda" else None
-    first_iteration = timings[0]["iteration"]
-    del pipe, transformer, optimizer, params
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    steady = timings[1:] or timings
-    return {
-        "iteration": sum(t["iteration"] for t in steady) / len(steady),
-        "phases": {k: sum(t[k] for t in steady) / len(steady) for k in ("rollout", "reward", "train")},
-        "unaccounted": 0.0,
-        "peak_gib": peak,
-        "startup": timings and (time.perf_counter() - started - sum(t["iteration"] for t in timings)),
-        "first_iteration": first_iteration,
-    }
+    fused = rollout + pairs * cfg * tflop / peak  # no replay: the rollout's forwards plus one backward per pair
+    return {"rollout": rollout, "train": train, "iteration": rollout + train, "fused": fused}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -368,13 +236,18 @@ def print_table(title: str, rows: dict[str, dict], floor: dict | None = None) ->
         cells = ["floor (FLOPs at the measured peak)", f"{floor['iteration']:.2f}",
                  *[f"{floor[p]:.2f}" if p in floor else "–" for p in phases], *["–"] * 6, "100%", "–", "–"]
         print("| " + " | ".join(cells) + " |")
+        if "plain fused" in rows:
+            cells = ["floor without the replay (the fused loop's)", f"{floor['fused']:.2f}", *["–"] * len(phases),
+                     *["–"] * 6, "100%", "–", "–"]
+            print("| " + " | ".join(cells) + " |")
     for name, row in rows.items():
         cells = [name, f"{row['iteration']:.2f}", *[f"{row['phases'].get(p, 0.0):.2f}" for p in phases],
                  f"{row['unaccounted']:.2f}", "–" if row["peak_gib"] is None else f"{row['peak_gib']:.1f}",
                  "–" if row.get("startup") is None else f"{row['startup']:.1f}", f"{row['first_iteration']:.1f}",
                  "–" if row.get("clipfrac") is None else f"{row['clipfrac']:.3f}",
                  "–" if row.get("log_prob_diff") is None else f"{row['log_prob_diff']:.2g}",
-                 f"{100 * floor['iteration'] / row['iteration']:.0f}%" if floor else "–",
+                 f"{100 * floor['fused' if name == 'plain fused' else 'iteration'] / row['iteration']:.0f}%"
+                 if floor else "–",
                  *[f"{base / row['iteration']:.2f}x" if base else "–" for base in bases]]
         print("| " + " | ".join(cells) + " |")
     for name, row in rows.items():
@@ -389,7 +262,9 @@ def measure_setup(opts, checkpoint: str, prompt_file: str, lora: bool, workdir: 
     os.makedirs(workdir, exist_ok=True)
     rows: dict[str, dict] = {}
     for mode in [] if opts.skip_plain else list(filter(None, opts.plain_modes.split(","))):
-        rows[f"plain {mode}"] = plain_loop(opts, checkpoint, prompts, lora, compiled=mode == "compiled")
+        if mode == "fused" and not lora:
+            continue  # per-sample adapter copies: LoRA only
+        rows[f"plain {mode}"] = plain_loop.run(opts, checkpoint, prompts, lora, mode)
         record_row(opts, lora, f"plain {mode}", rows[f"plain {mode}"])
         gc.collect()  # the loop's last graph and closures are gone only now: give their memory back
         if opts.device == "cuda":
@@ -461,7 +336,10 @@ def main() -> None:
                         help="comma list of eager, compiled ('': the plain loop alone)")
     parser.add_argument("--plain-modes", default="compiled,eager",
                         help="comma list of the plain loop's modes: compiled (regional compilation as diffusers' docs "
-                        "show: the reference every ratio is against), eager")
+                        "show: the reference every ratio is against), eager, fused (LoRA: each sample's gradient "
+                        "taken during the rollout, no replay; an experiment, bench/plain_loop.py)")
+    parser.add_argument("--fused-chunk", type=int, default=0,
+                        help="samples per forward in the fused loop's rollout (0: --micro-batch-size)")
     parser.add_argument("--skip-plain", action="store_true")
     parser.add_argument("--skip-floor", action="store_true", help="do not measure the FLOP floor")
     parser.add_argument("--compiled-launches", type=int, default=2,
