@@ -6,6 +6,7 @@
         --max-rollouts 60 --eval-interval 2 --eval-samples 4 --max-seconds 100 \
         --window 2 --window-range 0,8                                           # bench/RESULTS.md's GPU table
     python bench/bench_learning.py --device cuda --size large --checkpoint DIR ...  # 128 px, pretrained if missing
+    python bench/bench_learning.py --device cuda --diagnose-start     # the base's score by eval path, then exit
 
 Methods, each from the same pretrained base with the same batch (P prompts × G samples per rollout):
 - `flow_grpo`: `train_diffusion.py` with every step an SDE step (on CUDA the documented fast command:
@@ -24,6 +25,12 @@ training time the same without the evals. A run stops at the first eval at or ab
 `train_diffusion.py` SIGTERM, which it ends cleanly on), after `--max-rollouts`, or after `--max-seconds`; one
 that never reaches the target shows its best score. Rows are printed as they finish and kept in `--rows-jsonl`
 when given.
+
+`--diagnose-start` scores the base, before any training, along each path a start can be measured on: the
+one-process `miles.tasks.shapes.evaluate` (the plain loop's eval) and `train_diffusion.py`'s eval (`--debug-rollout-only`,
+its eval before the first rollout), each in fp32 and bf16 with the noise drawn on the CPU and on the device. The same base read 0.53–0.54
+through the framework's eval on one H200 and 0.29–0.32 on the CPU (bench/RESULTS.md): the table says which
+switch moves it.
 """
 
 from __future__ import annotations
@@ -79,6 +86,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--max-seconds", type=float, default=None, help="stop a method after this much wall time")
     parser.add_argument("--rows-jsonl", default=None)
+    parser.add_argument("--diagnose-start", action="store_true",
+                        help="score the base along every eval path (dtype, noise device, one process or the "
+                        "framework) and exit")
     return parser.parse_args()
 
 
@@ -278,6 +288,57 @@ def run_plain(opts, checkpoint: str, data: str) -> dict:
     return summarise(opts, "plain", evals)
 
 
+def with_flag(flags: list[str], name: str, value: str) -> list[str]:
+    """`flags` with `name`'s value replaced, or the flag appended."""
+    if name in flags:
+        flags = list(flags)
+        flags[flags.index(name) + 1] = value
+        return flags
+    return [*flags, name, value]
+
+
+def diagnose_start(opts, checkpoint: str, data: str) -> None:
+    """The base's held-out score along each eval path, one table."""
+    from miles.tasks.shapes.evaluate import DTYPES, heldout_score, load_pipeline, read_scenes
+
+    heldout, size = read_scenes(f"{data}/heldout.jsonl"), image_size(opts)
+    noise_devices = list(dict.fromkeys(["cpu", opts.device]))
+    rows = []
+    for dtype in ("fp32", "bf16"):
+        family, pipe = load_pipeline(checkpoint, DTYPES[dtype])
+        pipe.to(opts.device)
+        for noise in noise_devices:
+            score = heldout_score(family, pipe, heldout, num_steps=opts.steps, samples_per_prompt=opts.eval_samples,
+                                  size=size, dtype=DTYPES[dtype], generator_device=noise)
+            rows.append(("miles.tasks.shapes.evaluate", dtype, noise, score.correct, score.dense))
+            print(rows[-1], flush=True)
+        del pipe
+    for dtype in ("fp32", "bf16"):
+        for noise in noise_devices:
+            out = tempfile.mkdtemp(prefix=f"bench-learning-start-{dtype}-{noise}-")
+            flags = framework_flags(opts, "nft", checkpoint, data, out)
+            flags = with_flag(with_flag(with_flag(flags, "--num-rollout", "1"), "--diffusion-forward-dtype", dtype),
+                              "--diffusion-generator-device", noise) + ["--debug-rollout-only"]  # eval, no training
+            env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+            done = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "train_diffusion.py"), *flags],
+                                  cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+            records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))] \
+                if done.returncode == 0 else []
+            scores = [r for r in records if CORRECT in r]
+            if not scores:
+                raise SystemExit(f"train_diffusion.py --debug-rollout-only failed ({done.returncode}):\n"
+                                 f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
+            rows.append(("train_diffusion.py", dtype, noise, scores[0][CORRECT],
+                         scores[0].get(CORRECT.replace("shapes_correct", "shapes"), float("nan"))))
+            print(rows[-1], flush=True)
+    print(f"\nthe base's held-out score by eval path ({opts.device}, {len(heldout)} prompts x {opts.eval_samples} "
+          f"samples, {opts.steps} steps)")
+    print("| path | forward dtype | noise drawn on | 0/1 correct | dense |")
+    print("|---|---|---|---|---|")
+    for path, dtype, noise, correct, dense in rows:
+        print(f"| {path} | {dtype} | {noise} | {correct:.3f} | {dense:.3f} |")
+
+
 def main() -> None:
     opts = parse_args()
     from miles.tasks.shapes.data import write_prompt_files
@@ -285,6 +346,8 @@ def main() -> None:
     checkpoint = ensure_checkpoint(opts)
     data = tempfile.mkdtemp(prefix="bench-learning-data-")
     write_prompt_files(data)
+    if opts.diagnose_start:
+        return diagnose_start(opts, checkpoint, data)
     rows = []
     for method in [m.strip() for m in opts.methods.split(",") if m.strip()]:
         if method not in METHODS:

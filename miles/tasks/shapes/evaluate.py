@@ -24,6 +24,9 @@ from miles.testing.reference_loop import sample_reference
 from miles.types import GuidanceConfig
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 @dataclass(frozen=True)
 class HeldoutScore:
     correct: float  # mean of the 0/1 scores
@@ -40,17 +43,19 @@ def read_scenes(path: str) -> list[tuple[str, Scene]]:
     return [(row["input"], scene_from_metadata(row["metadata"])) for row in rows]
 
 
-def load_pipeline(path: str):
+def load_pipeline(path: str, dtype: torch.dtype = torch.float32):
     family = SD3TrainPipelineConfig()
-    return family, family.load_pipeline(path, torch.float32)
+    return family, family.load_pipeline(path, dtype)
 
 
 @torch.no_grad()
 def heldout_score(family, pipe, scenes: list[tuple[str, Scene]], *, num_steps: int, samples_per_prompt: int,
-                  size: int, guidance_scale: float = 1.0, seed: int = 42, batch_size: int = 32) -> HeldoutScore:
+                  size: int, guidance_scale: float = 1.0, seed: int = 42, batch_size: int = 32,
+                  dtype: torch.dtype = torch.float32, generator_device: str = "cpu") -> HeldoutScore:
     """Prompt i's sample j starts from the noise of seed `seed + samples_per_prompt · i + j`: the seeds of
     `train_diffusion.py`'s eval with `--rollout-seed seed` (docs/algorithms.md §3, the group's position in the
-    eval set as its group index), so on the same weights both give the same images."""
+    eval set as its group index), so on the same weights both give the same images. `dtype` is the forward's
+    (a pipeline loaded in it), `generator_device` where the noise is drawn (`--diffusion-generator-device`)."""
     prompts = [prompt for prompt, _ in scenes for _ in range(samples_per_prompt)]
     seeds = [seed + i for i in range(len(prompts))]
     images = []
@@ -58,7 +63,8 @@ def heldout_score(family, pipe, scenes: list[tuple[str, Scene]], *, num_steps: i
         rows = slice(start, start + batch_size)
         output = sample_reference(family, pipe, prompts[rows], seeds=seeds[rows],
                                   num_steps=num_steps, shape=GenerationShape(size, size),
-                                  guidance=GuidanceConfig(guidance_scale=guidance_scale))
+                                  guidance=GuidanceConfig(guidance_scale=guidance_scale), dtype=dtype,
+                                  generator_device=generator_device)
         images.append(output.images[:, 0])
     pixels = torch.cat(images).cpu()
     scores = [score_scene(scene, pixels[i * samples_per_prompt + j].numpy())
@@ -81,11 +87,16 @@ def main() -> None:
     parser.add_argument("--samples-per-prompt", type=int, default=4)
     parser.add_argument("--size", type=int, default=32)
     parser.add_argument("--guidance-scale", type=float, default=1.0)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="the forward's dtype")
+    parser.add_argument("--generator-device", default="cpu", help="where the noise is drawn (cpu or cuda)")
     args = parser.parse_args()
-    family, pipe = load_pipeline(args.checkpoint)
+    family, pipe = load_pipeline(args.checkpoint, DTYPES[args.dtype])
+    pipe.to(args.device)
     score = heldout_score(family, pipe, read_scenes(args.prompts), num_steps=args.num_steps,
                           samples_per_prompt=args.samples_per_prompt, size=args.size,
-                          guidance_scale=args.guidance_scale)
+                          guidance_scale=args.guidance_scale, dtype=DTYPES[args.dtype],
+                          generator_device=args.generator_device)
     print(f"held-out correct {score.correct:.3f}  dense {score.dense:.3f}  stray rate {score.stray_rate:.3f}  "
           f"correct but strays {score.correct_but_strays:.3f}  by tag "
           + " ".join(f"{tag} {value:.2f}" for tag, value in score.correct_by_tag.items()))
