@@ -36,22 +36,27 @@ def train(args, resume: ResumePoint) -> None:
     from miles.ray.train_actor import TrainActorGroup
 
     config = RunConfig.from_args(args)  # the typed sections, built once; every part below reads them
+    ray_began = time.perf_counter()
     init_ray(config)
     run_logger = RunLogger(config, started_at=PROCESS_START)
+    run_logger.record_startup("launch", ray_began - PROCESS_START)  # imports, flags, preflight checks
+    run_logger.record_startup("ray", time.perf_counter() - ray_began)
     try:  # the pictures and curves are written however the run ends (an error, Ctrl-C): see RunLogger.finish
-        placement = create_placement_groups(config)
-        rollout_manager = RolloutManager(config, placement, run_logger)
-        actor = None
-        if not config.debug.debug_rollout_only:
-            slots = placement.train
-            actor = TrainActorGroup(config, slots.placement_group, gpu_share=slots.gpu_share or None,
-                                    cpu_share=slots.cpu_share)
+        with run_logger.startup_part("actors"):
+            placement = create_placement_groups(config)
+            rollout_manager = RolloutManager(config, placement, run_logger)
+            actor = None
+            if not config.debug.debug_rollout_only:
+                slots = placement.train
+                actor = TrainActorGroup(config, slots.placement_group, gpu_share=slots.gpu_share or None,
+                                        cpu_share=slots.cpu_share)
 
         # Engines load while the trainer does (they only need the trainer's weights at the first sync below).
         rollout_manager.launch_engines()
         start_rollout_id = 0
         if actor is not None:
-            start_rollout_id = actor.init()
+            with run_logger.startup_part("trainer_init"):
+                start_rollout_id = actor.init()
             rollout_manager.load_state_dict((actor.loaded_extra_state or {}).get("data_source"))
         if config.data.start_rollout_id is not None:
             start_rollout_id = config.data.start_rollout_id
@@ -59,14 +64,15 @@ def train(args, resume: ResumePoint) -> None:
         run_logger.resume_history(start_rollout_id)  # the curves and grids cover the rollouts before the resume too
         if start_rollout_id and resume.checkpoint_dir:
             logger.info(lifecycle.resumed_line(resume.checkpoint_dir, start_rollout_id, config.data.num_rollout))
-        rollout_manager.wait_for_engines()
+        with run_logger.startup_part("engines_ready"):  # what loading the engines takes beyond the trainer
+            rollout_manager.wait_for_engines()
         logger.info(lifecycle.started_line(
             config.model.diffusion_model_family_resolved, config.model.hf_checkpoint, placement.device,
             config.placement.train_world_size if actor is not None else 0, placement.num_engines,
             config.placement.colocate, batch_geometry(args), schedule, config.logging.output_dir))
         if actor is not None and rollout_manager.has_engines:
             # The engines start from the trainer's weights (LoRA-initialised or loaded from --load).
-            with run_logger.phase("weight_sync"):
+            with run_logger.startup_part("weight_sync"):
                 rollout_manager.survive_engine_death("the weight sync", lambda: actor.update_weights(
                     rollout_manager.engine_urls(), weight_version=start_rollout_id))
             # A restarted engine gets the current weights before it rejoins the router.

@@ -40,6 +40,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -180,6 +181,7 @@ def run_miles(opts, checkpoint: str, prompt_file: str, lora: bool, mode: str, wo
     launches = opts.compiled_launches if mode.startswith("compiled") else 1  # the first compiled launch fills the caches
     for launch in range(launches):
         out = os.path.join(workdir, f"miles-{'lora' if lora else 'full'}-{mode}-{launch}")
+        shutil.rmtree(out, ignore_errors=True)  # a reused --workdir: this launch's metrics only
         argv = [sys.executable, os.path.join(REPO_ROOT, "train_diffusion.py"),
                 *miles_flags(opts, checkpoint, prompt_file, out, lora, mode)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -204,6 +206,8 @@ def run_miles(opts, checkpoint: str, prompt_file: str, lora: bool, mode: str, wo
         "unaccounted": mean("perf/unaccounted_time"),
         "peak_gib": memory.gib,
         "startup": iterations[0].get("perf/startup_time"),
+        "startup_parts": {key[len("perf/startup/"):-len("_time")]: value for key, value in iterations[0].items()
+                          if key.startswith("perf/startup/")},
         "first_iteration": iterations[0]["perf/iteration_time"],
         "clipfrac": mean("train/clipfrac"),
         "inside": {"engine denoise": mean("rollout/engine_denoise_seconds"),
@@ -253,6 +257,8 @@ def print_table(title: str, rows: dict[str, dict], floor: dict | None = None) ->
     for name, row in rows.items():
         if row.get("inside"):
             print(f"{name}, inside the phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in row["inside"].items()))
+        if row.get("startup_parts"):
+            print(f"{name}, its start-up (s): " + ", ".join(f"{k} {v:.2f}" for k, v in row["startup_parts"].items()))
     sys.stdout.flush()
 
 

@@ -9,7 +9,9 @@ Every second of an iteration is accounted for: the loop opens each iteration wit
 its parts with `phase`; `flush` adds `perf/iteration_time` and `perf/unaccounted_time` (the iteration minus
 its phases). An iteration's clock starts when the previous one's `flush` starts, so that flush's own writing is
 the `perf/log_time` phase of the next record and the records tile the run's wall time without gaps.
-`perf/startup_time` (process start to the first iteration) comes with the first record.
+`perf/startup_time` (process start to the first iteration) comes with the first record, split into
+`perf/startup/<part>_time` (the loop's `startup_part`s: launch, ray, actors, trainer_init, engines_ready,
+weight_sync) and `perf/startup/other_time`, the rest.
 
 `--use-tensorboard` writes every record's scalars, at step = rollout id, to `<output-dir>/tensorboard`
 (torch.utils.tensorboard), and the sample grid whenever it is redrawn.
@@ -71,6 +73,7 @@ class RunLogger:
         self.wandb = self._init_wandb(config) if logging_config.use_wandb else None
         self.tensorboard = self._init_tensorboard(config) if logging_config.use_tensorboard else None
         self._started_at = started_at
+        self._startup_parts: dict[str, float] = {}  # perf/startup/<part>_time, see startup_part
         self._iteration_start: float | None = None
         self._next_iteration_start: float | None = None  # when the last flush began
         self._last_flush_seconds = 0.0
@@ -82,13 +85,35 @@ class RunLogger:
         """Start the clock of one loop iteration (see the module docstring for where it starts)."""
         now = time.perf_counter()
         if self._started_at is not None:
-            self._pending["perf/startup_time"] = now - self._started_at
+            startup = now - self._started_at
+            self._pending["perf/startup_time"] = startup
+            for part, seconds in self._startup_parts.items():
+                self._pending[f"perf/startup/{part}_time"] = seconds
+            self._pending["perf/startup/other_time"] = startup - sum(self._startup_parts.values())
             self._started_at = None  # once, in the first record
         self._iteration_start = self._next_iteration_start if self._next_iteration_start is not None else now
         self._accounted = 0.0
         if self._next_iteration_start is not None:
             self._add_phase_time("log", self._last_flush_seconds)
             self._add_phase_time("between_iterations", now - self._next_iteration_start - self._last_flush_seconds)
+
+    def record_startup(self, part: str, seconds: float) -> None:
+        """A part of the start-up (before the first iteration), reported as `perf/startup/<part>_time` with the
+        first record; `perf/startup/other_time` is what the parts leave of `perf/startup_time`."""
+        self._startup_parts[part] = self._startup_parts.get(part, 0.0) + seconds
+
+    @contextmanager
+    def startup_part(self, part: str) -> Iterator[None]:
+        """Time a part of the start-up (`record_startup`); the dashboard timeline shows it like a phase."""
+        began = time.perf_counter()
+        if self.timeline is not None:
+            self.timeline.begin(part)
+        try:
+            yield
+        finally:
+            self.record_startup(part, time.perf_counter() - began)
+            if self.timeline is not None:
+                self.timeline.end(part)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -142,6 +142,25 @@ def test_every_second_of_an_iteration_is_accounted_for(tmp_path, monkeypatch):
     assert "perf/startup_time" not in second
 
 
+def test_startup_is_split_into_its_parts(tmp_path, monkeypatch):
+    logger = RunLogger(make_args(tmp_path), started_at=0.0)
+    clock = FakeClock(1.0, 4.0,  # startup_part("trainer_init"): 3 s
+                      4.0, 6.5,  # startup_part("engines_ready"): 2.5 s
+                      7.0,  # begin_iteration: 7 s of start-up
+                      7.0, 7.0)  # flush
+    monkeypatch.setattr(run_logger_module.time, "perf_counter", clock)
+    logger.record_startup("ray", 0.75)
+    with logger.startup_part("trainer_init"):
+        pass
+    with logger.startup_part("engines_ready"):
+        pass
+    logger.begin_iteration()
+    first = logger.flush(0)
+    assert first["perf/startup_time"] == 7.0
+    assert first["perf/startup/ray_time"] == 0.75 and first["perf/startup/trainer_init_time"] == 3.0
+    assert first["perf/startup/engines_ready_time"] == 2.5 and first["perf/startup/other_time"] == 0.75
+
+
 def test_dashboard_timeline_is_written_on_flush(tmp_path):
     workspace = tmp_path / "dashboard"
     logger = RunLogger(make_args(tmp_path, use_miles_dashboard=True, miles_dashboard_workspace=str(workspace)))
