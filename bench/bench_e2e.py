@@ -209,6 +209,10 @@ def run_miles(opts, checkpoint: str, prompt_file: str, lora: bool, mode: str, wo
         "startup_parts": {key[len("perf/startup/"):-len("_time")]: value for key, value in iterations[0].items()
                           if key.startswith("perf/startup/")},
         "first_iteration": iterations[0]["perf/iteration_time"],
+        "first_iteration_parts": {"rollout": iterations[0].get("perf/rollout_time", 0.0),
+                                  "of which the engine compiling": iterations[0].get("rollout/engine_compile_seconds", 0.0),
+                                  "train": iterations[0].get("perf/train_time", 0.0),
+                                  "of which the trainer compiling": iterations[0].get("perf/train_compile_s", 0.0)},
         "clipfrac": mean("train/clipfrac"),
         "inside": {"engine denoise": mean("rollout/engine_denoise_seconds"),
                    "engine decode": mean("rollout/engine_decode_seconds"),
@@ -259,6 +263,9 @@ def print_table(title: str, rows: dict[str, dict], floor: dict | None = None) ->
             print(f"{name}, inside the phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in row["inside"].items()))
         if row.get("startup_parts"):
             print(f"{name}, its start-up (s): " + ", ".join(f"{k} {v:.2f}" for k, v in row["startup_parts"].items()))
+        if row.get("first_iteration_parts"):
+            print(f"{name}, its first iteration (s): "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in row["first_iteration_parts"].items()))
     sys.stdout.flush()
 
 

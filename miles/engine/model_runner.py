@@ -44,7 +44,7 @@ from miles.models.base import GenerationShape, SequenceParallelLayout, TrainPipe
 from miles.models.batch_invariant import predict_velocity_in_tiles
 from miles.models.opaque_kernels import install_in_blocks, wanted as opaque_kernels_wanted
 from miles.models.common import build_train_pipeline_config, combine_cfg, generators_from_seeds, parse_dtype
-from miles.utils.compile import compile_blocks
+from miles.utils.compile import compile_blocks, compile_seconds
 from miles.types import GuidanceConfig
 from miles.utils.errors import MilesUserError
 from miles.utils.imports import load_function
@@ -84,6 +84,7 @@ class Trajectory:
     weight_version_at_start: int = 0
     started_at: float = field(default_factory=time.perf_counter)
     denoise_seconds: float = 0.0
+    compile_seconds: float = 0.0  # of denoise and decode: compiling graphs (a first forward, a new batch size)
 
     @property
     def num_samples(self) -> int:
@@ -359,7 +360,7 @@ class ModelRunner:
 
         The caller guarantees equal `batch_key`s.
         """
-        began = time.perf_counter()
+        began, compiled_before = time.perf_counter(), compile_seconds()
         first = trajectories[0]
         latents = torch.cat([t.latents for t in trajectories])
         sigmas = torch.cat([t.sigmas[t.step].expand(t.num_samples) for t in trajectories])
@@ -383,9 +384,10 @@ class ModelRunner:
             v = velocity[offset : offset + t.num_samples]
             offset += t.num_samples
             self._apply_step(t, v)
-        elapsed = time.perf_counter() - began
+        elapsed, compiling = time.perf_counter() - began, compile_seconds() - compiled_before
         for t in trajectories:
             t.denoise_seconds += elapsed
+            t.compile_seconds += compiling
 
     def _forward(self, latents, sigmas, conditioning, first: Trajectory) -> torch.Tensor:
         """One guided velocity forward. On a CFG-parallel engine the follower computes the unconditional branch
@@ -458,7 +460,7 @@ class ModelRunner:
     def finish(self, t: Trajectory) -> GenerateResponse:
         """Decode the final latents and pack every sample's result (tensors moved to the host)."""
         request = t.request
-        began = time.perf_counter()
+        began, compiled_before = time.perf_counter(), compile_seconds()
         final_latents = self.family.final_latents(t.latents, t.conditioning)
         images: torch.Tensor | None = None
         if request.return_images:
@@ -468,6 +470,7 @@ class ModelRunner:
                  for lo in range(0, t.num_samples, chunk)]
             ).cpu()
         decode_seconds = time.perf_counter() - began
+        t.compile_seconds += compile_seconds() - compiled_before  # the VAE decoder's graph, on a first decode
         training = not request.evaluation
         sigmas_cpu = t.sigmas.cpu()
         timesteps_cpu = t.timesteps.float().cpu()
@@ -507,7 +510,8 @@ class ModelRunner:
             request_id=request.request_id,
             weight_version=self.weight_version,
             samples=samples,
-            timings={"denoise": t.denoise_seconds, "decode": decode_seconds, "total": time.perf_counter() - t.started_at},
+            timings={"denoise": t.denoise_seconds, "decode": decode_seconds, "compile": t.compile_seconds,
+                     "total": time.perf_counter() - t.started_at},
         )
 
     def weights_updated(self) -> None:

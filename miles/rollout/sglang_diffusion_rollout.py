@@ -143,7 +143,7 @@ class _Rollout:
         self.num_steps = config.sampling.diffusion_num_steps
         self.group_rm = config.reward.group_rm
         # engine-side seconds of this rollout's requests: where a rollout's time goes (bench/RESULTS.md)
-        self.engine_seconds = {"denoise": 0.0, "decode": 0.0, "request": 0.0}
+        self.engine_seconds = {"denoise": 0.0, "decode": 0.0, "request": 0.0, "compile": 0.0}
 
     async def generate_group(self, group: list[Sample], group_index: int, group_size: int) -> list[Sample]:
         """Generate and score one prompt group (its microgroups run concurrently)."""
@@ -201,6 +201,7 @@ class _Rollout:
         """Concurrent requests denoise together (the longest counts) but decode one after another (they add)."""
         seconds = self.engine_seconds
         seconds["denoise"] = max(seconds["denoise"], float(timings.get("denoise", 0.0)))
+        seconds["compile"] = max(seconds["compile"], float(timings.get("compile", 0.0)))  # in denoise and decode
         seconds["decode"] += float(timings.get("decode", 0.0))
         seconds["request"] = max(seconds["request"], float(timings.get("total", 0.0)) + float(timings.get("queue", 0.0)))
 

@@ -23,3 +23,16 @@ def compile_blocks(block_lists: list[nn.ModuleList], mode: str | None = None) ->
     for block_list in block_lists:
         for block in block_list:
             block.compile(mode=mode, dynamic=False)
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling so far (dynamo's tracing plus the backend's code generation or
+    cache reads), 0 where torch does not say: the delta over a step is what that step spent compiling."""
+    try:
+        from torch._dynamo.utils import calculate_time_spent
+
+        spent = calculate_time_spent()  # the backward graph compiles at the first backward: its own key
+        return float(spent.get("entire_frame_compile", 0.0) + spent.get("entire_backward_compile", 0.0))
+    except Exception:  # noqa: BLE001 - a private API: no number rather than no step
+        return 0.0
+

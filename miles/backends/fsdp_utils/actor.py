@@ -38,6 +38,7 @@ from miles.models.batch_invariant import (
     predict_velocity_in_tiles,
 )
 from miles.types import GuidanceConfig, Sample
+from miles.utils.compile import compile_seconds
 from miles.utils.device_memory import allocator_counts
 from miles.utils.errors import MilesUserError
 from miles.utils.host_usage import HostUsage
@@ -446,6 +447,7 @@ class DiffusionTrainer:
 
     def _train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
         started = time.perf_counter()
+        compiled_before = compile_seconds()
         host_before = HostUsage.measure()
         allocator_before = allocator_counts(self.device)
         config = self.config
@@ -506,6 +508,7 @@ class DiffusionTrainer:
             result["train/ema_num_updates"] = float(self.ema.num_updates)
         result.update(self._perf_metrics(plan, time.perf_counter() - started))
         result["perf/train_prepare_s"] = staged
+        result["perf/train_compile_s"] = compile_seconds() - compiled_before  # a first step's or a new shape's
         for key, value in allocator_counts(self.device).items():
             result[f"perf/train_{key}"] = float(value - allocator_before[key])
         result.update(HostUsage.measure().delta(host_before).metrics("perf/train_"))  # host-bound or not
