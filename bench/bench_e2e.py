@@ -17,8 +17,10 @@ every sample as a train pair (Flow-GRPO clipped loss), micro-batches of `--micro
 - miles: `train_diffusion.py` itself, as docs/quickstart.md shows it (`--colocate`, real Ray, an engine
   process, HTTP, weight sync), in each requested `--miles-modes` (`eager`; `compiled` adds
   `--fsdp-torch-compile --sglang-enable-torch-compile`, the documented GPU command, exact through the default
-  `batch_invariant` group; `compiled-free` turns the group off and recomputes the old log-probs, the fast
-  command before it was exact).
+  `batch_invariant` group; a `-rollout-gradient` suffix (`compiled-rollout-gradient`, `eager-rollout-gradient`)
+  adds `--diffusion-rollout-gradient` (LoRA: the engines take each sample's gradient during the rollout, nothing
+  is replayed); `compiled-free` turns the group off and
+  recomputes the old log-probs, the fast command before it was exact).
 
 The floor (`--skip-floor` leaves it out): the iteration's FLOPs (one DiT forward counted by torch's FLOP counter)
 at the dense matmul peak measured in the same call; each row's MFU is the floor over its seconds. A compiled mode is launched twice (`--compiled-launches`): the first launch fills the compile caches,
@@ -59,6 +61,7 @@ from miles.config.flags import all_flags  # noqa: E402
 
 PHASES = ("rollout", "release", "onload", "train", "save", "resume", "weight_sync", "offload", "eval", "log")
 LORA_TARGETS = None  # the family's defaults (miles.models.sd3.SD3_LORA_TARGETS)
+ROLLOUT_GRADIENT = "-rollout-gradient"  # a --miles-modes suffix: the mode plus --diffusion-rollout-gradient
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -169,6 +172,9 @@ def miles_flags(opts, checkpoint: str, prompt_file: str, out: str, lora: bool, m
         flags += ["--diffusion-num-sde-steps", str(opts.trained_steps)]
     if lora:
         flags += ["--use-lora", "--lora-rank", "32", "--lora-alpha", "64"]
+    if mode.endswith(ROLLOUT_GRADIENT):  # the engines take each sample's gradient, nothing is replayed (LoRA)
+        flags += ["--diffusion-rollout-gradient"]
+        mode = mode.removesuffix(ROLLOUT_GRADIENT)
     if mode == "compiled":  # docs/quickstart.md's GPU command
         flags += ["--fsdp-torch-compile", "--sglang-enable-torch-compile"]
     elif mode == "compiled-free":  # the compiled command before it was exact: free batching, ratio hidden by recompute
@@ -284,6 +290,8 @@ def measure_setup(opts, checkpoint: str, prompt_file: str, lora: bool, workdir: 
             torch.cuda.empty_cache()
         torch._dynamo.reset()  # the next loop compiles its own graphs
     for mode in filter(None, opts.miles_modes.split(",")):  # --miles-modes '': the plain loop alone
+        if mode.endswith(ROLLOUT_GRADIENT) and not lora:
+            continue  # per-sample adapter copies: LoRA only
         rows[f"miles {mode}"] = run_miles(opts, checkpoint, prompt_file, lora, mode, workdir)
         record_row(opts, lora, f"miles {mode}", rows[f"miles {mode}"])
     return rows

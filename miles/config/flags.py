@@ -413,6 +413,10 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
           "slope.", gt=0),
         S("--diffusion-recompute-old-log-prob", "Recompute old log-probs with the trainer forward instead of "
           "trusting the rollout's. policy_loss only."),
+        S("--diffusion-rollout-gradient", "LoRA Flow-GRPO, one optimizer step per rollout: the engines take each "
+          "sample's log-prob gradient during the rollout and the trainer steps on Σ −clip(A)·∇ℓ / pairs without "
+          "replaying the forwards (on-policy by construction; implies --lora-ipc-weight-sync). docs/algorithms.md "
+          "§5.", extension=True),
         F("--diffusion-kl-beta", finite_float, 0.0, "Reference-KL coefficient; > 0 turns on a reference forward.",
           ge=0),
         F("--ref-mode", str, None, "Reference policy: none / lora_base / ema. Unset = auto: under nft ema (the "

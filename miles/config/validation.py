@@ -436,6 +436,41 @@ def _rule_overlap(args: argparse.Namespace) -> None:
               "--debug-rollout-only or --load-debug-rollout-data)")
 
 
+def _rule_rollout_gradient(args: argparse.Namespace) -> None:
+    """--diffusion-rollout-gradient: the gradient at ratio 1 is Σ −clip(A)·∇ℓ / pairs only for the plain clipped
+    loss with one optimizer step per rollout; each sample's term is taken in a one-process engine's forward."""
+    if not args.diffusion_rollout_gradient:
+        return
+    flag = "--diffusion-rollout-gradient"
+    needs = [
+        (args.use_lora, "--use-lora (the engines keep a per-sample copy of the adapter)"),
+        (args.loss_type == "policy_loss", f"--loss-type policy_loss, not {args.loss_type}"),
+        (args.num_steps_per_rollout == 1, f"one optimizer step per rollout, not --num-steps-per-rollout "
+                                          f"{args.num_steps_per_rollout}"),
+        (args.diffusion_kl_beta == 0, f"--diffusion-kl-beta 0, not {args.diffusion_kl_beta:g}"),
+        (not args.diffusion_recompute_old_log_prob, "no --diffusion-recompute-old-log-prob (nothing is replayed)"),
+        (not args.use_ema or args.ema_rollout_policy != "ema", "the trained weights as the rollout policy, not "
+                                                               "--ema-rollout-policy ema"),
+        (args.rollout_num_gpus_per_engine == 1, "one-process engines, not --rollout-num-gpus-per-engine "
+                                                f"{args.rollout_num_gpus_per_engine}"),
+        (not args.overlap_rollout, "no --overlap-rollout (the gradient is taken on the current weights)"),
+        (not (args.train_only or args.debug_rollout_only or args.load_debug_rollout_data),
+         "both a rollout and a trainer (no --train-only, --debug-rollout-only or --load-debug-rollout-data)"),
+        (not (args.custom_generate_function_path or args.custom_loss_function_path
+              or args.custom_convert_samples_to_train_data_path or args.custom_expand_samples_to_train_pairs_path
+              or args.custom_prepare_train_batch_path),
+         "the built-in generate, pairs and loss (no --custom-generate-function-path, --custom-loss-function-path, "
+         "--custom-convert-samples-to-train-data-path, --custom-expand-samples-to-train-pairs-path or "
+         "--custom-prepare-train-batch-path)"),
+        (not args.diffusion_debug_mode, "no --diffusion-debug-mode (no trainer forward to compare)"),
+        (not args.check_weight_sync, "no --check-weight-sync (LoRA pairs are pushed, not full weights)"),
+    ]
+    for ok, what in needs:
+        if not ok:
+            _fail(f"{flag} needs {what}")
+    args.lora_ipc_weight_sync = True  # the engines need the factors themselves, not only the merged weights
+
+
 def _rule_parity(args: argparse.Namespace) -> None:
     """`--rollout-patch-group` unset means exact rollout/train parity (`batch_invariant`), eager or compiled (a
     compiled side keeps its matmuls and norms opaque to the compiler: miles/models/opaque_kernels.py). `none`: no
@@ -478,7 +513,7 @@ def _rule_engine_limits(args: argparse.Namespace) -> None:
 RULES: tuple[Callable[[argparse.Namespace], None], ...] = (
     _rule_values, _rule_model, _rule_topology, _rule_placement, _rule_ci, _rule_modes, _rule_batch, _rule_run_length,
     _rule_sde_steps, _rule_loss, _rule_reference, _rule_optimizer, _rule_reward, _rule_eval, _rule_outputs,
-    _rule_micro_batches, _rule_parity, _rule_overlap, _rule_engine_limits,
+    _rule_micro_batches, _rule_rollout_gradient, _rule_parity, _rule_overlap, _rule_engine_limits,
 )
 
 

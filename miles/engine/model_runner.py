@@ -33,6 +33,7 @@ from miles.engine.cfg_parallel import (
 )
 from miles.engine.patches import apply_patch_groups
 from miles.engine.protocol import GenerateRequest, GenerateResponse, ProtocolError, SampleResult
+from miles.engine.rollout_gradients import RolloutGradients, step_with_gradients
 from miles.engine.sequence_parallel import (
     UlyssesComm,
     check_sequence_length,
@@ -85,6 +86,8 @@ class Trajectory:
     started_at: float = field(default_factory=time.perf_counter)
     denoise_seconds: float = 0.0
     compile_seconds: float = 0.0  # of denoise and decode: compiling graphs (a first forward, a new batch size)
+    # rollout_gradient requests: per-sample copies of the LoRA factors, collecting Σ_k ∇ℓ_{b,k} (rollout_gradients.py)
+    gradient_leaves: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def num_samples(self) -> int:
@@ -192,6 +195,7 @@ class ModelRunner:
                 server_args.forward_tile, 2 * server_args.forward_tile,
             )
         self.weight_version = 0
+        self.rollout_gradients = RolloutGradients(self.modules) if server_args.rollout_gradient else None
         self._backends: dict[tuple, SdeStepBackend] = {}
         self.sequence_parallel_layouts: dict[str, SequenceParallelLayout] = {}
         if self._followers is not None:
@@ -322,6 +326,12 @@ class ModelRunner:
                 check_sequence_length(layout, tuple(latents.shape[1:]), self.server_args.tp_size)
             except ValueError as err:
                 raise ProtocolError(str(err)) from err
+        leaves = None
+        if request.rollout_gradient:
+            if self.rollout_gradients is None or self._followers is not None:
+                raise ProtocolError("rollout_gradient: this engine was not started for it (--diffusion-rollout-gradient"
+                                    " on a one-process engine)")
+            leaves = self.rollout_gradients.leaves(m)
         trajectory = Trajectory(
             request=request,
             shape=shape,
@@ -334,8 +344,9 @@ class ModelRunner:
             sde_steps=frozenset(request.sde_step_indices),
             return_latents=frozenset(request.return_latent_indices),
             weight_version_at_start=self.weight_version,
+            gradient_leaves=leaves,
         )
-        self._record(trajectory)
+        self.record_latents(trajectory)
         return trajectory
 
     def batch_key(self, trajectory: Trajectory) -> tuple:
@@ -350,16 +361,25 @@ class ModelRunner:
             _conditioning_signature(trajectory.conditioning),
         )
 
-    def _record(self, trajectory: Trajectory) -> None:
+    def record_latents(self, trajectory: Trajectory) -> None:
         if trajectory.step in trajectory.return_latents:
             trajectory.recorded[trajectory.step] = trajectory.latents
 
-    @torch.no_grad()
     def step(self, trajectories: list[Trajectory]) -> None:
-        """Advance every trajectory by one step with one batched velocity forward (chunked at max_batch_size).
+        """Advance every trajectory by one step with one batched velocity forward (chunked at max_batch_size);
+        the SDE steps of rollout_gradient requests with their backward (`_step_with_gradients`).
 
         The caller guarantees equal `batch_key`s.
         """
+        with_gradients = [t for t in trajectories if t.gradient_leaves is not None and t.step in t.sde_steps]
+        if with_gradients:
+            step_with_gradients(self, with_gradients)
+            trajectories = [t for t in trajectories if not any(t is g for g in with_gradients)]
+        if trajectories:
+            self._step(trajectories)
+
+    @torch.no_grad()
+    def _step(self, trajectories: list[Trajectory]) -> None:
         began, compiled_before = time.perf_counter(), compile_seconds()
         first = trajectories[0]
         latents = torch.cat([t.latents for t in trajectories])
@@ -454,7 +474,7 @@ class ModelRunner:
         else:
             t.latents = ode_step(t.latents, velocity, sigma, sigma_next)
         t.step = k + 1
-        self._record(t)
+        self.record_latents(t)
 
     @torch.no_grad()
     def finish(self, t: Trajectory) -> GenerateResponse:
@@ -471,6 +491,9 @@ class ModelRunner:
             ).cpu()
         decode_seconds = time.perf_counter() - began
         t.compile_seconds += compile_seconds() - compiled_before  # the VAE decoder's graph, on a first decode
+        if t.gradient_leaves is not None:  # kept under each sample's seed until POST /policy_gradient
+            self.rollout_gradients.keep((request.seed + b for b in range(t.num_samples)), t.gradient_leaves)
+            t.gradient_leaves = None
         training = not request.evaluation
         sigmas_cpu = t.sigmas.cpu()
         timesteps_cpu = t.timesteps.float().cpu()
@@ -515,9 +538,12 @@ class ModelRunner:
         )
 
     def weights_updated(self) -> None:
-        """After a weight update's flush: the followers (CFG- or sequence-parallel) receive the new values."""
+        """After a weight update's flush: the followers (CFG- or sequence-parallel) receive the new values; per-sample
+        gradients of the previous policy that were not asked for are dropped."""
         if self._followers is not None:
             self._followers.sync_weights(self.modules)
+        if self.rollout_gradients is not None:
+            self.rollout_gradients.new_weights()
 
     def close(self) -> None:
         """Stop the followers, if any."""

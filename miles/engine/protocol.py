@@ -194,6 +194,7 @@ class GenerateRequest:
     return_images: bool = True
     request_id: str = ""
     image: ConditionImage | None = None  # the prompt row's input image, shared by the request's samples
+    rollout_gradient: bool = False  # keep each sample's ∇ log-prob for POST /policy_gradient (rollout_gradients.py)
 
     def validate(self) -> None:
         """Reject requests the denoise loop cannot serve; the message names the field."""
@@ -215,6 +216,8 @@ class GenerateRequest:
             raise ProtocolError(f"bad output size {self.height}x{self.width}x{self.num_frames}")
         if self.image is not None:
             self.image.validate()
+        if self.rollout_gradient and (self.evaluation or not self.sde_step_indices):
+            raise ProtocolError("rollout_gradient needs a training request with SDE steps")
 
     def check_limits(self, limits: RequestLimits) -> None:
         """Reject requests larger than this engine serves (each limit is a server flag)."""
@@ -379,6 +382,7 @@ _REQUEST_FIELDS = {
     "return_images": _as_bool,
     "request_id": _as_str,
     "image": _optional(_as_condition_image),
+    "rollout_gradient": _as_bool,
 }
 _GUIDANCE_FIELDS = {
     "guidance_scale": _as_float,
@@ -456,3 +460,36 @@ def decode_response(data: bytes) -> GenerateResponse:
         )
     except (KeyError, TypeError) as err:
         raise ProtocolError(f"bad response body: {err}") from err
+
+
+# ---- POST /policy_gradient (miles/engine/rollout_gradients.py) -----------------------------------------------
+
+
+def encode_policy_gradient_request(coefficients: dict[int, float]) -> bytes:
+    """The driver's coefficients c_b = −clip(A_b)/P, by sample seed."""
+    seeds = list(coefficients)
+    return packb({"seeds": seeds, "coefficients": [float(coefficients[s]) for s in seeds],
+                  "protocol_version": PROTOCOL_VERSION})
+
+
+def decode_policy_gradient_request(data: bytes) -> dict[int, float]:
+    body = _check_version(unpackb(data), "policy_gradient request")
+    seeds, coefficients = body.get("seeds"), body.get("coefficients")
+    if set(body) != {"seeds", "coefficients"} or type(seeds) is not list or type(coefficients) is not list \
+            or len(seeds) != len(coefficients) or len(seeds) > _MAX_INDEX_COUNT:
+        raise ProtocolError("policy_gradient request: expected equal lists 'seeds' and 'coefficients'")
+    return {_as_int("seeds[]", s): _as_float("coefficients[]", c) for s, c in zip(seeds, coefficients)}
+
+
+def encode_policy_gradient(gradient: dict[str, torch.Tensor], samples: int) -> bytes:
+    """Σ_b c_b·G_b by the trainer's tensor names, and how many of the asked samples this engine held."""
+    return packb({"samples": samples, "gradient": gradient, "protocol_version": PROTOCOL_VERSION})
+
+
+def decode_policy_gradient(data: bytes) -> tuple[dict[str, torch.Tensor], int]:
+    body = _check_version(unpackb(data), "policy_gradient response")
+    gradient, samples = body.get("gradient"), body.get("samples")
+    if type(gradient) is not dict or type(samples) is not int or not all(
+            type(k) is str and isinstance(v, torch.Tensor) and v.dtype == torch.float32 for k, v in gradient.items()):
+        raise ProtocolError("policy_gradient response: expected 'gradient' (name -> fp32 tensor) and 'samples'")
+    return gradient, samples

@@ -30,7 +30,15 @@ import torch
 from aiohttp import web
 
 from miles.engine.model_runner import ModelRunner
-from miles.engine.protocol import CONTENT_TYPE, ProtocolError, RequestLimits, decode_request, encode_response
+from miles.engine.protocol import (
+    CONTENT_TYPE,
+    ProtocolError,
+    RequestLimits,
+    decode_policy_gradient_request,
+    decode_request,
+    encode_policy_gradient,
+    encode_response,
+)
 from miles.engine.scheduler import StepScheduler
 from miles.engine.server_args import ServerArgs
 from miles.engine.weight_broadcast import (
@@ -75,7 +83,9 @@ class EngineServer:
         self.limits = request_limits(server_args)
         self.runner = runner if runner is not None else ModelRunner(server_args)
         self.scheduler = StepScheduler(self.runner, server_args.max_batch_size, server_args.batch_wait_ms)
-        self.receiver = WeightReceiver({name: getattr(self.runner.pipe, name) for name in self.runner.module_names})
+        gradients = self.runner.rollout_gradients
+        self.receiver = WeightReceiver({name: getattr(self.runner.pipe, name) for name in self.runner.module_names},
+                                       on_lora_pair=None if gradients is None else gradients.set_factors)
         self.memory_released = False
         self._admitted = 0  # generate requests being handled (reading, waiting for a batch, running)
         self.counters: dict[str, Any] = {
@@ -105,6 +115,7 @@ class EngineServer:
                 web.post("/destroy_weights_update_group", self.handle_destroy_group),
                 web.post("/update_weights_from_distributed", self.handle_stage_broadcast),
                 web.post("/receive_weights_broadcast", self.handle_receive_broadcast),
+                web.post("/policy_gradient", self.handle_policy_gradient),
             ]
         )
         self.app.on_startup.append(self._on_startup)
@@ -309,6 +320,20 @@ class EngineServer:
         result = await self.scheduler.run_exclusive(receive_and_apply)
         self.counters["weight_buckets"] += 1
         return web.json_response({"ok": True, "weight_version": self.runner.weight_version, **result})
+
+    async def handle_policy_gradient(self, request: web.Request) -> web.Response:
+        """Σ_b c_b·G_b over the rollout_gradient samples this engine holds (miles/engine/rollout_gradients.py)."""
+        gradients = self.runner.rollout_gradients
+        if gradients is None:
+            return _error(400, "this engine keeps no gradients: it was not started with --diffusion-rollout-gradient")
+        try:
+            coefficients = decode_policy_gradient_request(await request.read())
+        except ProtocolError as err:
+            self.counters["bad_requests"] += 1
+            return _error(400, str(err))
+        gradient, used = await self.scheduler.run_exclusive(gradients.policy_gradient, coefficients)
+        payload = await asyncio.get_running_loop().run_in_executor(None, encode_policy_gradient, gradient, used)
+        return web.Response(body=payload, content_type=CONTENT_TYPE)
 
     async def handle_server_info(self, request: web.Request) -> web.Response:
         runner = self.runner

@@ -78,6 +78,15 @@ _LORA_NAME = re.compile(
 )
 
 
+def canonical_lora_name(name: str) -> str:
+    """`<module>.[base_model.model.]<layer>.lora_A[.<adapter>].weight` -> `<module>.<layer>.lora_A.weight`: the
+    name a pushed LoRA factor is known by on both sides."""
+    match = _LORA_NAME.match(name)
+    if match is None:
+        raise ValueError(f"{name!r} is not a LoRA factor's name")
+    return f"{match['module']}.{match['layer']}.lora_{match['which']}.weight"
+
+
 def _digest_tensor(hasher: Any, name: str, tensor: torch.Tensor) -> None:
     host = tensor.detach().to("cpu").contiguous()
     hasher.update(f"{name}|{WIRE_DTYPE_NAMES.get(host.dtype, str(host.dtype))}|{list(host.shape)}|".encode())
@@ -507,8 +516,11 @@ class _LoraPart:
 class WeightReceiver:
     """Engine side: applies buckets to the pipeline's modules; runs on the engine's worker thread."""
 
-    def __init__(self, modules: Mapping[str, nn.Module]):
+    def __init__(self, modules: Mapping[str, nn.Module], on_lora_pair=None):
+        """`on_lora_pair(module, layer, lora_a, lora_b, scaling)`: told every merged pair (the engine's
+        rollout_gradients keeps the factors)."""
         self.modules = dict(modules)
+        self.on_lora_pair = on_lora_pair
         self._tables: dict[str, dict[str, torch.Tensor]] = {}
         self._lora_base: dict[tuple[str, str], torch.Tensor] = {}
         self._pending_lora: dict[tuple[str, str], _PendingLora] = {}
@@ -631,6 +643,8 @@ class WeightReceiver:
             self._lora_base[base_key] = weight.detach().clone()
         base = self._lora_base[base_key]
         weight.copy_(merge_lora_weight(base, lora_a, lora_b, self._lora_scaling))
+        if self.on_lora_pair is not None:
+            self.on_lora_pair(module_name, layer, lora_a, lora_b, self._lora_scaling)
 
 
 def merge_lora_weight(base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:

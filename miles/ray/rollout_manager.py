@@ -177,6 +177,27 @@ class RolloutManager:
                        "--save-debug-rollout-data")
         return samples
 
+    def policy_gradient(self, samples: list[Sample]) -> dict[str, torch.Tensor] | None:
+        """`--diffusion-rollout-gradient`: the rollout's policy gradient from the engines, which kept each sample's
+        Σ_k ∇ℓ_{b,k}: Σ_b c_b·G_b with c_b = −clip(A_b)/P, P the train pairs of the kept samples (the clipped
+        loss's gradient at ratio 1, docs/algorithms.md §5). None without the flag."""
+        if not self.config.trainer.diffusion_rollout_gradient or self.fleet is None:
+            return None
+        from miles.diffusion.advantages import clip_advantages
+
+        kept = [s for s in samples if not s.remove_sample]
+        pairs = sum(len(s.sde_step_indices) for s in kept)
+        clipped = clip_advantages(torch.tensor([float(s.advantage) for s in kept]),
+                                  self.config.trainer.diffusion_adv_clip_max)
+        by_engine: dict[str | None, dict[int, float]] = {}
+        for sample, advantage in zip(kept, clipped.tolist()):
+            by_engine.setdefault(sample.engine_url, {})[sample.seed] = -advantage / max(pairs, 1)
+        gradient, held = self.fleet.policy_gradient(by_engine)
+        if held != len(kept):
+            raise PartDiedError(f"--diffusion-rollout-gradient: the engines held the gradients of {held} of the "
+                                f"rollout's {len(kept)} samples (an engine restarted during the rollout?)")
+        return gradient
+
     def generate_ahead(self, rollout_id: int) -> None:
         """`--overlap-rollout`: start generating `rollout_id` on the engines' current weights, in the background,
         while the trainer trains on the previous one (one step off-policy). `wait_ahead` before the engines'

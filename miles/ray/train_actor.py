@@ -96,8 +96,8 @@ class TrainRayActor:
     def loaded_extra_state(self) -> dict | None:
         return self.trainer.loaded_extra_state
 
-    def train(self, rollout_id: int, samples) -> dict[str, float]:
-        return self.trainer.train(rollout_id, samples)
+    def train(self, rollout_id: int, samples, gradient=None) -> dict[str, float]:
+        return self.trainer.train(rollout_id, samples, gradient)
 
     def update_weights(self, engine_urls: list[str], weight_version: int) -> dict | None:
         """Push the weights; rank 0 sends (shared memory / CUDA IPC or broadcast per engine, `WeightPusher`), the
@@ -269,10 +269,12 @@ class TrainActorGroup:
         self.loaded_extra_state = self._gather("loaded_extra_state", [self.actors[0].loaded_extra_state.remote()])[0]
         return start_ids[0]
 
-    def train(self, rollout_id: int, samples) -> dict[str, float]:
-        """Every rank expands all samples and trains on its DP share; returns rank 0's (global) metrics."""
+    def train(self, rollout_id: int, samples, gradient=None) -> dict[str, float]:
+        """Every rank expands all samples and trains on its DP share; returns rank 0's (global) metrics. With
+        `gradient` (`--diffusion-rollout-gradient`: the engines' policy gradient) every rank steps on it instead."""
         samples_ref = ray.put(samples)
-        return self._all("train", rollout_id, samples_ref)[0]
+        gradient_ref = None if gradient is None else ray.put(gradient)
+        return self._all("train", rollout_id, samples_ref, gradient_ref)[0]
 
     def update_weights(self, engine_urls: list[str], weight_version: int | None = None) -> dict | None:
         """Push the live or EMA weights (full or LoRA pairs) to the engines; returns rank 0's push report."""

@@ -115,7 +115,8 @@ def build_request(
         sde_type=sampling.diffusion_sde_type,
         log_prob_no_const=sampling.diffusion_log_prob_no_const,
         sde_step_indices=list(sde_step_indices),
-        return_latent_indices=list(return_latent_indices),
+        # --diffusion-rollout-gradient: the engine keeps the gradients; no trajectory goes to the trainer
+        return_latent_indices=[] if config.trainer.diffusion_rollout_gradient else list(return_latent_indices),
         height=sampling.diffusion_height,
         width=sampling.diffusion_width,
         num_frames=sampling.diffusion_output_num_frames,
@@ -125,6 +126,7 @@ def build_request(
         evaluation=evaluation,
         request_id=uuid.uuid4().hex[:16],
         image=image,
+        rollout_gradient=config.trainer.diffusion_rollout_gradient and not evaluation,
     )
 
 

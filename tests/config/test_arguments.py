@@ -685,6 +685,19 @@ def test_parity_group_is_the_default_eager_or_compiled_and_sets_the_forward_tile
     assert engine_only.rollout_patch_group == ["sgld"] and engine_only.parity_forward_tile == 0
 
 
+def test_rollout_gradient_needs_lora_flow_grpo_with_one_step_per_rollout():
+    fused = ("--diffusion-rollout-gradient", "--use-lora")
+    args = parse(*fused)
+    assert args.diffusion_rollout_gradient and args.lora_ipc_weight_sync  # the engines need the factors
+    assert "needs --use-lora" in error("--diffusion-rollout-gradient")
+    assert "needs one optimizer step per rollout, not --num-steps-per-rollout 2" in error(
+        *fused, "--num-steps-per-rollout", "2")
+    assert "needs --diffusion-kl-beta 0" in error(*fused, "--diffusion-kl-beta", "0.04")
+    assert "needs --loss-type policy_loss, not nft" in error(*fused, "--loss-type", "nft", "--diffusion-sde-type",
+                                                             "ode", "--diffusion-noise-level", "0")
+    assert "no --overlap-rollout" in error(*fused, "--overlap-rollout")
+
+
 def test_overlapped_rollout_needs_engines_of_their_own_and_engine_log_probs():
     assert parse("--overlap-rollout").overlap_rollout
     assert "--overlap-rollout needs engines of their own" in error("--overlap-rollout", "--colocate")

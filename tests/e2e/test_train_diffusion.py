@@ -355,6 +355,25 @@ def test_hybrid_sharded_trainer_with_its_own_engine_matches_one_rank(sd3, prompt
         assert abs(a - b) < 1e-2 * b
 
 
+def test_rollout_gradient_steps_as_the_replay_does(sd3, prompts, tmp_path):
+    """--diffusion-rollout-gradient (LoRA): the engine takes each sample's gradient during the rollout and the
+    trainer replays nothing, yet every rollout's gradient is the replayed clipped loss's (fp32 rounding apart)."""
+    replay, fused = tmp_path / "replay", tmp_path / "fused"
+    lora = ["--use-lora", "--lora-rank", "4", "--lora-alpha", "8", "--colocate", "--num-rollout", "3"]
+    run([*base_flags(sd3, prompts, replay), *lora, "--lora-ipc-weight-sync"])
+    result = run([*base_flags(sd3, prompts, fused), *lora, "--diffusion-rollout-gradient"])
+    assert "warning" not in result.stderr.lower()
+    a, b = metrics(replay), metrics(fused)
+    assert series(b, "rollout/reward_mean")[0] == series(a, "rollout/reward_mean")[0]
+    for x, y in zip(series(a, "rollout/reward_mean"), series(b, "rollout/reward_mean")):
+        assert abs(x - y) < 1e-5
+    norms_replay, norms_fused = series(a, "train/grad_norm"), series(b, "train/grad_norm")
+    assert len(norms_fused) == 3 and all(n > 0 for n in norms_fused)
+    for x, y in zip(norms_replay, norms_fused):
+        assert abs(x - y) < 1e-3 * x
+    assert series(b, "train/rollout_train_log_prob_abs_diff") == [0.0] * 3
+
+
 def test_overlapped_rollout_learns_one_step_off_policy(sd3, prompts, tmp_path):
     """--overlap-rollout (engines of their own): rollout k+1 is generated while rollout k trains, so every
     rollout after the first is one weight version old, the ratio is taken against the engine's log-probs, and the

@@ -440,8 +440,14 @@ class DiffusionTrainer:
                 )
         return batch
 
-    def train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
-        """Train on one rollout's samples; returns `train/*` and `perf/*` metrics (identical on every rank)."""
+    def train(self, rollout_id: int, samples: list[Sample], gradient: dict[str, torch.Tensor] | None = None
+              ) -> dict[str, float]:
+        """Train on one rollout's samples; returns `train/*` and `perf/*` metrics (identical on every rank).
+        `gradient`: the engines' policy gradient (`--diffusion-rollout-gradient`), stepped on without a replay."""
+        if gradient is not None:
+            from miles.backends.fsdp_utils.rollout_gradient_step import train_on_rollout_gradient
+
+            return train_on_rollout_gradient(self, rollout_id, samples, gradient)
         with profile_train_step(rollout_id, self.rank, self.device):  # MILES_PROFILE_TRAIN_DIR, else nothing
             return self._train(rollout_id, samples)
 

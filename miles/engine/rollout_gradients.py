@@ -1,0 +1,215 @@
+"""Each sample's policy gradient, taken by the engine during the rollout (`--diffusion-rollout-gradient`).
+
+LoRA Flow-GRPO with one optimizer step per rollout: when the trainer takes its gradient, the ratio π_θ/π_old of
+every pair is exactly 1, so the clipped loss's gradient is Σ_b c_b·Σ_k ∇ℓ_{b,k} with c_b = −clip(A_b)/P (P
+the rollout's train pairs; docs/algorithms.md §5). The trainer's replay forward would only recompute what the
+engine's forward computed; here the engine keeps that forward's graph instead. A request that asks for it
+(`GenerateRequest.rollout_gradient`) runs each of its SDE steps with autograd through the LoRA factors and
+takes the backward of Σ_b ℓ_{b,k} at once; each sample's term lands in its own copy of the adapter (per-sample
+factors A_b [r, in], B_b [out, r]), accumulated over the request's steps and kept under the sample's seed.
+When the rewards are in, `POST /policy_gradient` returns Σ_b c_b·G_b for the coefficients the driver sends,
+and the trainer steps on that: no replay, and the gradient is of the very forward that drew the sample.
+
+A LoRA layer's value stays the merged weight's (W'x, as the engine always runs it): the per-sample term t is added
+as `t − t.detach()`, exactly 0, so only gradients see it. The factors are the trainer's, pushed as LoRA pairs
+(`--lora-ipc-weight-sync`, which the flag implies; miles.engine.weight_sync hands each pair here).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from miles.engine.protocol import ProtocolError
+from miles.utils.compile import compile_seconds
+
+if TYPE_CHECKING:
+    from miles.engine.model_runner import ModelRunner, Trajectory
+
+
+@dataclass
+class LoraFactors:
+    """One layer's adapter as the trainer last pushed it (fp32), and the names it pushed them under."""
+
+    a: torch.Tensor  # [r, in]
+    b: torch.Tensor  # [out, r]
+    scaling: float
+    name_a: str
+    name_b: str
+
+
+class RolloutGradients:
+    """The engine's per-sample adapter copies and the gradients they collect (one per engine process)."""
+
+    def __init__(self, modules: Mapping[str, nn.Module]):
+        self.modules = modules
+        self.factors: dict[str, LoraFactors] = {}  # "<module>.<layer>" -> the pushed adapter
+        self.layers: dict[str, nn.Module] = {}  # the Linear layers whose forward is wrapped
+        self.gradients: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}  # seed -> layer -> (∇A, ∇B)
+
+    # ---- the adapter, from the weight sync ------------------------------------------------------------------
+    def set_factors(self, module_name: str, layer_name: str, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                    scaling: float) -> None:
+        key = f"{module_name}.{layer_name}"
+        self.factors[key] = LoraFactors(lora_a.detach().float().clone(), lora_b.detach().float().clone(), scaling,
+                                        f"{key}.lora_A.weight", f"{key}.lora_B.weight")
+        if key not in self.layers:
+            layer = self.modules[module_name].get_submodule(layer_name)
+            layer._rollout_rows = None  # (A rows, B rows, scaling) during a gradient forward, else None
+            layer.forward = functools.partial(_forward_with_rows, layer, layer.forward)
+            self.layers[key] = layer
+
+    def new_weights(self) -> None:
+        """A weight update finished: gradients of the previous policy that nobody asked for are dropped."""
+        self.gradients.clear()
+
+    # ---- one request's per-sample copies --------------------------------------------------------------------
+    def leaves(self, num_samples: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per-sample copies of every layer's factors ([M, r, in], [M, out, r], fp32 leaves)."""
+        if not self.factors:
+            raise ProtocolError("a rollout_gradient request before any LoRA weights were pushed to this engine "
+                                "(--diffusion-rollout-gradient syncs LoRA pairs first)")
+        copies = {}
+        for key, factors in self.factors.items():
+            a = factors.a.unsqueeze(0).repeat(num_samples, 1, 1).requires_grad_(True)
+            b = factors.b.unsqueeze(0).repeat(num_samples, 1, 1).requires_grad_(True)
+            copies[key] = (a, b)
+        return copies
+
+    def forward_rows(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+        """The factors of the next forward's samples, in its row order (None: no gradient forward)."""
+        for key, layer in self.layers.items():
+            layer._rollout_rows = None if rows is None else (*rows[key], self.factors[key].scaling)
+
+    def keep(self, seeds: Iterable[int], leaves: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """A finished request: sample b's accumulated gradient, kept under its seed until asked for."""
+        seeds = list(seeds)
+        for seed in seeds:
+            if seed in self.gradients:
+                raise ProtocolError(f"a second rollout_gradient sample with seed {seed} before the first was taken")
+        for b, seed in enumerate(seeds):
+            per_layer = {}
+            for key, (a, b_) in leaves.items():
+                grad_a = a.grad[b] if a.grad is not None else torch.zeros_like(a[b])
+                grad_b = b_.grad[b] if b_.grad is not None else torch.zeros_like(b_[b])
+                per_layer[key] = (grad_a.detach(), grad_b.detach())
+            self.gradients[seed] = per_layer
+
+    # ---- the policy gradient --------------------------------------------------------------------------------
+    def policy_gradient(self, coefficients: Mapping[int, float]) -> tuple[dict[str, torch.Tensor], int]:
+        """Σ_b c_b·G_b over the kept samples named in `coefficients` (seed -> c_b), by the trainer's tensor names;
+        the samples used are dropped. Returns (gradient, samples used); a seed this engine does not hold is
+        skipped (another engine served it)."""
+        used = [seed for seed in coefficients if seed in self.gradients]
+        out: dict[str, torch.Tensor] = {}
+        for key, factors in self.factors.items():
+            grad_a = torch.zeros_like(factors.a)
+            grad_b = torch.zeros_like(factors.b)
+            for seed in used:
+                g_a, g_b = self.gradients[seed][key]
+                grad_a.add_(g_a, alpha=float(coefficients[seed]))
+                grad_b.add_(g_b, alpha=float(coefficients[seed]))
+            out[factors.name_a], out[factors.name_b] = grad_a, grad_b
+        for seed in used:
+            del self.gradients[seed]
+        return out, len(used)
+
+
+def _forward_with_rows(layer: nn.Module, base_forward, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """The layer's own forward, plus (t − t.detach()) with t = s·B_b A_b x̄ for each row's sample b (x̄: x detached,
+    since x's gradient through the merged W'x already carries the adapter's share): the value is unchanged, the
+    gradient reaches the per-sample factors. The family's doubled CFG batch repeats the samples, so rows =
+    copies × samples."""
+    y = base_forward(x, *args, **kwargs)
+    rows = layer._rollout_rows
+    if rows is None:
+        return y
+    a, b, scaling = rows
+    copies = x.shape[0] // a.shape[0]
+    if copies * a.shape[0] != x.shape[0]:
+        raise RuntimeError(f"a gradient forward of {x.shape[0]} rows for {a.shape[0]} samples")
+    if copies > 1:
+        a, b = a.repeat(copies, 1, 1), b.repeat(copies, 1, 1)
+    flat = x.detach().reshape(x.shape[0], -1, x.shape[-1])  # x's gradient through W'x already has the adapter's
+    low = torch.bmm(torch.bmm(flat, a.to(flat.dtype).transpose(1, 2)), b.to(flat.dtype).transpose(1, 2))
+    term = (low * scaling).reshape(y.shape).to(y.dtype)
+    return y + (term - term.detach())
+
+
+# ---- the engine's gradient step ----------------------------------------------------------------------------
+def step_with_gradients(runner: ModelRunner, trajectories: list[Trajectory]) -> None:
+    """One SDE step of rollout_gradient trajectories: per tile of samples, the forward with autograd through
+    each sample's LoRA copies, the step kernel (x' drawn from the detached velocity, as in `_apply_step`), then
+    the backward of Σ_b ℓ_b at once, so only one tile's activations live at a time. Tiles are the
+    batch_invariant group's (`forward_tile`, padded by repeating the last sample) or `max_batch_size`."""
+    began, compiled_before = time.perf_counter(), compile_seconds()
+    first = trajectories[0]
+    guidance, shape = first.request.guidance, first.shape
+    rows = [(t, b) for t in trajectories for b in range(t.num_samples)]
+    tile = runner.server_args.forward_tile or max(1, runner.server_args.max_batch_size)
+    next_latents: dict[int, list[torch.Tensor]] = {id(t): [] for t in trajectories}
+    log_probs: dict[int, list[torch.Tensor]] = {id(t): [] for t in trajectories}
+    for lo in range(0, len(rows), tile):
+        segments = _segments(rows[lo : lo + tile])
+        count = sum(end - start for _, start, end in segments)
+
+        def gather(pick) -> torch.Tensor:
+            part = torch.cat([pick(t)[start:end] for t, start, end in segments])
+            if runner.server_args.forward_tile and count < tile:  # the group's fixed tile: repeat the last sample
+                part = torch.cat([part, part[-1:].expand(tile - count, *part.shape[1:])])
+            return part
+
+        latents = gather(lambda t: t.latents)
+        sigmas = gather(lambda t: t.sigmas[t.step].expand(t.num_samples))
+        conditioning = {key: gather(lambda t, key=key: t.conditioning[key]) for key in first.conditioning}
+        factors = {key: (gather(lambda t, key=key: t.gradient_leaves[key][0]),
+                         gather(lambda t, key=key: t.gradient_leaves[key][1]))
+                   for key in first.gradient_leaves}
+        with torch.enable_grad():
+            runner.rollout_gradients.forward_rows(factors)
+            try:
+                velocity = runner.family.predict_velocity(runner.forward_modules, latents, sigmas, conditioning,
+                                                          guidance, shape, runner.dtype).float()[:count]
+            finally:
+                runner.rollout_gradients.forward_rows(None)
+            total, offset = velocity.new_zeros(()), 0
+            for t, start, end in segments:
+                v = velocity[offset : offset + end - start]
+                offset += end - start
+                x, k, m = t.latents[start:end], t.step, end - start
+                step = (t.sigmas[k].expand(m), t.sigmas[k + 1].expand(m), t.sigmas[1].expand(m))
+                drawn = t.backend.sample(x, v.detach(), *step, t.generators[start:end])
+                total = total + t.backend.log_prob(x, v, drawn.next_latents, *step).log_prob.sum()
+                next_latents[id(t)].append(drawn.next_latents)
+                log_probs[id(t)].append(drawn.log_prob)
+                if t.request.debug:
+                    t.debug_velocities.setdefault(k, []).append(v.detach())
+            total.backward()  # each sample's ∇ℓ into its own copy of the factors
+    for t in trajectories:
+        k = t.step
+        t.latents = torch.cat(next_latents[id(t)])
+        t.log_probs[k] = torch.cat(log_probs[id(t)])
+        if t.request.debug:
+            t.debug_velocities[k] = torch.cat(t.debug_velocities[k])
+        t.step = k + 1
+        runner.record_latents(t)
+    elapsed, compiling = time.perf_counter() - began, compile_seconds() - compiled_before
+    for t in trajectories:
+        t.denoise_seconds += elapsed
+        t.compile_seconds += compiling
+
+
+def _segments(rows: list[tuple[Trajectory, int]]) -> list[tuple[Trajectory, int, int]]:
+    """(trajectory, first sample, end) runs of consecutive samples of one trajectory, in row order."""
+    segments: list[tuple[Trajectory, int, int]] = []
+    for t, b in rows:
+        if segments and segments[-1][0] is t and segments[-1][2] == b:
+            segments[-1] = (t, segments[-1][1], b + 1)
+        else:
+            segments.append((t, b, b + 1))
+    return segments

@@ -1,0 +1,117 @@
+"""miles/engine/rollout_gradients.py: the gradient an engine takes during the rollout is the trainer's.
+
+A tiny SD3 with CFG on the CPU in fp32: the trainer (LoRA, a trained-looking adapter: B ≠ 0) pushes its LoRA
+pairs to an engine through the real weight receiver; the engine denoises a rollout_gradient request; the
+trainer then replays the same trajectories on its clipped loss. The engine's Σ_b c_b·G_b (c_b = −A_b/P) is that
+replay's gradient, and asking for it changes nothing the engine returns.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from miles.backends.fsdp_utils.rollout_gradient_step import adapter_params_by_pushed_name
+from miles.backends.fsdp_utils.spawn import free_port, init_distributed
+from miles.backends.fsdp_utils.weight_export import iter_named_tensors, lora_scaling
+from miles.engine.model_runner import ModelRunner
+from miles.engine.protocol import GenerateRequest, ProtocolError
+from miles.engine.server_args import ServerArgs
+from miles.engine.weight_sync import WeightReceiver, _BucketBuffer
+from miles.engine.weight_sync_wire import UpdateMessage
+from miles.testing.tiny_rollout import build_tiny_family, samples_through_the_engine, tiny_trainer_config
+from miles.types import GuidanceConfig
+
+STEPS, SAMPLES, NOISE_LEVEL = 3, 4, 0.9
+
+
+@pytest.fixture
+def one_rank_group():
+    init_distributed(0, 1, "gloo", free_port())
+    yield
+    dist.destroy_process_group()
+
+
+def _request(rollout_gradient: bool) -> GenerateRequest:
+    return GenerateRequest(prompt="a red cube", num_samples=SAMPLES, seed=7, num_steps=STEPS, height=32, width=32,
+                           guidance=GuidanceConfig(guidance_scale=3.5), noise_level=NOISE_LEVEL,
+                           sde_step_indices=list(range(STEPS)),
+                           return_latent_indices=list(range(STEPS + 1)), rollout_gradient=rollout_gradient)
+
+
+def _push_lora_pairs(trainer, receiver: WeightReceiver) -> None:
+    named = list(iter_named_tensors(trainer, lora_only=True))
+    buffer = _BucketBuffer(sum(t.numel() * 4 for _, t in named) + 4096 * len(named), torch.device("cpu"))
+    try:
+        entries = buffer.pack(named)
+        receiver.apply(UpdateMessage(weight_version=1, lora=True, lora_scaling=lora_scaling(trainer),
+                                     buffer=buffer.describe(), entries=entries))
+    finally:
+        buffer.close()
+
+
+def test_the_engines_gradient_is_the_trainers_replay_gradient(tiny_checkpoint, one_rank_group):
+    from miles.backends.fsdp_utils.actor import DiffusionTrainer
+
+    path = tiny_checkpoint("sd3")
+    config = tiny_trainer_config(path, use_lora=True, diffusion_num_steps=STEPS, diffusion_guidance_scale=3.5,
+                                 diffusion_noise_level=NOISE_LEVEL, micro_batch_size=3, clip_grad=0.0,
+                                 diffusion_clip_range=1.0, rollout_batch_size=1, n_samples_per_prompt=SAMPLES,
+                                 global_batch_size=SAMPLES)
+    family = build_tiny_family(config)
+    trainer = DiffusionTrainer(config, family)
+    trainer.init()
+    with torch.no_grad():  # a trained-looking adapter: with B = 0 the factor A would get no gradient at all
+        generator = torch.Generator().manual_seed(0)
+        for name, param in trainer.trainable:
+            if "lora_B" in name:
+                local = param.to_local() if hasattr(param, "to_local") else param  # one rank: the whole tensor
+                local.copy_(0.1 * torch.randn(local.shape, generator=generator))
+    pipe = family.load_pipeline(path, torch.float32)
+    runner = ModelRunner(ServerArgs(model_path=path, device="cpu", dtype="fp32", generator_device="cpu",
+                                    forward_tile=config.sampling.parity_forward_tile, rollout_gradient=True),
+                         loaded=(family, pipe))
+    with pytest.raises(ProtocolError, match="before any LoRA weights"):
+        runner.start(_request(rollout_gradient=True))
+    _push_lora_pairs(trainer, WeightReceiver(runner.modules, on_lora_pair=runner.rollout_gradients.set_factors))
+
+    plain = samples_through_the_engine(runner, _request(rollout_gradient=False))
+    samples = samples_through_the_engine(runner, _request(rollout_gradient=True))
+    for a, b in zip(plain, samples):  # the gradient forward samples exactly what the plain one does
+        assert torch.equal(a.image, b.image) and torch.equal(a.rollout_log_probs, b.rollout_log_probs)
+
+    pairs = SAMPLES * STEPS
+    coefficients = {s.seed: -min(max(s.advantage, -5.0), 5.0) / pairs for s in samples}
+    gradient, held = runner.rollout_gradients.policy_gradient(coefficients)
+    assert held == SAMPLES and runner.rollout_gradients.gradients == {}  # taken once
+
+    trainer.train(0, samples)  # the replay: the clipped loss at ratio 1, one optimizer step
+    params = adapter_params_by_pushed_name(trainer)
+    assert set(params) == set(gradient) and any("lora_A" in n for n in params)
+    replays = {name: param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+               for name, param in params.items()}
+    scale = max(float(r.abs().max()) for r in replays.values())
+    # the last block's context projections feed nothing (SD3's context_pre_only block): their gradient is 0
+    assert sum(bool(r.abs().max() > 0) for r in replays.values()) > 0.8 * len(replays)
+    for name, replay in replays.items():
+        torch.testing.assert_close(gradient[name], replay, rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+
+def test_per_sample_gradients_are_kept_by_seed_and_dropped_with_new_weights():
+    layer = torch.nn.Linear(3, 2)
+    gradients = __import__("miles.engine.rollout_gradients", fromlist=["RolloutGradients"]).RolloutGradients(
+        {"transformer": torch.nn.ModuleDict({"proj": layer})})
+    gradients.set_factors("transformer", "proj", torch.ones(1, 3), torch.ones(2, 1), 0.5)
+    leaves = gradients.leaves(2)
+    gradients.forward_rows({"transformer.proj": leaves["transformer.proj"]})
+    layer(torch.tensor([[1.0, 2.0, 3.0], [0.0, 1.0, 0.0]])).sum().backward()
+    gradients.forward_rows(None)
+    gradients.keep([10, 11], leaves)
+    with pytest.raises(ProtocolError, match="seed 10"):
+        gradients.keep([10], leaves)
+    gradient, held = gradients.policy_gradient({10: 1.0, 99: 5.0})  # seed 99 was served elsewhere
+    assert held == 1 and set(gradients.gradients) == {11}
+    # sample 0: y = W'x + 0.5·B·A·x̄ with x = (1, 2, 3): ∂Σy/∂A = 0.5·(Σ_out B)·x = (1, 2, 3)
+    torch.testing.assert_close(gradient["transformer.proj.lora_A.weight"], torch.tensor([[1.0, 2.0, 3.0]]))
+    torch.testing.assert_close(gradient["transformer.proj.lora_B.weight"], torch.tensor([[3.0], [3.0]]))
+    gradients.new_weights()
+    assert gradients.gradients == {}
