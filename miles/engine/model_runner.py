@@ -87,7 +87,7 @@ class Trajectory:
     denoise_seconds: float = 0.0
     compile_seconds: float = 0.0  # of denoise and decode: compiling graphs (a first forward, a new batch size)
     # rollout_gradient requests: per-sample copies of the LoRA factors, collecting Σ_k ∇ℓ_{b,k} (rollout_gradients.py)
-    gradient_leaves: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+    gradient_leaves: torch.Tensor | None = None
 
     @property
     def num_samples(self) -> int:

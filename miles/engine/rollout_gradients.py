@@ -44,13 +44,17 @@ class LoraFactors:
 
 
 class RolloutGradients:
-    """The engine's per-sample adapter copies and the gradients they collect (one per engine process)."""
+    """The engine's per-sample adapter copies and the gradients they collect (one per engine process).
+
+    Every layer's factors live in one flat fp32 vector (the layout: each layer's A then B, in the order the
+    weight sync first named them), so a request's copies are one leaf [M, P] and a forward's rows one gathered
+    [n, P] tensor whose per-layer pieces are views: a tile costs a handful of kernels, not a few per layer."""
 
     def __init__(self, modules: Mapping[str, nn.Module]):
         self.modules = modules
-        self.factors: dict[str, LoraFactors] = {}  # "<module>.<layer>" -> the pushed adapter
+        self.factors: dict[str, LoraFactors] = {}  # "<module>.<layer>" -> the pushed adapter, in layout order
         self.layers: dict[str, nn.Module] = {}  # the Linear layers whose forward is wrapped
-        self.gradients: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}  # seed -> layer -> (∇A, ∇B)
+        self.gradients: dict[int, torch.Tensor] = {}  # seed -> that sample's Σ_k ∇ℓ, flat [P] in layout order
 
     # ---- the adapter, from the weight sync ------------------------------------------------------------------
     def set_factors(self, module_name: str, layer_name: str, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -68,37 +72,41 @@ class RolloutGradients:
         """A weight update finished: gradients of the previous policy that nobody asked for are dropped."""
         self.gradients.clear()
 
+    def _pieces(self) -> list[tuple[str, torch.Size]]:
+        """(trainer name, shape) of each piece of the flat layout."""
+        return [piece for f in self.factors.values() for piece in ((f.name_a, f.a.shape), (f.name_b, f.b.shape))]
+
     # ---- one request's per-sample copies --------------------------------------------------------------------
-    def leaves(self, num_samples: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Per-sample copies of every layer's factors ([M, r, in], [M, out, r], fp32 leaves)."""
+    def leaves(self, num_samples: int) -> torch.Tensor:
+        """Per-sample copies of every layer's factors: one fp32 leaf [M, P]."""
         if not self.factors:
             raise ProtocolError("a rollout_gradient request before any LoRA weights were pushed to this engine "
                                 "(--diffusion-rollout-gradient syncs LoRA pairs first)")
-        copies = {}
-        for key, factors in self.factors.items():
-            a = factors.a.unsqueeze(0).repeat(num_samples, 1, 1).requires_grad_(True)
-            b = factors.b.unsqueeze(0).repeat(num_samples, 1, 1).requires_grad_(True)
-            copies[key] = (a, b)
-        return copies
+        flat = torch.cat([t.reshape(-1) for f in self.factors.values() for t in (f.a, f.b)])
+        return flat.unsqueeze(0).repeat(num_samples, 1).requires_grad_(True)
 
-    def forward_rows(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
-        """The factors of the next forward's samples, in its row order (None: no gradient forward)."""
-        for key, layer in self.layers.items():
-            layer._rollout_rows = None if rows is None else (*rows[key], self.factors[key].scaling)
+    def forward_rows(self, rows: torch.Tensor | None) -> None:
+        """The factors of the next forward's samples, rows [n, P] in its row order (None: no gradient forward)."""
+        if rows is None:
+            for layer in self.layers.values():
+                layer._rollout_rows = None
+            return
+        pieces = self._pieces()
+        parts = torch.split(rows, [shape.numel() for _, shape in pieces], dim=1)
+        for index, (key, layer) in enumerate(self.layers.items()):
+            (_, shape_a), (_, shape_b) = pieces[2 * index], pieces[2 * index + 1]
+            layer._rollout_rows = (parts[2 * index].view(-1, *shape_a), parts[2 * index + 1].view(-1, *shape_b),
+                                   self.factors[key].scaling)
 
-    def keep(self, seeds: Iterable[int], leaves: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def keep(self, seeds: Iterable[int], leaves: torch.Tensor) -> None:
         """A finished request: sample b's accumulated gradient, kept under its seed until asked for."""
         seeds = list(seeds)
         for seed in seeds:
             if seed in self.gradients:
                 raise ProtocolError(f"a second rollout_gradient sample with seed {seed} before the first was taken")
+        grad = leaves.grad if leaves.grad is not None else torch.zeros_like(leaves)
         for b, seed in enumerate(seeds):
-            per_layer = {}
-            for key, (a, b_) in leaves.items():
-                grad_a = a.grad[b] if a.grad is not None else torch.zeros_like(a[b])
-                grad_b = b_.grad[b] if b_.grad is not None else torch.zeros_like(b_[b])
-                per_layer[key] = (grad_a.detach(), grad_b.detach())
-            self.gradients[seed] = per_layer
+            self.gradients[seed] = grad[b].detach()
 
     # ---- the policy gradient --------------------------------------------------------------------------------
     def policy_gradient(self, coefficients: Mapping[int, float]) -> tuple[dict[str, torch.Tensor], int]:
@@ -106,18 +114,13 @@ class RolloutGradients:
         the samples used are dropped. Returns (gradient, samples used); a seed this engine does not hold is
         skipped (another engine served it)."""
         used = [seed for seed in coefficients if seed in self.gradients]
-        out: dict[str, torch.Tensor] = {}
-        for key, factors in self.factors.items():
-            grad_a = torch.zeros_like(factors.a)
-            grad_b = torch.zeros_like(factors.b)
-            for seed in used:
-                g_a, g_b = self.gradients[seed][key]
-                grad_a.add_(g_a, alpha=float(coefficients[seed]))
-                grad_b.add_(g_b, alpha=float(coefficients[seed]))
-            out[factors.name_a], out[factors.name_b] = grad_a, grad_b
+        pieces = self._pieces()
+        total = torch.zeros(sum(shape.numel() for _, shape in pieces),
+                            device=next(iter(self.factors.values())).a.device)
         for seed in used:
-            del self.gradients[seed]
-        return out, len(used)
+            total.add_(self.gradients.pop(seed), alpha=float(coefficients[seed]))
+        parts = torch.split(total, [shape.numel() for _, shape in pieces])
+        return {name: part.view(shape) for (name, shape), part in zip(pieces, parts)}, len(used)
 
 
 def _forward_with_rows(layer: nn.Module, base_forward, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -167,9 +170,7 @@ def step_with_gradients(runner: ModelRunner, trajectories: list[Trajectory]) -> 
         latents = gather(lambda t: t.latents)
         sigmas = gather(lambda t: t.sigmas[t.step].expand(t.num_samples))
         conditioning = {key: gather(lambda t, key=key: t.conditioning[key]) for key in first.conditioning}
-        factors = {key: (gather(lambda t, key=key: t.gradient_leaves[key][0]),
-                         gather(lambda t, key=key: t.gradient_leaves[key][1]))
-                   for key in first.gradient_leaves}
+        factors = gather(lambda t: t.gradient_leaves)
         with torch.enable_grad():
             runner.rollout_gradients.forward_rows(factors)
             try:

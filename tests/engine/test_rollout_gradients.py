@@ -102,7 +102,7 @@ def test_per_sample_gradients_are_kept_by_seed_and_dropped_with_new_weights():
         {"transformer": torch.nn.ModuleDict({"proj": layer})})
     gradients.set_factors("transformer", "proj", torch.ones(1, 3), torch.ones(2, 1), 0.5)
     leaves = gradients.leaves(2)
-    gradients.forward_rows({"transformer.proj": leaves["transformer.proj"]})
+    gradients.forward_rows(leaves)
     layer(torch.tensor([[1.0, 2.0, 3.0], [0.0, 1.0, 0.0]])).sum().backward()
     gradients.forward_rows(None)
     gradients.keep([10, 11], leaves)
