@@ -195,7 +195,7 @@ class ModelRunner:
                 server_args.forward_tile, 2 * server_args.forward_tile,
             )
         self.weight_version = 0
-        self.rollout_gradients = RolloutGradients(self.modules) if server_args.rollout_gradient else None
+        self.rollout_gradients = RolloutGradients(self.modules) if server_args.rollout_gradient_tile else None
         self._backends: dict[tuple, SdeStepBackend] = {}
         self.sequence_parallel_layouts: dict[str, SequenceParallelLayout] = {}
         if self._followers is not None:
@@ -367,7 +367,7 @@ class ModelRunner:
 
     def step(self, trajectories: list[Trajectory]) -> None:
         """Advance every trajectory by one step with one batched velocity forward (chunked at max_batch_size);
-        the SDE steps of rollout_gradient requests with their backward (`_step_with_gradients`).
+        the SDE steps of rollout_gradient requests with their backward (`step_with_gradients`).
 
         The caller guarantees equal `batch_key`s.
         """

@@ -148,13 +148,15 @@ def _forward_with_rows(layer: nn.Module, base_forward, x: torch.Tensor, *args, *
 def step_with_gradients(runner: ModelRunner, trajectories: list[Trajectory]) -> None:
     """One SDE step of rollout_gradient trajectories: per tile of samples, the forward with autograd through
     each sample's LoRA copies, the step kernel (x' drawn from the detached velocity, as in `_apply_step`), then
-    the backward of Σ_b ℓ_b at once, so only one tile's activations live at a time. Tiles are the
-    batch_invariant group's (`forward_tile`, padded by repeating the last sample) or `max_batch_size`."""
+    the backward of Σ_b ℓ_b at once, so only one tile's activations live at a time. A tile is the trainer's
+    micro-batch of samples (`rollout_gradient_tile`); the last one is padded by repeating its last sample when
+    the engine runs fixed tiles (the batch_invariant group) or compiled graphs."""
     began, compiled_before = time.perf_counter(), compile_seconds()
     first = trajectories[0]
     guidance, shape = first.request.guidance, first.shape
     rows = [(t, b) for t in trajectories for b in range(t.num_samples)]
-    tile = runner.server_args.forward_tile or max(1, runner.server_args.max_batch_size)
+    tile = runner.server_args.rollout_gradient_tile
+    pad = bool(runner.server_args.forward_tile or runner.server_args.enable_torch_compile)
     next_latents: dict[int, list[torch.Tensor]] = {id(t): [] for t in trajectories}
     log_probs: dict[int, list[torch.Tensor]] = {id(t): [] for t in trajectories}
     for lo in range(0, len(rows), tile):
@@ -163,7 +165,7 @@ def step_with_gradients(runner: ModelRunner, trajectories: list[Trajectory]) -> 
 
         def gather(pick) -> torch.Tensor:
             part = torch.cat([pick(t)[start:end] for t, start, end in segments])
-            if runner.server_args.forward_tile and count < tile:  # the group's fixed tile: repeat the last sample
+            if pad and count < tile:  # the fixed tile: repeat the last sample
                 part = torch.cat([part, part[-1:].expand(tile - count, *part.shape[1:])])
             return part
 

@@ -61,10 +61,11 @@ class ServerArgs:
         default=0,
         metadata={"help": "Run every DiT forward on exactly this many samples (the batch_invariant group; 0: off)."},
     )
-    rollout_gradient: bool = field(
-        default=False,
+    rollout_gradient_tile: int = field(
+        default=0,
         metadata={"help": "--diffusion-rollout-gradient: keep the LoRA pairs the trainer pushes, so requests may ask "
-                  "for each sample's gradient (miles/engine/rollout_gradients.py)."},
+                  "for each sample's gradient, taken this many samples per forward (the trainer's micro-batch; "
+                  "0: off; miles/engine/rollout_gradients.py)."},
     )
     url_file: str | None = field(default=None, metadata={"help": "Write the bound URL to this file once serving."})
     sde_step_backend_path: str | None = field(
@@ -142,5 +143,5 @@ SET_BY_MILES = frozenset(
 # appended by the engine engineer: the new fields miles sets itself
 SET_BY_MILES = SET_BY_MILES | {
     "model_backend_path", "pipeline_builder_path", "rollout_patch_group", "forward_tile", "url_file",
-    "sde_step_backend_path", "rollout_gradient",
+    "sde_step_backend_path", "rollout_gradient_tile",
 }

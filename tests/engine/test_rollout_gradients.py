@@ -68,7 +68,8 @@ def test_the_engines_gradient_is_the_trainers_replay_gradient(tiny_checkpoint, o
                 local.copy_(0.1 * torch.randn(local.shape, generator=generator))
     pipe = family.load_pipeline(path, torch.float32)
     runner = ModelRunner(ServerArgs(model_path=path, device="cpu", dtype="fp32", generator_device="cpu",
-                                    forward_tile=config.sampling.parity_forward_tile, rollout_gradient=True),
+                                    forward_tile=config.sampling.parity_forward_tile,
+                                    rollout_gradient_tile=config.data.micro_batch_size),
                          loaded=(family, pipe))
     with pytest.raises(ProtocolError, match="before any LoRA weights"):
         runner.start(_request(rollout_gradient=True))
