@@ -6,6 +6,8 @@ trainer then replays the same trajectories on its clipped loss. The engine's Σ_
 replay's gradient, and asking for it changes nothing the engine returns.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -84,6 +86,17 @@ def test_the_engines_gradient_is_the_trainers_replay_gradient(tiny_checkpoint, o
     coefficients = {s.seed: -min(max(s.advantage, -5.0), 5.0) / pairs for s in samples}
     gradient, held = runner.rollout_gradients.policy_gradient(coefficients)
     assert held == SAMPLES and runner.rollout_gradients.gradients == {}  # taken once
+
+    # two requests stepped together share tiles (rows of both in one forward): each keeps its own gradients
+    first, second = (runner.start(replace(_request(rollout_gradient=True), num_samples=2, seed=seed))
+                     for seed in (7, 9))
+    while not first.done:
+        runner.step([first, second])
+    runner.finish(first), runner.finish(second)
+    together, held_together = runner.rollout_gradients.policy_gradient(coefficients)
+    assert held_together == SAMPLES
+    for name in gradient:
+        torch.testing.assert_close(together[name], gradient[name], rtol=1e-4, atol=1e-6)
 
     trainer.train(0, samples)  # the replay: the clipped loss at ratio 1, one optimizer step
     params = adapter_params_by_pushed_name(trainer)
