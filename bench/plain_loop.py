@@ -205,59 +205,67 @@ def two_pass_gradients(loop: PlainLoop, inputs: RolloutInputs, samples: int, mic
 # the fused loop: each sample's ∇ℓ taken during the rollout, in its own copy of the adapter
 # ---------------------------------------------------------------------------------------------------------
 class PerSampleLoRA:
-    """Every PEFT LoRA layer of `transformer` forwards through per-sample copies of its factors A [S, r, in] and
-    B [S, out, r] (leaf tensors, fp32), indexed by the rows of the current forward (`select`). One backward over
-    a chunk of samples then leaves ∇ of each sample's term in that sample's copy (samples do not interact in a DiT
-    forward), accumulated over the steps of the rollout."""
+    """Every PEFT LoRA layer of `transformer` forwards through per-sample copies of its factors. All factors of all
+    layers live in one flat fp32 leaf per chunk of samples ([chunk, P]: each layer's A then B), and a forward's
+    layers take views of the selected chunk's leaf: one backward over the chunk leaves ∇ of each sample's term in
+    that sample's row (samples do not interact in a DiT forward), accumulated over the rollout's steps."""
 
     def __init__(self, transformer: torch.nn.Module, samples: int):
         from peft.tuners.lora.layer import Linear as LoraLinear
 
         self.layers = [m for m in transformer.modules() if isinstance(m, LoraLinear)]
-        self.rows: torch.Tensor | None = None
+        self.samples = samples
+        self.leaves: list[torch.Tensor] = []  # one [chunk, P] leaf per chunk of the rollout (`load`)
+        self.chunk = samples
         for layer in self.layers:
-            for name, factor in (("a", self.factor(layer, "A")), ("b", self.factor(layer, "B"))):
-                copies = torch.zeros((samples, *factor.shape), dtype=factor.dtype, device=factor.device)
-                setattr(layer, f"per_sample_{name}", copies.requires_grad_(True))
-            layer.forward = functools.partial(_per_sample_lora_forward, layer, self)
+            layer.per_sample = None  # (A rows, B rows) of the current forward
+            layer.forward = functools.partial(_per_sample_lora_forward, layer)
 
     @staticmethod
     def factor(layer, which: str) -> torch.nn.Parameter:
         return getattr(layer, f"lora_{which}")[layer.active_adapters[0]].weight
 
+    def factors(self) -> list[torch.nn.Parameter]:
+        return [self.factor(layer, which) for layer in self.layers for which in ("A", "B")]
+
     def numel(self) -> int:
-        return sum(layer.per_sample_a.numel() + layer.per_sample_b.numel() for layer in self.layers)
+        return self.samples * sum(f.numel() for f in self.factors())
 
     @torch.no_grad()
-    def load(self) -> None:
-        """Every sample's copy := the adapter as it is now; gradients cleared."""
-        for layer in self.layers:
-            for copies, factor in ((layer.per_sample_a, self.factor(layer, "A")), (layer.per_sample_b, self.factor(layer, "B"))):
-                copies.copy_(factor.expand_as(copies))
-                copies.grad = None
+    def load(self, chunk: int) -> None:
+        """Every sample's copy := the adapter as it is now, in leaves of `chunk` samples; gradients cleared."""
+        flat = torch.cat([f.detach().float().reshape(-1) for f in self.factors()])
+        self.chunk = chunk
+        self.leaves = [flat.unsqueeze(0).repeat(chunk, 1).requires_grad_(True)
+                       for _ in range(self.samples // chunk)]
 
-    def select(self, start: int, end: int, cfg_copies: int = 2) -> None:
-        """The next forward's rows are samples start..end-1, repeated `cfg_copies` times (CFG's doubled batch)."""
-        device = self.layers[0].per_sample_a.device
-        self.rows = torch.arange(start, end, device=device).repeat(cfg_copies)
+    def select(self, start: int, end: int) -> None:
+        """The next forward's samples are start..end-1: whole chunks (their leaves, in order)."""
+        rows = torch.cat(self.leaves[start // self.chunk : end // self.chunk])
+        parts = torch.split(rows, [f.numel() for f in self.factors()], dim=1)
+        for index, layer in enumerate(self.layers):
+            a, b = self.factor(layer, "A"), self.factor(layer, "B")
+            layer.per_sample = (parts[2 * index].view(-1, *a.shape), parts[2 * index + 1].view(-1, *b.shape))
 
     @torch.no_grad()
     def write_gradient(self, coefficients: torch.Tensor) -> None:
         """adapter.grad := Σ_s coefficients[s]·∇_s (each sample's accumulated gradient)."""
-        for layer in self.layers:
-            for copies, factor in ((layer.per_sample_a, self.factor(layer, "A")), (layer.per_sample_b, self.factor(layer, "B"))):
-                grad = torch.tensordot(coefficients.to(copies.grad), copies.grad, dims=1)
-                factor.grad = grad.to(factor.dtype)
+        grads = torch.cat([leaf.grad for leaf in self.leaves])  # [S, P]
+        total = coefficients.to(grads) @ grads
+        for factor, part in zip(self.factors(), torch.split(total, [f.numel() for f in self.factors()])):
+            factor.grad = part.view(factor.shape).to(factor.dtype)
 
 
-def _per_sample_lora_forward(layer, state: PerSampleLoRA, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """y = W x + s·B_b A_b x for each row's sample b (PEFT's vanilla LoRA, dropout 0, one adapter)."""
+def _per_sample_lora_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """y = W x + s·B_b A_b x for each row's sample b (PEFT's vanilla LoRA, dropout 0, one adapter); CFG's doubled
+    batch repeats the samples."""
     result = layer.base_layer(x, *args, **kwargs)
-    a = layer.per_sample_a.index_select(0, state.rows)
-    b = layer.per_sample_b.index_select(0, state.rows)
+    a, b = layer.per_sample
+    copies = x.shape[0] // a.shape[0]
     rows = x.reshape(x.shape[0], -1, x.shape[-1])
     compute = torch.bfloat16 if torch.is_autocast_enabled() else rows.dtype
-    low = torch.bmm(torch.bmm(rows.to(compute), a.to(compute).transpose(1, 2)), b.to(compute).transpose(1, 2))
+    a, b = a.to(compute).repeat(copies, 1, 1), b.to(compute).repeat(copies, 1, 1)
+    low = torch.bmm(torch.bmm(rows.to(compute), a.transpose(1, 2)), b.transpose(1, 2))
     scaling = layer.scaling[layer.active_adapters[0]]
     return result + (low * scaling).reshape(result.shape).to(result.dtype)
 
@@ -273,7 +281,7 @@ def fused_gradients(loop: PlainLoop, inputs: RolloutInputs, samples: int, chunk:
         raise SystemExit(f"--fused-chunk {chunk}: must divide the {n_samples} samples of a rollout")
     t0 = time.perf_counter()
     loop.optimizer.zero_grad(set_to_none=True)
-    per_sample.load()
+    per_sample.load(chunk)
     x = inputs.noise
     for k in range(loop.steps):
         if k >= loop.trained_steps:  # an untrained step: the whole batch, no gradients
