@@ -158,10 +158,11 @@ class EngineFleet:
 
     def policy_gradient(self, coefficients_by_engine: dict[str | None, dict[int, float]]) -> tuple[dict, int]:
         """Σ over engines of each one's Σ_b c_b·G_b (POST /policy_gradient), and how many samples they held.
-        Coefficients under None (a sample whose engine is not known) go to every engine."""
+        Coefficients under None or a URL not in the fleet (a sample whose engine is not known) go to every engine."""
         from miles.engine.protocol import CONTENT_TYPE, decode_policy_gradient, encode_policy_gradient_request
 
-        unknown = coefficients_by_engine.get(None, {})
+        unknown = {seed: c for url, coefficients in coefficients_by_engine.items() if url not in self.urls
+                   for seed, c in coefficients.items()}
         total: dict = {}
         held = 0
         for url in self.urls:
