@@ -56,6 +56,8 @@ class BatchGeometry:
     pairs_per_rank_per_optimizer_step: int | None
     micro_batch_size: int
     forwards_per_optimizer_step: int | None  # DiT forwards (micro-batches) per rank; CFG doubles each batch
+    # --diffusion-rollout-gradient: the engines take the pairs' gradients while they sample; the trainer replays none
+    engines_take_gradients: bool = False
 
 
 def batch_geometry(args: argparse.Namespace) -> BatchGeometry:
@@ -78,5 +80,6 @@ def batch_geometry(args: argparse.Namespace) -> BatchGeometry:
         pairs_per_rank_per_optimizer_step=per_step,
         micro_batch_size=args.micro_batch_size,
         forwards_per_optimizer_step=-(-per_step // args.micro_batch_size) if per_step is not None else None,
+        engines_take_gradients=args.diffusion_rollout_gradient,
     )
 

@@ -138,7 +138,7 @@ def render_dry_run(args: argparse.Namespace, length_rule: str = "--num-rollout",
         "   (each doubled in batch when CFG is on)",
         f"  global batch: {args.global_batch_size} samples per optimizer step",
     ]
-    if getattr(args, "diffusion_rollout_gradient", False):
+    if geo.engines_take_gradients:
         out.append("  --diffusion-rollout-gradient: the engines take these pairs' gradients while they sample; "
                    "the trainer runs no DiT forward")
     if args.num_rollout is not None:
