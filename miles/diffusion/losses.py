@@ -23,6 +23,7 @@ __all__ = [
     "POLICY_LOSS_METRICS",
     "NFT_METRICS",
     "policy_loss",
+    "rollout_gradient_coefficients",
     "kl_to_reference",
     "nft_loss",
     "nft_r_from_advantages",
@@ -118,6 +119,15 @@ def policy_loss(
             "log_prob_mean_abs_diff": log_ratio_d.abs(),
         }
     return loss, metrics
+
+
+def rollout_gradient_coefficients(advantages: torch.Tensor, pairs_per_sample: torch.Tensor,
+                                  adv_clip_max: float) -> torch.Tensor:
+    """c_b = −clip(A_b) / P, P = Σ pairs_per_sample: with one window and ρ = 1 on every pair, the gradient of the
+    mean clipped loss is Σ_b c_b·Σ_k ∇ℓ_{b,k}, and the loss itself Σ_b c_b·(pairs of b)
+    (`--diffusion-rollout-gradient`, docs/algorithms.md §5)."""
+    total = float(pairs_per_sample.sum())
+    return -clip_advantages(advantages.to(torch.float32), adv_clip_max) / max(total, 1.0)
 
 
 def kl_to_reference(

@@ -183,15 +183,15 @@ class RolloutManager:
         loss's gradient at ratio 1, docs/algorithms.md §5). None without the flag."""
         if not self.config.trainer.diffusion_rollout_gradient or self.fleet is None:
             return None
-        from miles.diffusion.advantages import clip_advantages
+        from miles.diffusion.losses import rollout_gradient_coefficients
 
         kept = [s for s in samples if not s.remove_sample]
-        pairs = sum(len(s.sde_step_indices) for s in kept)
-        clipped = clip_advantages(torch.tensor([float(s.advantage) for s in kept]),
-                                  self.config.trainer.diffusion_adv_clip_max)
+        coefficients = rollout_gradient_coefficients(torch.tensor([float(s.advantage) for s in kept]),
+                                                     torch.tensor([len(s.sde_step_indices) for s in kept]),
+                                                     self.config.trainer.diffusion_adv_clip_max)
         by_engine: dict[str | None, dict[int, float]] = {}
-        for sample, advantage in zip(kept, clipped.tolist()):
-            by_engine.setdefault(sample.engine_url, {})[sample.seed] = -advantage / max(pairs, 1)
+        for sample, coefficient in zip(kept, coefficients.tolist()):
+            by_engine.setdefault(sample.engine_url, {})[sample.seed] = coefficient
         gradient, held = self.fleet.policy_gradient(by_engine)
         if held != len(kept):
             raise PartDiedError(f"--diffusion-rollout-gradient: the engines held the gradients of {held} of the "

@@ -460,3 +460,20 @@ def test_cps_policy_loss_end_to_end_alignment():
     _, metrics = policy_loss(new, rollout_log_prob, torch.randn(5), EPS, CLIP_MAX)
     assert metrics["log_prob_mean_abs_diff"].max().item() <= 1e-5
     assert math.isfinite(new.sum().item())
+
+
+def test_rollout_gradient_coefficients_give_the_clipped_loss_and_its_gradient_at_ratio_one():
+    """With ρ = 1 on every pair (one window), Σ_b c_b·(pairs of b) is the mean clipped loss and Σ_b c_b·Σ_k ∇ℓ its
+    gradient: compared with `policy_loss` on per-pair log-probs that carry a gradient."""
+    from miles.diffusion.losses import rollout_gradient_coefficients
+
+    advantages, pairs = torch.tensor([-7.0, 0.5, 2.0]), torch.tensor([2, 3, 1])
+    coefficients = rollout_gradient_coefficients(advantages, pairs, adv_clip_max=5.0)
+    torch.testing.assert_close(coefficients, torch.tensor([5.0, -0.5, -2.0]) / 6)
+    log_prob = torch.randn(6, requires_grad=True)  # one per pair, sample-major
+    per_pair_advantage = advantages.repeat_interleave(pairs)
+    loss, _ = policy_loss(log_prob, log_prob.detach(), per_pair_advantage, 1e-4, 5.0)
+    reduced = window_reduce(loss, 6)
+    reduced.backward()
+    torch.testing.assert_close(reduced.detach(), (coefficients * pairs).sum())
+    torch.testing.assert_close(log_prob.grad, coefficients.repeat_interleave(pairs))

@@ -82,7 +82,7 @@ def test_the_engines_gradient_is_the_trainers_replay_gradient(tiny_checkpoint, o
     for a, b in zip(plain, samples):  # the gradient forward samples exactly what the plain one does
         assert torch.equal(a.image, b.image) and torch.equal(a.rollout_log_probs, b.rollout_log_probs)
 
-    pairs = SAMPLES * STEPS
+    pairs = SAMPLES * STEPS  # c_b = −clip(A_b)/P written out: the test does not borrow the code it checks
     coefficients = {s.seed: -min(max(s.advantage, -5.0), 5.0) / pairs for s in samples}
     gradient, held = runner.rollout_gradients.policy_gradient(coefficients)
     assert held == SAMPLES and runner.rollout_gradients.gradients == {}  # taken once

@@ -496,7 +496,7 @@ class DiffusionTrainer:
                         metrics.add(name, values)
             if not skip_step:
                 where = f"rollout {rollout_id}, step {window_index + 1}/{len(plan.windows)}"
-                grad_norm = self._optimizer_step(where, loss_is_finite)
+                grad_norm = self.optimizer_step(where, loss_is_finite)
                 if grad_norm is None:
                     skipped_steps += 1
                 else:
@@ -527,7 +527,7 @@ class DiffusionTrainer:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         torch.save({"rollout_id": rollout_id, "dp_rank": self.dp_rank, "windows": plan.windows}, path)
 
-    def _optimizer_step(self, where: str, loss_is_finite: torch.Tensor) -> torch.Tensor | None:
+    def optimizer_step(self, where: str, loss_is_finite: torch.Tensor) -> torch.Tensor | None:
         """Clip and step; returns the gradient norm, or None when the step was skipped.
 
         A non-finite loss or gradient (a NaN from a loss, an fp16 overflow) skips the step: the weights, the

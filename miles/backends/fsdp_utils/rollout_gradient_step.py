@@ -17,7 +17,7 @@ import time
 import torch
 
 from miles.backends.fsdp_utils.weight_export import is_lora_param, strip_peft_name
-from miles.diffusion.advantages import clip_advantages
+from miles.diffusion.losses import rollout_gradient_coefficients
 from miles.engine.weight_sync import canonical_lora_name
 from miles.types import Sample
 from miles.utils.errors import MilesUserError
@@ -56,20 +56,20 @@ def train_on_rollout_gradient(trainer, rollout_id: int, samples: list[Sample],
         full = gradient[name].to(device=trainer.device, dtype=param.dtype)
         finite &= torch.isfinite(full).all()
         param.grad = _like(param, full)
-    grad_norm = trainer._optimizer_step(f"rollout {rollout_id}", finite)
+    grad_norm = trainer.optimizer_step(f"rollout {rollout_id}", finite)
     if trainer.ema is not None:
         trainer.ema.update()
     kept = [s for s in samples if not s.remove_sample]
-    pairs = [len(s.sde_step_indices) for s in kept]
-    clipped = clip_advantages(torch.tensor([float(s.advantage) for s in kept]),
-                              trainer.config.trainer.diffusion_adv_clip_max)
-    loss = float(-(clipped * torch.tensor(pairs, dtype=torch.float32)).sum() / max(sum(pairs), 1))
+    pairs = torch.tensor([len(s.sde_step_indices) for s in kept], dtype=torch.float32)
+    coefficients = rollout_gradient_coefficients(torch.tensor([float(s.advantage) for s in kept]), pairs,
+                                                 trainer.config.trainer.diffusion_adv_clip_max)
+    loss = float((coefficients * pairs).sum())  # the mean over pairs of −clip(A) at ρ = 1
     seconds = time.perf_counter() - started
     result = {
         "train/loss": loss, "train/policy_loss": loss, "train/clipfrac": 0.0, "train/ratio_mean": 1.0,
         "train/rollout_train_log_prob_abs_diff": 0.0, "train/lr": trainer.optimizer.param_groups[0]["lr"],
-        "train/num_pairs": float(sum(pairs)), "train/skipped_steps": float(grad_norm is None),
-        "perf/train_time_s": seconds, "perf/train_pairs_per_s": sum(pairs) / max(seconds, 1e-9),
+        "train/num_pairs": float(pairs.sum()), "train/skipped_steps": float(grad_norm is None),
+        "perf/train_time_s": seconds, "perf/train_pairs_per_s": float(pairs.sum()) / max(seconds, 1e-9),
     }
     if grad_norm is not None:
         result["train/grad_norm"] = float(grad_norm)
