@@ -299,17 +299,18 @@ def with_flag(flags: list[str], name: str, value: str) -> list[str]:
 
 def diagnose_start(opts, checkpoint: str, data: str) -> None:
     """The base's held-out score along each eval path, one table."""
-    from miles.tasks.shapes.evaluate import DTYPES, heldout_score, load_pipeline, read_scenes
+    from miles.models.common import parse_dtype
+    from miles.tasks.shapes.evaluate import heldout_score, load_pipeline, read_scenes
 
     heldout, size = read_scenes(f"{data}/heldout.jsonl"), image_size(opts)
     noise_devices = list(dict.fromkeys(["cpu", opts.device]))
     rows = []
     for dtype in ("fp32", "bf16"):
-        family, pipe = load_pipeline(checkpoint, DTYPES[dtype])
+        family, pipe = load_pipeline(checkpoint, parse_dtype(dtype))
         pipe.to(opts.device)
         for noise in noise_devices:
             score = heldout_score(family, pipe, heldout, num_steps=opts.steps, samples_per_prompt=opts.eval_samples,
-                                  size=size, dtype=DTYPES[dtype], generator_device=noise)
+                                  size=size, dtype=parse_dtype(dtype), generator_device=noise)
             rows.append(("miles.tasks.shapes.evaluate", dtype, noise, score.correct, score.dense))
             print(rows[-1], flush=True)
         del pipe

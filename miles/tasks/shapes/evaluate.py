@@ -17,14 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from miles.models.base import GenerationShape
+from miles.models.common import parse_dtype
 from miles.models.sd3 import SD3TrainPipelineConfig
 from miles.tasks.shapes.score import score_scene
 from miles.tasks.shapes.spec import Scene, scene_from_metadata
 from miles.testing.reference_loop import sample_reference
 from miles.types import GuidanceConfig
-
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -88,14 +86,15 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=32)
     parser.add_argument("--guidance-scale", type=float, default=1.0)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="the forward's dtype")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the forward's dtype")
     parser.add_argument("--generator-device", default="cpu", help="where the noise is drawn (cpu or cuda)")
     args = parser.parse_args()
-    family, pipe = load_pipeline(args.checkpoint, DTYPES[args.dtype])
+    dtype = parse_dtype(args.dtype)
+    family, pipe = load_pipeline(args.checkpoint, dtype)
     pipe.to(args.device)
     score = heldout_score(family, pipe, read_scenes(args.prompts), num_steps=args.num_steps,
                           samples_per_prompt=args.samples_per_prompt, size=args.size,
-                          guidance_scale=args.guidance_scale, dtype=DTYPES[args.dtype],
+                          guidance_scale=args.guidance_scale, dtype=dtype,
                           generator_device=args.generator_device)
     print(f"held-out correct {score.correct:.3f}  dense {score.dense:.3f}  stray rate {score.stray_rate:.3f}  "
           f"correct but strays {score.correct_but_strays:.3f}  by tag "
