@@ -17,10 +17,10 @@ every sample as a train pair (Flow-GRPO clipped loss), micro-batches of `--micro
 - miles: `train_diffusion.py` itself, as docs/quickstart.md shows it (`--colocate`, real Ray, an engine
   process, HTTP, weight sync), in each requested `--miles-modes` (`eager`; `compiled` adds
   `--fsdp-torch-compile --sglang-enable-torch-compile`, the documented GPU command, exact through the default
-  `batch_invariant` group; a `-rollout-gradient` suffix (`compiled-rollout-gradient`, `eager-rollout-gradient`)
-  adds `--diffusion-rollout-gradient` (LoRA: the engines take each sample's gradient during the rollout, nothing
-  is replayed); `compiled-free` turns the group off and
-  recomputes the old log-probs, the fast command before it was exact).
+  `batch_invariant` group; `compiled-free` turns the group off and recomputes the old log-probs, the fast command
+  before it was exact). A `-rollout-gradient` suffix (`compiled-rollout-gradient`, `eager-rollout-gradient`) adds
+  `--diffusion-rollout-gradient` (LoRA: the engines take each sample's gradient during the rollout, nothing is
+  replayed).
 
 The floor (`--skip-floor` leaves it out): the iteration's FLOPs (one DiT forward counted by torch's FLOP counter)
 at the dense matmul peak measured in the same call; each row's MFU is the floor over its seconds. A compiled mode is launched twice (`--compiled-launches`): the first launch fills the compile caches,

@@ -273,7 +273,7 @@ def _per_sample_lora_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.T
 def fused_gradients(loop: PlainLoop, inputs: RolloutInputs, samples: int, chunk: int) -> dict[str, float]:
     """The rollout with each trained step's backward taken at once, the reward, then the policy gradient as the
     advantage-weighted sum of the per-sample gradients; leaves it in the adapter's `.grad`."""
-    from miles.diffusion.advantages import clip_advantages
+    from miles.diffusion.losses import rollout_gradient_coefficients
 
     per_sample = loop.per_sample
     n_samples = len(inputs.generators)
@@ -304,9 +304,9 @@ def fused_gradients(loop: PlainLoop, inputs: RolloutInputs, samples: int, chunk:
     _, advantages = decode_and_score(loop, x, samples)
     sync(loop.device)
     t1 = time.perf_counter()
-    pairs = n_samples * loop.trained_steps
-    # the clipped loss at ρ = 1: ∇ Σ_pairs L / pairs = Σ_b (−clip(A_b) / pairs)·Σ_k ∇ℓ_{b,k}
-    per_sample.write_gradient(-clip_advantages(advantages.float(), ADV_CLIP) / pairs)
+    # the clipped loss at ρ = 1: ∇ Σ_pairs L / pairs = Σ_b c_b·Σ_k ∇ℓ_{b,k}, c_b = −clip(A_b) / pairs
+    pairs = torch.full((n_samples,), loop.trained_steps)
+    per_sample.write_gradient(rollout_gradient_coefficients(advantages.float().cpu(), pairs, ADV_CLIP))
     sync(loop.device)
     return {"rollout": t1 - t0, "train": time.perf_counter() - t1}
 
