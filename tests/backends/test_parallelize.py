@@ -5,7 +5,7 @@ from types import SimpleNamespace
 from torch import nn
 
 from miles.backends.fsdp_utils.parallel_dims import ParallelDims
-from miles.backends.fsdp_utils.parallelize import frozen_params_kept_whole
+from miles.backends.fsdp_utils.parallelize import base_stays_on_host, frozen_params_kept_whole, set_aside
 
 
 class Tiny(nn.Module):
@@ -40,6 +40,32 @@ def test_nothing_is_kept_whole_when_shards_span_ranks_or_live_on_the_host():
     everything = {"proj.weight", "proj.bias", "head.weight", "head.bias"}
     assert kept_names(module) == everything
     assert kept_names(module, world_size=2, replicate=2) == everything  # replicas hold whole shards anyway
+
+
+def test_the_base_stays_on_the_host_only_where_the_trainer_never_forwards_and_holds_it_whole():
+    def config(rollout_gradient, cpu_offload=False):
+        return SimpleNamespace(diffusion_rollout_gradient=rollout_gradient, fsdp_cpu_offload=cpu_offload)
+
+    one_rank = ParallelDims(world_size=1, sp=1, dp_replicate=1)
+    assert base_stays_on_host(config(True), one_rank)
+    assert not base_stays_on_host(config(False), one_rank)
+    assert not base_stays_on_host(config(True, cpu_offload=True), one_rank)
+    assert not base_stays_on_host(config(True), ParallelDims(world_size=2, sp=1, dp_replicate=1))
+
+
+def test_a_move_leaves_the_set_aside_parameters_where_they_are():
+    import torch
+
+    module = Tiny()
+    module.proj.requires_grad_(False)
+    host = [module.proj.weight, module.proj.bias]
+    values = [p.detach().clone() for p in host]
+    with set_aside(module, host):
+        module.to("meta")  # a device every machine has: a moved tensor loses its values
+    assert module.head.weight.device.type == "meta" and module.norm.weight.device.type == "meta"
+    assert module.proj.weight is host[0]  # the same Parameter objects, which FSDP and the optimizer hold
+    for param, value in zip(host, values):
+        assert param.device.type == "cpu" and torch.equal(param, value)
 
 
 def _units(use_lora: bool, tiny_checkpoint) -> tuple[bool, list[bool]]:

@@ -21,7 +21,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from miles.backends.fsdp_utils import deterministic
 from miles.backends.fsdp_utils.parallel_dims import ParallelDims
-from miles.backends.fsdp_utils.parallelize import holds_weights_whole, parallelize_module, trainer_dtypes
+from miles.backends.fsdp_utils.parallelize import (
+    base_stays_on_host, holds_weights_whole, parallelize_module, set_aside, trainer_dtypes,
+)
 from miles.backends.fsdp_utils.train_data import (
     TrainBatch,
     collate,
@@ -162,6 +164,7 @@ class DiffusionTrainer:
         self.merge_lora_once = bool(self.forward_tile and config.trainer.use_lora
                                     and holds_weights_whole(config.trainer, self.dims))
         self.model: nn.ModuleDict | None = None
+        self.host_params: list[nn.Parameter] = []
         self.ema = None
         self.flops_per_pair: float | None = None
         self.global_step = 0
@@ -197,6 +200,9 @@ class DiffusionTrainer:
                                opaque_kernels=bool(self.forward_tile))
         self.model = nn.ModuleDict(modules)
         self.trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        # the frozen base the trainer never forwards (--diffusion-rollout-gradient): kept on the host throughout
+        self.host_params = [p for p in self.model.parameters() if not p.requires_grad and p.device.type == "cpu"] \
+            if base_stays_on_host(config.trainer, self.dims) and self.device.type != "cpu" else []
         if not self.trainable:
             raise MilesUserError("no trainable parameters: check --lora-target-modules / --update-weight-target-module")
         self.optimizer = torch.optim.AdamW(
@@ -595,7 +601,8 @@ class DiffusionTrainer:
     def _move(self, device) -> None:
         if self.device.type == "cpu" or self.config.trainer.fsdp_cpu_offload:
             return
-        self.model.to(device)
+        with set_aside(self.model, self.host_params):
+            self.model.to(device)
         for state in self.optimizer.state.values():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and key != "step":

@@ -72,7 +72,8 @@ def _merged_tensors(prefix: str, module: nn.Module, forward_dtype: torch.dtype) 
                     "(use --lora-ipc-weight-sync or restrict --lora-target-modules)"
                 )
             adapters = [(_full(a), _full(b), s) for a, b, s in lora_adapters(layer)]
-            full = merged_lora_weight(full, adapters, forward_dtype)
+            # a base kept on the host (`base_stays_on_host`) is merged where its adapters are
+            full = merged_lora_weight(full.to(adapters[0][0].device) if adapters else full, adapters, forward_dtype)
         yield f"{prefix}.{strip_peft_name(name)}", full
 
 
