@@ -78,12 +78,15 @@ class RolloutGradients:
 
     # ---- one request's per-sample copies --------------------------------------------------------------------
     def leaves(self, num_samples: int) -> torch.Tensor:
-        """Per-sample copies of every layer's factors: one fp32 leaf [M, P]."""
+        """Per-sample copies of every layer's factors: one fp32 leaf [M, P]. The copies are one row expanded
+        (stride 0): a tile's forward gathers its rows into a dense tensor anyway, and the backward accumulates a
+        dense [M, P] gradient, so the request holds P floats of factors, not M·P (150 MB per sample at
+        SD3.5-Medium, LoRA rank 32)."""
         if not self.factors:
             raise ProtocolError("a rollout_gradient request before any LoRA weights were pushed to this engine "
                                 "(--diffusion-rollout-gradient syncs LoRA pairs first)")
         flat = torch.cat([t.reshape(-1) for f in self.factors.values() for t in (f.a, f.b)])
-        return flat.unsqueeze(0).repeat(num_samples, 1).requires_grad_(True)
+        return flat.unsqueeze(0).expand(num_samples, -1).requires_grad_(True)
 
     def forward_rows(self, rows: torch.Tensor | None) -> None:
         """The factors of the next forward's samples, rows [n, P] in its row order (None: no gradient forward)."""
