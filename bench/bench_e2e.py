@@ -18,9 +18,10 @@ every sample as a train pair (Flow-GRPO clipped loss), micro-batches of `--micro
   process, HTTP, weight sync), in each requested `--miles-modes` (`eager`; `compiled` adds
   `--fsdp-torch-compile --sglang-enable-torch-compile`, the documented GPU command, exact through the default
   `batch_invariant` group; `compiled-free` turns the group off and recomputes the old log-probs, the fast command
-  before it was exact). A `-rollout-gradient` suffix (`compiled-rollout-gradient`, `eager-rollout-gradient`) adds
-  `--diffusion-rollout-gradient` (LoRA: the engines take each sample's gradient during the rollout, nothing is
-  replayed).
+  before it was exact). A `-rollout-gradient` suffix (`compiled-rollout-gradient`, `eager-rollout-gradient`)
+  adds `--diffusion-rollout-gradient` (LoRA: the engines take each sample's gradient during the rollout, nothing
+  is replayed); `compiled-free-rollout-gradient` then only turns the group off, which exactness does not need
+  when no trainer forward has to reproduce the engine's.
 
 The floor (`--skip-floor` leaves it out): the iteration's FLOPs (one DiT forward counted by torch's FLOP counter)
 at the dense matmul peak measured in the same call; each row's MFU is the floor over its seconds. A compiled mode is launched twice (`--compiled-launches`): the first launch fills the compile caches,
@@ -172,14 +173,16 @@ def miles_flags(opts, checkpoint: str, prompt_file: str, out: str, lora: bool, m
         flags += ["--diffusion-num-sde-steps", str(opts.trained_steps)]
     if lora:
         flags += ["--use-lora", "--lora-rank", "32", "--lora-alpha", "64"]
-    if mode.endswith(ROLLOUT_GRADIENT):  # the engines take each sample's gradient, nothing is replayed (LoRA)
+    no_replay = mode.endswith(ROLLOUT_GRADIENT)
+    if no_replay:  # the engines take each sample's gradient, nothing is replayed (LoRA)
         flags += ["--diffusion-rollout-gradient"]
         mode = mode.removesuffix(ROLLOUT_GRADIENT)
     if mode == "compiled":  # docs/quickstart.md's GPU command
         flags += ["--fsdp-torch-compile", "--sglang-enable-torch-compile"]
     elif mode == "compiled-free":  # the compiled command before it was exact: free batching, ratio hidden by recompute
-        flags += ["--fsdp-torch-compile", "--sglang-enable-torch-compile", "--rollout-patch-group", "none",
-                  "--diffusion-recompute-old-log-prob"]
+        flags += ["--fsdp-torch-compile", "--sglang-enable-torch-compile", "--rollout-patch-group", "none"]
+        if not no_replay:  # without a replay there is no old log-prob to recompute: exact by construction
+            flags += ["--diffusion-recompute-old-log-prob"]
     return flags + list(opts.extra_flags)
 
 

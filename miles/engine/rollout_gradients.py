@@ -80,7 +80,7 @@ class RolloutGradients:
     def leaves(self, num_samples: int) -> torch.Tensor:
         """Per-sample copies of every layer's factors: one fp32 leaf [M, P]. The copies are one row expanded
         (stride 0): a tile's forward gathers its rows into a dense tensor anyway, and the backward accumulates a
-        dense [M, P] gradient, so the request holds P floats of factors, not M·P (150 MB per sample at
+        dense [M, P] gradient, so the request holds P floats of factors, not M·P (72 MiB per sample at
         SD3.5-Medium, LoRA rank 32)."""
         if not self.factors:
             raise ProtocolError("a rollout_gradient request before any LoRA weights were pushed to this engine "
