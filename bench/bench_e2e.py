@@ -230,6 +230,9 @@ def run_miles(opts, checkpoint: str, prompt_file: str, lora: bool, mode: str, wo
                    "trainer staging + micro-batching": mean("perf/train_prepare_s"),
                    "trainer cudaMalloc calls (count)": mean("perf/train_cuda_mallocs")},
         "log_prob_diff": mean("train/rollout_train_log_prob_abs_diff"),
+        "memory": {f"{side} {kind}": max(r.get(f"perf/{side}_peak_{kind}_gib", 0.0) for r in iterations)
+                   for side in ("engine", "train") for kind in ("reserved", "allocated")
+                   if any(f"perf/{side}_peak_{kind}_gib" in r for r in iterations)},
         "wall": wall,
     }
 
@@ -270,6 +273,9 @@ def print_table(title: str, rows: dict[str, dict], floor: dict | None = None) ->
     for name, row in rows.items():
         if row.get("inside"):
             print(f"{name}, inside the phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in row["inside"].items()))
+        if row.get("memory"):  # each process's own peak, beside the device-wide one in the table
+            print(f"{name}, its processes' peak memory (GiB): "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in row["memory"].items()))
         if row.get("startup_parts"):
             print(f"{name}, its start-up (s): " + ", ".join(f"{k} {v:.2f}" for k, v in row["startup_parts"].items()))
         if row.get("first_iteration_parts"):

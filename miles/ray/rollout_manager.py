@@ -38,6 +38,7 @@ from miles.rollout.rm_hub import (
     reward_component_metrics,
 )
 from miles.types import Sample
+from miles.utils.device_memory import peak_memory_metrics
 from miles.utils.errors import MilesUserError, PartDiedError
 from miles.utils.safe_load import load_plain, save_plain
 
@@ -167,6 +168,8 @@ class RolloutManager:
         staleness = [self.weight_version - s.weight_version for s in samples if s.engine_url is not None]
         if staleness:
             metrics["rollout/staleness"] = sum(staleness) / len(staleness)
+        if self.fleet is not None and self.fleet.placement.device == "cuda":
+            metrics.update(peak_memory_metrics("perf/engine", self.engine_memory()))
         if not call_rollout_log(self.hooks, self.config, rollout_id, samples, metrics):
             self.run_logger.log(rollout_id, metrics)
             self.run_logger.log_samples(rollout_id, samples)

@@ -97,7 +97,12 @@ class TrainRayActor:
         return self.trainer.loaded_extra_state
 
     def train(self, rollout_id: int, samples, gradient=None) -> dict[str, float]:
-        return self.trainer.train(rollout_id, samples, gradient)
+        """The trainer's metrics, with this rank's peak GPU memory (`perf/train_peak_*_gib`, CUDA only)."""
+        from miles.utils.device_memory import current_device_memory, peak_memory_metrics
+
+        metrics = self.trainer.train(rollout_id, samples, gradient)
+        memory = current_device_memory()
+        return {**metrics, **peak_memory_metrics("perf/train", [memory] if memory is not None else [])}
 
     def update_weights(self, engine_urls: list[str], weight_version: int) -> dict | None:
         """Push the weights; rank 0 sends (shared memory / CUDA IPC or broadcast per engine, `WeightPusher`), the

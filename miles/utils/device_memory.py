@@ -12,12 +12,14 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class DeviceMemory:
-    """Bytes: free on the whole device now, its total, and this process's caching allocator now and at peak."""
+    """Bytes: free on the whole device now, its total, and this process's caching allocator now and at peak
+    (reserved: what the allocator holds from the device; allocated: what live tensors use of it)."""
 
     free: int
     total: int
     reserved: int
     peak_reserved: int
+    peak_allocated: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -35,7 +37,18 @@ def current_device_memory() -> DeviceMemory | None:
         total=int(total),
         reserved=int(torch.cuda.memory_reserved()),
         peak_reserved=int(torch.cuda.max_memory_reserved()),
+        peak_allocated=int(torch.cuda.max_memory_allocated()),
     )
+
+
+def peak_memory_metrics(prefix: str, readings: list[DeviceMemory]) -> dict[str, float]:
+    """`<prefix>_peak_reserved_gib` / `<prefix>_peak_allocated_gib`: the largest process peak among `readings`
+    since that process started (empty without readings, i.e. off CUDA). Beside a device-wide peak they say
+    which process holds the memory and how much of it the allocator keeps but no tensor uses."""
+    if not readings:
+        return {}
+    return {f"{prefix}_peak_reserved_gib": max(r.peak_reserved for r in readings) / 2**30,
+            f"{prefix}_peak_allocated_gib": max(r.peak_allocated for r in readings) / 2**30}
 
 
 def allocator_counts(device: torch.device) -> dict[str, int]:
