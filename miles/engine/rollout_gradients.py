@@ -10,8 +10,8 @@ factors A_b [r, in], B_b [out, r]), accumulated over the request's steps and kep
 When the rewards are in, `POST /policy_gradient` returns Σ_b c_b·G_b for the coefficients the driver sends,
 and the trainer steps on that: no replay, and the gradient is of the very forward that drew the sample.
 
-A LoRA layer's value stays the merged weight's (W'x, as the engine always runs it): the per-sample term t is added
-as `t − t.detach()`, exactly 0, so only gradients see it. The factors are the trainer's, pushed as LoRA pairs
+A LoRA layer's value stays the merged weight's (W'x, as the engine always runs it): the per-sample term t only
+appears in the backward (`_AdapterGradientTap`), so only gradients see it. The factors are the trainer's, pushed as LoRA pairs
 (`--lora-ipc-weight-sync`, which the flag implies; miles.engine.weight_sync hands each pair here).
 """
 
@@ -126,11 +126,37 @@ class RolloutGradients:
         return {name: part.view(shape) for (name, shape), part in zip(pieces, parts)}, len(used)
 
 
+class _AdapterGradientTap(torch.autograd.Function):
+    """The identity on a LoRA layer's output y, whose backward also hands each row's factors the gradient of the
+    adapter's term t = s·B_b A_b x̄ (x̄ the layer input, detached: x's gradient through the merged weight W'x
+    already carries the adapter's share). t's value is in W'x already, so it is never formed: the forward costs a
+    copy of y (the compiler fuses it into y's consumer), and the backward two thin matmuls per factor,
+    u = x̄·Aᵀ then ∇B = s·gᵀu, and v = g·B then ∇A = s·vᵀx̄, without the [rows, tokens, out] intermediates that
+    autograd through `t − t.detach()` would write and read."""
+
+    @staticmethod
+    def forward(ctx, y, x, a, b, scaling):
+        ctx.save_for_backward(x, a, b)
+        ctx.scaling = scaling
+        return y.clone()  # not y itself: an output that aliases an input may not be modified in place
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, a, b = ctx.saved_tensors
+        rows = x.shape[0]
+        g = grad.reshape(rows, -1, grad.shape[-1]).to(x.dtype)
+        low_a, low_b = a.to(x.dtype), b.to(x.dtype)
+        u = torch.bmm(x, low_a.transpose(1, 2))  # [rows, tokens, r]
+        grad_b = torch.bmm(g.transpose(1, 2), u).to(b.dtype) * ctx.scaling
+        v = torch.bmm(g, low_b)  # [rows, tokens, r]
+        grad_a = torch.bmm(v.transpose(1, 2), x).to(a.dtype) * ctx.scaling
+        return grad, None, grad_a, grad_b, None
+
+
 def _forward_with_rows(layer: nn.Module, base_forward, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """The layer's own forward, plus (t − t.detach()) with t = s·B_b A_b x̄ for each row's sample b (x̄: x detached,
-    since x's gradient through the merged W'x already carries the adapter's share): the value is unchanged, the
-    gradient reaches the per-sample factors. The family's doubled CFG batch repeats the samples, so rows =
-    copies × samples."""
+    """The layer's own forward; during a gradient forward its output goes through `_AdapterGradientTap` with
+    each row's sample's factors. The family's doubled CFG batch repeats the samples, so rows = copies × samples;
+    the tap takes the factors repeated and autograd sums each sample's copies."""
     y = base_forward(x, *args, **kwargs)
     rows = layer._rollout_rows
     if rows is None:
@@ -141,10 +167,7 @@ def _forward_with_rows(layer: nn.Module, base_forward, x: torch.Tensor, *args, *
         raise RuntimeError(f"a gradient forward of {x.shape[0]} rows for {a.shape[0]} samples")
     if copies > 1:
         a, b = a.repeat(copies, 1, 1), b.repeat(copies, 1, 1)
-    flat = x.detach().reshape(x.shape[0], -1, x.shape[-1])  # x's gradient through W'x already has the adapter's
-    low = torch.bmm(torch.bmm(flat, a.to(flat.dtype).transpose(1, 2)), b.to(flat.dtype).transpose(1, 2))
-    term = (low * scaling).reshape(y.shape).to(y.dtype)
-    return y + (term - term.detach())
+    return _AdapterGradientTap.apply(y, x.detach().reshape(x.shape[0], -1, x.shape[-1]), a, b, scaling)
 
 
 # ---- the engine's gradient step ----------------------------------------------------------------------------
