@@ -417,6 +417,9 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
           "sample's log-prob gradient during the rollout and the trainer steps on Σ −clip(A)·∇ℓ / pairs without "
           "replaying the forwards (on-policy by construction; implies --lora-ipc-weight-sync). docs/algorithms.md "
           "§5.", extension=True),
+        F("--rollout-gradient-tile", int, 0, "Under --diffusion-rollout-gradient: samples per forward-with-backward "
+          "in the engines (0: --micro-batch-size). Each sample's gradient is its own whatever the tile; a larger "
+          "tile keeps the GPU busier and holds that many samples' activations.", ge=0, extension=True),
         F("--diffusion-kl-beta", finite_float, 0.0, "Reference-KL coefficient; > 0 turns on a reference forward.",
           ge=0),
         F("--ref-mode", str, None, "Reference policy: none / lora_base / ema. Unset = auto: under nft ema (the "

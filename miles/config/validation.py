@@ -440,6 +440,9 @@ def _rule_rollout_gradient(args: argparse.Namespace) -> None:
     """--diffusion-rollout-gradient: the gradient at ratio 1 is Σ −clip(A)·∇ℓ / pairs only for the plain clipped
     loss with one optimizer step per rollout; each sample's term is taken in a one-process engine's forward."""
     if not args.diffusion_rollout_gradient:
+        if args.rollout_gradient_tile:
+            _fail("--rollout-gradient-tile sets the engines' tile under --diffusion-rollout-gradient; pass that flag "
+                  "too, or drop this one")
         return
     flag = "--diffusion-rollout-gradient"
     needs = [

@@ -40,8 +40,9 @@ def build_server_args(config: RunConfig, device: str) -> ServerArgs:
         sde_step_backend_path=sampling.sde_step_backend_path,
         rollout_patch_group=",".join(sampling.rollout_patch_group),
         forward_tile=sampling.parity_forward_tile,
-        # the trainer's micro-batch: a forward with its backward holds what a trainer micro-batch holds
-        rollout_gradient_tile=config.data.micro_batch_size if config.trainer.diffusion_rollout_gradient else 0,
+        # by default the trainer's micro-batch: a forward with its backward holds what a trainer micro-batch holds
+        rollout_gradient_tile=(config.trainer.rollout_gradient_tile or config.data.micro_batch_size)
+        if config.trainer.diffusion_rollout_gradient else 0,
         tp_size=config.placement.rollout_num_gpus_per_engine,
         random_seed=sampling.rollout_seed,
         dtype=config.trainer.diffusion_forward_dtype,

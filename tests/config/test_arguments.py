@@ -696,6 +696,17 @@ def test_rollout_gradient_needs_lora_flow_grpo_with_one_step_per_rollout():
     assert "needs --loss-type policy_loss, not nft" in error(*fused, "--loss-type", "nft", "--diffusion-sde-type",
                                                              "ode", "--diffusion-noise-level", "0")
     assert "no --overlap-rollout" in error(*fused, "--overlap-rollout")
+    from miles.config.sections import RunConfig
+    from miles.ray.engines import build_server_args
+
+    def engine_tile(*extra):
+        return build_server_args(RunConfig.from_args(parse(*extra)), "cpu").rollout_gradient_tile
+
+    micro_batch = parse(*fused).micro_batch_size
+    assert engine_tile(*fused) == micro_batch and engine_tile("--use-lora") == 0
+    assert engine_tile(*fused, "--rollout-gradient-tile", "16") == 16
+    assert "--rollout-gradient-tile sets the engines' tile under --diffusion-rollout-gradient" in error(
+        "--use-lora", "--rollout-gradient-tile", "16")
 
 
 def test_overlapped_rollout_needs_engines_of_their_own_and_engine_log_probs():
