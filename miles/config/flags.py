@@ -419,7 +419,9 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
           "§5.", extension=True),
         F("--rollout-gradient-tile", int, 0, "Under --diffusion-rollout-gradient: samples per forward-with-backward "
           "in the engines (0: --micro-batch-size). Each sample's gradient is its own whatever the tile; a larger "
-          "tile keeps the GPU busier and holds that many samples' activations.", ge=0, extension=True),
+          "tile keeps the GPU busier and holds that many samples' activations. The batch_invariant group still "
+          "forwards in --micro-batch-size tiles; --rollout-patch-group none lifts that (exactness does not need "
+          "the group here: no trainer forward has to match).", ge=0, extension=True),
         F("--diffusion-kl-beta", finite_float, 0.0, "Reference-KL coefficient; > 0 turns on a reference forward.",
           ge=0),
         F("--ref-mode", str, None, "Reference policy: none / lora_base / ema. Unset = auto: under nft ema (the "
