@@ -127,12 +127,13 @@ class RolloutGradients:
 
 
 class _AdapterGradientTap(torch.autograd.Function):
-    """The identity on a LoRA layer's output y, whose backward also hands each row's factors the gradient of the
-    adapter's term t = s·B_b A_b x̄ (x̄ the layer input, detached: x's gradient through the merged weight W'x
+    """The identity on a LoRA layer's output y, whose backward also hands each sample's factors the gradient of
+    the adapter's term t = s·B_b A_b x̄ (x̄ the layer input, detached: x's gradient through the merged weight W'x
     already carries the adapter's share). t's value is in W'x already, so it is never formed: the forward costs a
     copy of y (the compiler fuses it into y's consumer), and the backward two thin matmuls per factor,
     u = x̄·Aᵀ then ∇B = s·gᵀu, and v = g·B then ∇A = s·vᵀx̄, without the [rows, tokens, out] intermediates that
-    autograd through `t − t.detach()` would write and read."""
+    autograd through `t − t.detach()` would write and read. The rows of x and y are copies × samples (the
+    family's doubled CFG batch): each copy's rows are a contiguous block, and a sample's gradient sums its copies."""
 
     @staticmethod
     def forward(ctx, y, x, a, b, scaling):
@@ -143,30 +144,31 @@ class _AdapterGradientTap(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, a, b = ctx.saved_tensors
-        rows = x.shape[0]
-        g = grad.reshape(rows, -1, grad.shape[-1]).to(x.dtype)
+        samples = a.shape[0]
+        g = grad.reshape(x.shape[0], -1, grad.shape[-1]).to(x.dtype)
         low_a, low_b = a.to(x.dtype), b.to(x.dtype)
-        u = torch.bmm(x, low_a.transpose(1, 2))  # [rows, tokens, r]
-        grad_b = torch.bmm(g.transpose(1, 2), u).to(b.dtype) * ctx.scaling
-        v = torch.bmm(g, low_b)  # [rows, tokens, r]
-        grad_a = torch.bmm(v.transpose(1, 2), x).to(a.dtype) * ctx.scaling
-        return grad, None, grad_a, grad_b, None
+        grad_a = grad_b = None
+        for lo in range(0, x.shape[0], samples):
+            xs, gs = x[lo : lo + samples], g[lo : lo + samples]
+            u = torch.bmm(xs, low_a.transpose(1, 2))  # [samples, tokens, r]
+            v = torch.bmm(gs, low_b)  # [samples, tokens, r]
+            part_b = torch.bmm(gs.transpose(1, 2), u).to(b.dtype)
+            part_a = torch.bmm(v.transpose(1, 2), xs).to(a.dtype)
+            grad_a = part_a if grad_a is None else grad_a + part_a
+            grad_b = part_b if grad_b is None else grad_b + part_b
+        return grad, None, grad_a * ctx.scaling, grad_b * ctx.scaling, None
 
 
 def _forward_with_rows(layer: nn.Module, base_forward, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """The layer's own forward; during a gradient forward its output goes through `_AdapterGradientTap` with
-    each row's sample's factors. The family's doubled CFG batch repeats the samples, so rows = copies × samples;
-    the tap takes the factors repeated and autograd sums each sample's copies."""
+    each sample's factors (rows = copies × samples under CFG)."""
     y = base_forward(x, *args, **kwargs)
     rows = layer._rollout_rows
     if rows is None:
         return y
     a, b, scaling = rows
-    copies = x.shape[0] // a.shape[0]
-    if copies * a.shape[0] != x.shape[0]:
+    if x.shape[0] % a.shape[0]:
         raise RuntimeError(f"a gradient forward of {x.shape[0]} rows for {a.shape[0]} samples")
-    if copies > 1:
-        a, b = a.repeat(copies, 1, 1), b.repeat(copies, 1, 1)
     return _AdapterGradientTap.apply(y, x.detach().reshape(x.shape[0], -1, x.shape[-1]), a, b, scaling)
 
 
