@@ -11,8 +11,8 @@ When the rewards are in, `POST /policy_gradient` returns Σ_b c_b·G_b for the c
 and the trainer steps on that: no replay, and the gradient is of the very forward that drew the sample.
 
 A LoRA layer's value stays the merged weight's (W'x, as the engine always runs it): the per-sample term t only
-appears in the backward (`_AdapterGradientTap`), so only gradients see it. The factors are the trainer's, pushed as LoRA pairs
-(`--lora-ipc-weight-sync`, which the flag implies; miles.engine.weight_sync hands each pair here).
+appears in the backward (`_AdapterGradientTap`), so only gradients see it. The factors are the trainer's, pushed
+as LoRA pairs (`--lora-ipc-weight-sync`, which the flag implies; miles.engine.weight_sync hands each pair here).
 """
 
 from __future__ import annotations
