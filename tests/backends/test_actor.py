@@ -314,6 +314,27 @@ def test_fp16_forward_uses_the_grad_scaler(tiny):
     assert trainer.global_step == 1
 
 
+@pytest.mark.parametrize("init", ["true", "pissa"])
+def test_a_lora_base_loaded_in_the_forward_dtype_builds_the_trainer_a_master_dtype_load_builds(tiny, monkeypatch, init):
+    """`base_load_dtype`: the base held whole in bf16 is loaded in bf16 (in fp32 for PiSSA, which decomposes it);
+    every parameter and buffer (the adapters, created in fp32 by `adapters_created_in`, PiSSA's rewritten base) is
+    bitwise what an fp32 load gives."""
+    from miles.backends.fsdp_utils import actor
+
+    def state(trainer):
+        tensors = {**dict(trainer.model.named_parameters()), **dict(trainer.model.named_buffers())}
+        return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach() for name, t in tensors.items()}
+
+    options = dict(use_lora=True, diffusion_forward_dtype="bf16", lora_init_weights=init)
+    loaded_in_bf16 = state(make_trainer(tiny, **options))
+    monkeypatch.setattr(actor, "base_load_dtype", lambda trainer, dims: torch.float32)
+    loaded_in_fp32 = state(make_trainer(tiny, **options))
+    assert loaded_in_bf16.keys() == loaded_in_fp32.keys()
+    assert any("lora_A" in name and t.dtype == torch.float32 for name, t in loaded_in_bf16.items())
+    for name, tensor in loaded_in_fp32.items():
+        assert loaded_in_bf16[name].dtype == tensor.dtype and torch.equal(loaded_in_bf16[name], tensor), name
+
+
 def test_lora_base_is_held_whole_in_the_forward_dtype_and_trains_identically(tiny, monkeypatch):
     """On one rank the frozen base weights stay out of FSDP, whole and in bf16 (frozen_params_kept_whole); a
     LoRA step gives bitwise the loss and adapter gradients of FSDP casting fp32 master copies for each forward."""

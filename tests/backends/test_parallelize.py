@@ -5,7 +5,9 @@ from types import SimpleNamespace
 from torch import nn
 
 from miles.backends.fsdp_utils.parallel_dims import ParallelDims
-from miles.backends.fsdp_utils.parallelize import base_stays_on_host, frozen_params_kept_whole, set_aside
+from miles.backends.fsdp_utils.parallelize import (
+    base_load_dtype, base_stays_on_host, frozen_params_kept_whole, set_aside,
+)
 
 
 class Tiny(nn.Module):
@@ -51,6 +53,22 @@ def test_the_base_stays_on_the_host_only_where_the_trainer_never_forwards_and_ho
     assert not base_stays_on_host(config(False), one_rank)
     assert not base_stays_on_host(config(True, cpu_offload=True), one_rank)
     assert not base_stays_on_host(config(True), ParallelDims(world_size=2, sp=1, dp_replicate=1))
+
+
+def test_a_lora_base_held_whole_loads_in_the_forward_dtype_unless_its_adapters_read_it():
+    import torch
+
+    def config(use_lora=True, init="true", cpu_offload=False):
+        return SimpleNamespace(use_lora=use_lora, lora_init_weights=init, fsdp_cpu_offload=cpu_offload,
+                               diffusion_forward_dtype="bf16", fsdp_master_dtype="fp32", fsdp_reduce_dtype="fp32")
+
+    one_rank = ParallelDims(world_size=1, sp=1, dp_replicate=1)
+    assert base_load_dtype(config(), one_rank) == torch.bfloat16
+    assert base_load_dtype(config(init="gaussian"), one_rank) == torch.bfloat16
+    assert base_load_dtype(config(init="pissa"), one_rank) == torch.float32  # decomposes the base
+    assert base_load_dtype(config(use_lora=False), one_rank) == torch.float32  # full fine-tune: fp32 masters
+    assert base_load_dtype(config(cpu_offload=True), one_rank) == torch.float32  # FSDP holds the base
+    assert base_load_dtype(config(), ParallelDims(world_size=2, sp=1, dp_replicate=1)) == torch.float32
 
 
 def test_a_move_leaves_the_set_aside_parameters_where_they_are():

@@ -22,7 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from miles.backends.fsdp_utils import deterministic
 from miles.backends.fsdp_utils.parallel_dims import ParallelDims
 from miles.backends.fsdp_utils.parallelize import (
-    base_stays_on_host, holds_weights_whole, parallelize_module, set_aside, trainer_dtypes,
+    adapters_created_in, base_load_dtype, base_stays_on_host, holds_weights_whole, parallelize_module, set_aside,
+    trainer_dtypes,
 )
 from miles.backends.fsdp_utils.train_data import (
     TrainBatch,
@@ -184,7 +185,8 @@ class DiffusionTrainer:
         config = self.config
         deterministic.apply_deterministic_mode(config.trainer.seed, config.trainer.deterministic_mode)
         self.mesh = self.dims.build_mesh(self.device.type)
-        modules = self.family.load_modules(config.model.hf_checkpoint, self.module_names, self.master_dtype)
+        modules = self.family.load_modules(config.model.hf_checkpoint, self.module_names,
+                                           base_load_dtype(config.trainer, self.dims))
         if self.forward_tile:
             pin_attention(modules, self.forward_dtype, self.device.type, family=self.family)
         deterministic.seed_everything(config.trainer.seed)  # identical LoRA init on every rank
@@ -268,7 +270,8 @@ class DiffusionTrainer:
         )
         module.requires_grad_(False)
         try:
-            module.add_adapter(lora_config)
+            with adapters_created_in(module, lora_config, self.master_dtype):
+                module.add_adapter(lora_config)
         except ValueError as err:  # PEFT: no target matched, or an unknown init scheme
             raise MilesUserError(f"--use-lora on {name!r}: {err}") from err
         self.lora_config = lora_config

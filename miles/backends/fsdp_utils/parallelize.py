@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 # Cloning the views instead would cost a copy of every block's activations.
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor", category=UserWarning)
 
+# `--lora-init-weights` values whose adapters do not depend on the base weights' values
+ADAPTER_INITS_BLIND_TO_THE_BASE = frozenset({"true", "false", "kaiming-uniform", "gaussian"})
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -168,6 +171,39 @@ def frozen_params_kept_whole(module: nn.Module, trainer: TrainerConfig, dims: Pa
         if not param.requires_grad and engine_holds_in_forward_dtype(module, owner_name, leaf):
             kept.add(param)
     return kept
+
+
+def base_load_dtype(trainer: TrainerConfig, dims: ParallelDims) -> torch.dtype:
+    """The dtype the trainer loads its modules in. Under LoRA where the frozen base is held whole in the forward
+    dtype (`frozen_params_kept_whole`) that is the forward dtype, as the engine loads it; otherwise the master
+    dtype. Loading that base in the master dtype converted every weight up (fp32: 9 GB at SD3.5-Medium) only to
+    convert it back down: 12 of the 20 s a CPU took to build the real-size LoRA trainer. Parameters diffusers keeps
+    in fp32 load in fp32 either way, and the adapters are still created in the master dtype
+    (`adapters_created_in`). An adapter initialisation that reads the base (PiSSA, OLoRA, LoftQ...) keeps the
+    master-dtype load: from an fp32 checkpoint it would otherwise decompose the rounded weights."""
+    forward_dtype, master_dtype, _ = trainer_dtypes(trainer)
+    blind_init = str(trainer.lora_init_weights).lower() in ADAPTER_INITS_BLIND_TO_THE_BASE
+    return forward_dtype if trainer.use_lora and blind_init and holds_weights_whole(trainer, dims) else master_dtype
+
+
+@contextlib.contextmanager
+def adapters_created_in(module: nn.Module, lora_config, dtype: torch.dtype):
+    """PEFT creates each adapter in the dtype of the layer it wraps. Inside this context the layers `lora_config`
+    targets hold their weights in `dtype` (the master dtype), so the adapters are initialised there exactly as
+    when the whole module was loaded in it (and an initialisation that reads or rewrites the base weight, such
+    as PiSSA's, works on those values); after it, the weights go back to the dtype they were loaded in."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    held = [(sub, sub.weight.dtype) for name, sub in module.named_modules()
+            if isinstance(getattr(sub, "weight", None), nn.Parameter) and sub.weight.is_floating_point()
+            and sub.weight.dtype != dtype and check_target_module_exists(lora_config, name)]
+    for sub, _ in held:
+        sub.weight.data = sub.weight.data.to(dtype)
+    try:
+        yield
+    finally:
+        for sub, loaded_dtype in held:  # the same object, now the adapter's `base_layer`
+            sub.weight.data = sub.weight.data.to(loaded_dtype)
 
 
 def base_stays_on_host(trainer: TrainerConfig, dims: ParallelDims) -> bool:
