@@ -21,6 +21,7 @@ Groups:
 from __future__ import annotations
 
 import logging
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
@@ -42,18 +43,19 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, _NORM_TYPES) or type(module).__name__ in {"RMSNorm", "FP32LayerNorm", "AdaLayerNorm"}
 
 
-def _fp32_forward(original: Callable) -> Callable:
-    def forward(*args, **kwargs):
-        first = args[0]
-        out_dtype = first.dtype
-        if out_dtype == torch.float32:
-            return original(*args, **kwargs)
-        cast = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-        with torch.autocast(device_type=first.device.type, enabled=False):
-            out = original(*cast, **kwargs)
-        return out.to(out_dtype) if isinstance(out, torch.Tensor) else out
-
-    return forward
+def _fp32_norm_forward(norm: nn.Module, *args, **kwargs):
+    """The norm's own forward (`_miles_fp32_inner_forward`) on fp32 inputs, its output cast back. One function
+    bound to each norm, not a closure per norm: dynamo guards a forward attribute by identity, and an object
+    per norm would compile every block on its own."""
+    original = norm._miles_fp32_inner_forward
+    first = args[0]
+    out_dtype = first.dtype
+    if out_dtype == torch.float32:
+        return original(*args, **kwargs)
+    cast = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    with torch.autocast(device_type=first.device.type, enabled=False):
+        out = original(*cast, **kwargs)
+    return out.to(out_dtype) if isinstance(out, torch.Tensor) else out
 
 
 def _patch_fp32_norms(modules: Mapping[str, nn.Module]) -> None:
@@ -63,7 +65,8 @@ def _patch_fp32_norms(modules: Mapping[str, nn.Module]) -> None:
             if _is_norm(sub) and not getattr(sub, "_miles_fp32_norm", False):
                 for param in sub.parameters(recurse=False):
                     param.data = param.data.float()
-                sub.forward = _fp32_forward(sub.forward)
+                sub._miles_fp32_inner_forward = sub.forward
+                sub.forward = types.MethodType(_fp32_norm_forward, sub)
                 sub._miles_fp32_norm = True
                 count += 1
     logger.info("patch fp32_norms: %d norm layers compute in fp32", count)

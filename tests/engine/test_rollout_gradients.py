@@ -129,3 +129,35 @@ def test_per_sample_gradients_are_kept_by_seed_and_dropped_with_new_weights():
     torch.testing.assert_close(gradient["transformer.proj.lora_B.weight"], torch.tensor([[3.0], [3.0]]))
     gradients.new_weights()
     assert gradients.gradients == {}
+
+
+def test_a_compiled_engine_compiles_each_block_variant_once_with_the_gradient_tap():
+    """The tap wraps every LoRA target layer's forward. Dynamo guards a forward attribute by identity, so a
+    wrapper object per layer compiled every block on its own (24 graphs at SD3.5-Medium where 3 block variants
+    exist), at start-up and on every later launch. The shapes base has 4 blocks of 2 variants (SD3's last block
+    takes no context output). Its gradient step compiles 3 graphs (the first block's input needs no gradient, the
+    rest do), its plain step 2 and the VAE decode 1; a wrapper per layer made that 9."""
+    from torch._dynamo.utils import counters
+
+    from miles.models.sd3 import SD3_LORA_TARGETS
+    from miles.tasks.shapes import PRETRAINED_SD3
+
+    path = PRETRAINED_SD3
+    torch._dynamo.reset()
+    runner = ModelRunner(ServerArgs(model_path=path, device="cpu", dtype="fp32", generator_device="cpu",
+                                    enable_torch_compile=True, rollout_gradient_tile=2))
+    transformer = runner.modules["transformer"]
+    generator = torch.Generator().manual_seed(0)
+    for name, layer in transformer.named_modules():
+        if name.startswith("transformer_blocks") and name.endswith(SD3_LORA_TARGETS):
+            a = 0.1 * torch.randn(4, layer.in_features, generator=generator)
+            runner.rollout_gradients.set_factors("transformer", name, a, torch.zeros(layer.out_features, 4), 2.0)
+    blocks = transformer.transformer_blocks
+    variants = len({bool(block.context_pre_only) for block in blocks})
+    assert len(blocks) > variants
+    before = counters["stats"]["unique_graphs"]
+    request = GenerateRequest(prompt="two red circles", num_samples=2, seed=3, num_steps=2, height=32, width=32,
+                              guidance=GuidanceConfig(guidance_scale=1.0), noise_level=0.9, sde_step_indices=[0],
+                              rollout_gradient=True)
+    samples_through_the_engine(runner, request)  # step 0 with the gradient, step 1 without
+    assert counters["stats"]["unique_graphs"] - before == (variants + 1) + variants + 1
