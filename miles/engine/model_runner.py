@@ -43,9 +43,9 @@ from miles.engine.sequence_parallel import (
 from miles.engine.server_args import ServerArgs
 from miles.models.base import GenerationShape, SequenceParallelLayout, TrainPipelineConfig, condition_image_mismatch
 from miles.models.batch_invariant import predict_velocity_in_tiles
-from miles.models.opaque_kernels import install_in_blocks, wanted as opaque_kernels_wanted
+from miles.models.opaque_kernels import enable_eager_rounding, install_in_blocks, wanted as opaque_kernels_wanted
 from miles.models.common import build_train_pipeline_config, combine_cfg, generators_from_seeds, parse_dtype
-from miles.utils.compile import compile_blocks, compile_seconds
+from miles.utils.compile import compile_blocks, compile_seconds, raise_recompile_limits
 from miles.types import GuidanceConfig
 from miles.utils.errors import MilesUserError
 from miles.utils.imports import load_function
@@ -171,7 +171,9 @@ class ModelRunner:
             for module in self.modules.values():
                 module.set_attention_backend(server_args.attention_backend)
         self.forward_modules: dict[str, nn.Module] = dict(self.modules)
-        if opaque_kernels_wanted(bool(server_args.forward_tile), server_args.enable_torch_compile, self.device.type):
+        self.eager_rounding = opaque_kernels_wanted(bool(server_args.forward_tile), server_args.enable_torch_compile,
+                                                    self.device.type)
+        if self.eager_rounding:
             for module in self.modules.values():  # the batch_invariant group: the trainer's kernels, so its bits
                 block_lists = self.family.transformer_block_lists(module)
                 if block_lists:
@@ -238,6 +240,17 @@ class ModelRunner:
     @property
     def _followers(self) -> FollowerGroup | None:
         return self.cfg_parallel if self.cfg_parallel is not None else self.sequence_parallel
+
+    def prepare_thread(self) -> None:
+        """This engine's compiler settings in the calling thread. torch keeps a dynamo or inductor setting made in
+        code per thread (context variables, torch ≥ 2.13) and the server runs the model on a worker thread of its
+        own (`StepScheduler`): without this the worker compiled without the group's eager rounding, so a compiled
+        engine's bf16 velocities left the trainer's (by up to 0.8 on the CPU), and with dynamo's default
+        recompile limit."""
+        if self.server_args.enable_torch_compile:
+            raise_recompile_limits()
+        if self.eager_rounding:
+            enable_eager_rounding()
 
     def _compile(self, mode: str | None) -> None:
         """Compile each transformer block in place (miles/utils/compile.py); a module whose family lists no

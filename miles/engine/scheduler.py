@@ -65,7 +65,9 @@ class StepScheduler:
         self.runner = runner
         self.max_batch_size = max(1, int(max_batch_size))
         self.batch_wait_s = max(0.0, float(batch_wait_ms)) / 1000.0
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-engine-worker")
+        # the worker compiles and runs the model: it takes the runner's compiler settings (they are per thread)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-engine-worker",
+                                           initializer=runner.prepare_thread)
         self.counters = SchedulerCounters()
         self._pending: list[_Job] = []
         self._active: list[_Job] = []

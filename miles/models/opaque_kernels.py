@@ -223,7 +223,9 @@ def wanted(group_on: bool, compiled: bool, device_type: str) -> bool:
 
 def enable_eager_rounding() -> None:
     """Inductor rounds every low-precision op's result as eager PyTorch does (not once per fused kernel), so
-    element-wise fusions give the same bits however the graph is cut (process-wide)."""
+    element-wise fusions give the same bits however the graph is cut. In the calling thread only: torch keeps a
+    setting made in code per thread (torch ≥ 2.13), so the thread that compiles calls this too
+    (`ModelRunner.prepare_thread` on the engine's worker thread)."""
     import torch._inductor.config as inductor_config
 
     inductor_config.emulate_precision_casts = True

@@ -14,12 +14,19 @@ from torch import nn
 RECOMPILE_LIMIT = 64
 
 
-def compile_blocks(block_lists: list[nn.ModuleList], mode: str | None = None) -> None:
+def raise_recompile_limits() -> None:
+    """Dynamo's recompile limits raised to `RECOMPILE_LIMIT`, in the calling thread: torch keeps a setting made
+    in code per thread (a context variable, torch ≥ 2.13), so a thread that runs compiled blocks calls this itself
+    (the engine's worker thread: `ModelRunner.prepare_thread`)."""
     import torch._dynamo
 
     config = torch._dynamo.config
     config.cache_size_limit = max(config.cache_size_limit, RECOMPILE_LIMIT)
     config.accumulated_cache_size_limit = max(config.accumulated_cache_size_limit, 8 * RECOMPILE_LIMIT)
+
+
+def compile_blocks(block_lists: list[nn.ModuleList], mode: str | None = None) -> None:
+    raise_recompile_limits()
     for block_list in block_lists:
         for block in block_list:
             block.compile(mode=mode, dynamic=False)

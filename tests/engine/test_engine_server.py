@@ -337,3 +337,37 @@ def test_a_burst_arriving_over_several_waits_is_admitted_together(local_runner):
     counters = asyncio.run(burst())
     assert counters.max_forward_samples == 6
     assert counters.forward_batches == 4  # one forward per step for all three
+
+
+def test_a_compiled_engine_on_its_worker_thread_gives_the_eager_bf16_velocities():
+    """torch keeps a compiler setting made in code per thread (torch >= 2.13), and the server runs the model on
+    its scheduler's worker thread: that thread must compile with the batch_invariant group's eager rounding
+    (`ModelRunner.prepare_thread`), or the compiled engine's bf16 velocities leave the eager ones (and so the
+    trainer's) by up to 0.8 on the shipped shapes base."""
+    from miles.engine.scheduler import StepScheduler
+    from miles.tasks.shapes import PRETRAINED_SD3
+
+    def runner(compiled: bool) -> ModelRunner:
+        return ModelRunner(ServerArgs(model_path=PRETRAINED_SD3, device="cpu", dtype="bf16", generator_device="cpu",
+                                      enable_torch_compile=compiled, forward_tile=4, rollout_patch_group="batch_invariant"))
+
+    request = _request(prompt="two red circles", num_samples=4, guidance=GuidanceConfig(guidance_scale=1.0), debug=True)
+    eager = runner(False)
+    trajectory = eager.start(request)
+    while not trajectory.done:
+        eager.step([trajectory])
+    expected = eager.finish(trajectory).samples
+
+    async def through_the_scheduler():
+        scheduler = StepScheduler(runner(True), max_batch_size=8, batch_wait_ms=0.0)
+        scheduler.start()
+        try:
+            return await scheduler.generate(request)
+        finally:
+            await scheduler.stop()
+
+    torch._dynamo.reset()
+    compiled = asyncio.run(through_the_scheduler()).samples
+    for got, want in zip(compiled, expected):
+        for step, velocity in want.debug_model_outputs.items():
+            assert torch.equal(got.debug_model_outputs[step], velocity), f"sample {want.seed}, step {step}"
