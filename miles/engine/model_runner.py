@@ -45,7 +45,7 @@ from miles.models.base import GenerationShape, SequenceParallelLayout, TrainPipe
 from miles.models.batch_invariant import predict_velocity_in_tiles
 from miles.models.opaque_kernels import enable_eager_rounding, install_in_blocks, wanted as opaque_kernels_wanted
 from miles.models.common import build_train_pipeline_config, combine_cfg, generators_from_seeds, parse_dtype
-from miles.utils.compile import compile_blocks, compile_seconds, raise_recompile_limits
+from miles.utils.compile import compile_blocks, compile_seconds, compiled_graphs, raise_recompile_limits
 from miles.types import GuidanceConfig
 from miles.utils.errors import MilesUserError
 from miles.utils.imports import load_function
@@ -504,6 +504,9 @@ class ModelRunner:
             ).cpu()
         decode_seconds = time.perf_counter() - began
         t.compile_seconds += compile_seconds() - compiled_before  # the VAE decoder's graph, on a first decode
+        if t.compile_seconds > 0.5:  # the log says how much a first request (or a new shape) compiled
+            logger.info("request %s compiled for %.1f s; %d graphs compiled in this engine so far",
+                        request.request_id, t.compile_seconds, compiled_graphs())
         if t.gradient_leaves is not None:  # kept under each sample's seed until POST /policy_gradient
             self.rollout_gradients.keep((request.seed + b for b in range(t.num_samples)), t.gradient_leaves)
             t.gradient_leaves = None

@@ -43,3 +43,14 @@ def compile_seconds() -> float:
     except Exception:  # noqa: BLE001 - a private API: no number rather than no step
         return 0.0
 
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (each block variant, grad mode and batch shape is one;
+    0 where torch does not say)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+    except Exception:  # noqa: BLE001 - a private API: no number rather than no step
+        return 0
