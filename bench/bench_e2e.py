@@ -41,8 +41,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -186,6 +188,15 @@ def miles_flags(opts, checkpoint: str, prompt_file: str, out: str, lora: bool, m
     return flags + list(opts.extra_flags)
 
 
+def engine_graphs(out: str) -> int | None:
+    """The most graphs any engine of a run says it compiled (its log's "graphs compiled" lines), None if none."""
+    counts = []
+    for path in glob.glob(os.path.join(out, "engine_logs", "*.log")):
+        with open(path, errors="replace") as handle:
+            counts += [int(m.group(1)) for m in re.finditer(r"(\d+) graphs compiled in this engine", handle.read())]
+    return max(counts) if counts else None
+
+
 def run_miles(opts, checkpoint: str, prompt_file: str, lora: bool, mode: str, workdir: str) -> dict:
     launches = opts.compiled_launches if mode.startswith("compiled") else 1  # the first compiled launch fills the caches
     for launch in range(launches):
@@ -220,6 +231,7 @@ def run_miles(opts, checkpoint: str, prompt_file: str, lora: bool, mode: str, wo
         "first_iteration": iterations[0]["perf/iteration_time"],
         "first_iteration_parts": {"rollout": iterations[0].get("perf/rollout_time", 0.0),
                                   "of which the engine compiling": iterations[0].get("rollout/engine_compile_seconds", 0.0),
+                                  "engine graphs compiled (count)": engine_graphs(out) or 0,
                                   "train": iterations[0].get("perf/train_time", 0.0),
                                   "of which the trainer compiling": iterations[0].get("perf/train_compile_s", 0.0)},
         "clipfrac": mean("train/clipfrac"),
