@@ -86,8 +86,8 @@ class Trajectory:
     started_at: float = field(default_factory=time.perf_counter)
     denoise_seconds: float = 0.0
     compile_seconds: float = 0.0  # of denoise and decode: compiling graphs (a first forward, a new batch size)
-    # rollout_gradient requests: per-sample copies of the LoRA factors, collecting Σ_k ∇ℓ_{b,k} (rollout_gradients.py)
-    gradient_leaves: torch.Tensor | None = None
+    # rollout_gradient requests: each sample's Σ_k ∇ℓ_{b,k} over the LoRA factors, [M, P] (rollout_gradients.py)
+    gradient_sums: torch.Tensor | None = None
 
     @property
     def num_samples(self) -> int:
@@ -339,12 +339,12 @@ class ModelRunner:
                 check_sequence_length(layout, tuple(latents.shape[1:]), self.server_args.tp_size)
             except ValueError as err:
                 raise ProtocolError(str(err)) from err
-        leaves = None
+        sums = None
         if request.rollout_gradient:
             if self.rollout_gradients is None or self._followers is not None:
                 raise ProtocolError("rollout_gradient: this engine was not started for it (--diffusion-rollout-gradient"
                                     " on a one-process engine)")
-            leaves = self.rollout_gradients.leaves(m)
+            sums = self.rollout_gradients.sums(m)
         trajectory = Trajectory(
             request=request,
             shape=shape,
@@ -357,7 +357,7 @@ class ModelRunner:
             sde_steps=frozenset(request.sde_step_indices),
             return_latents=frozenset(request.return_latent_indices),
             weight_version_at_start=self.weight_version,
-            gradient_leaves=leaves,
+            gradient_sums=sums,
         )
         self.record_latents(trajectory)
         return trajectory
@@ -384,7 +384,7 @@ class ModelRunner:
 
         The caller guarantees equal `batch_key`s.
         """
-        with_gradients = [t for t in trajectories if t.gradient_leaves is not None and t.step in t.sde_steps]
+        with_gradients = [t for t in trajectories if t.gradient_sums is not None and t.step in t.sde_steps]
         if with_gradients:
             step_with_gradients(self, with_gradients)
             trajectories = [t for t in trajectories if not any(t is g for g in with_gradients)]
@@ -507,9 +507,9 @@ class ModelRunner:
         if t.compile_seconds > 0.5:  # the log says how much a first request (or a new shape) compiled
             logger.info("request %s compiled for %.1f s; %d graphs compiled in this engine so far",
                         request.request_id, t.compile_seconds, compiled_graphs())
-        if t.gradient_leaves is not None:  # kept under each sample's seed until POST /policy_gradient
-            self.rollout_gradients.keep((request.seed + b for b in range(t.num_samples)), t.gradient_leaves)
-            t.gradient_leaves = None
+        if t.gradient_sums is not None:  # kept under each sample's seed until POST /policy_gradient
+            self.rollout_gradients.keep((request.seed + b for b in range(t.num_samples)), t.gradient_sums)
+            t.gradient_sums = None
         training = not request.evaluation
         sigmas_cpu = t.sigmas.cpu()
         timesteps_cpu = t.timesteps.float().cpu()

@@ -5,8 +5,9 @@ every pair is exactly 1, so the clipped loss's gradient is Σ_b c_b·Σ_k ∇ℓ
 the rollout's train pairs; docs/algorithms.md §5). The trainer's replay forward would only recompute what the
 engine's forward computed; here the engine keeps that forward's graph instead. A request that asks for it
 (`GenerateRequest.rollout_gradient`) runs each of its SDE steps with autograd through the LoRA factors and
-takes the backward of Σ_b ℓ_{b,k} at once; each sample's term lands in its own copy of the adapter (per-sample
-factors A_b [r, in], B_b [out, r]), accumulated over the request's steps and kept under the sample's seed.
+takes the backward of Σ_b ℓ_{b,k} at once; each sample's term lands in its own row of the tile's factors (per-sample
+factors A_b [r, in], B_b [out, r], all equal to the pushed adapter), is added to the sample's sums over the
+request's steps and kept under the sample's seed.
 When the rewards are in, `POST /policy_gradient` returns Σ_b c_b·G_b for the coefficients the driver sends,
 and the trainer steps on that: no replay, and the gradient is of the very forward that drew the sample.
 
@@ -44,11 +45,12 @@ class LoraFactors:
 
 
 class RolloutGradients:
-    """The engine's per-sample adapter copies and the gradients they collect (one per engine process).
+    """The engine's per-sample adapter rows and the gradients they collect (one per engine process).
 
     Every layer's factors live in one flat fp32 vector (the layout: each layer's A then B, in the order the
-    weight sync first named them), so a request's copies are one leaf [M, P] and a forward's rows one gathered
-    [n, P] tensor whose per-layer pieces are views: a tile costs a handful of kernels, not a few per layer."""
+    weight sync first named them), so a tile's rows are one leaf [n, P] (`tile_rows`) whose per-layer pieces are
+    views, and a request's gradient sums one [M, P] tensor: a tile costs a handful of kernels, not a few per
+    layer."""
 
     def __init__(self, modules: Mapping[str, nn.Module]):
         self.modules = modules
@@ -80,17 +82,25 @@ class RolloutGradients:
         """(trainer name, shape) of each piece of the flat layout."""
         return [piece for f in self.factors.values() for piece in ((f.name_a, f.a.shape), (f.name_b, f.b.shape))]
 
-    # ---- one request's per-sample copies --------------------------------------------------------------------
-    def leaves(self, num_samples: int) -> torch.Tensor:
-        """Per-sample copies of every layer's factors: one fp32 leaf [M, P]. The copies are one row expanded
-        (stride 0): a tile's forward gathers its rows into a dense tensor anyway, and the backward accumulates a
-        dense [M, P] gradient, so the request holds P floats of factors, not M·P (72 MiB per sample at
-        SD3.5-Medium, LoRA rank 32)."""
+    # ---- one request's gradient sums and one tile's factor rows -----------------------------------------------
+    def _flat_factors(self) -> torch.Tensor:
         if not self.factors:
             raise ProtocolError("a rollout_gradient request before any LoRA weights were pushed to this engine "
                                 "(--diffusion-rollout-gradient syncs LoRA pairs first)")
-        flat = torch.cat([t.reshape(-1) for f in self.factors.values() for t in (f.a, f.b)])
-        return flat.unsqueeze(0).expand(num_samples, -1).requires_grad_(True)
+        return torch.cat([t.reshape(-1) for f in self.factors.values() for t in (f.a, f.b)])
+
+    def sums(self, num_samples: int) -> torch.Tensor:
+        """A request's per-sample gradient sums, Σ_k ∇ℓ_{b,k}: zeros [M, P] fp32 (72 MiB per sample at
+        SD3.5-Medium, LoRA rank 32)."""
+        flat = self._flat_factors()
+        return flat.new_zeros(num_samples, flat.numel())
+
+    def tile_rows(self, rows: int) -> torch.Tensor:
+        """One tile's factors, a leaf [rows, P] whose rows are one copy expanded (stride 0: no memory); the
+        backward gives each row its own gradient, which `step_with_gradients` adds to its sample's sums. (Rows
+        gathered from per-request leaves were a dense copy, 602 MB per tile of 8 at SD3.5-Medium, kept for the
+        forward and the backward.)"""
+        return self._flat_factors().unsqueeze(0).expand(rows, -1).requires_grad_(True)
 
     def forward_rows(self, rows: torch.Tensor | None) -> None:
         """The factors of the next forward's samples, rows [n, P] in its row order (None: no gradient forward)."""
@@ -105,15 +115,14 @@ class RolloutGradients:
             layer._rollout_rows = (parts[2 * index].view(-1, *shape_a), parts[2 * index + 1].view(-1, *shape_b),
                                    self.factors[key].scaling)
 
-    def keep(self, seeds: Iterable[int], leaves: torch.Tensor) -> None:
+    def keep(self, seeds: Iterable[int], sums: torch.Tensor) -> None:
         """A finished request: sample b's accumulated gradient, kept under its seed until asked for."""
         seeds = list(seeds)
         for seed in seeds:
             if seed in self.gradients:
                 raise ProtocolError(f"a second rollout_gradient sample with seed {seed} before the first was taken")
-        grad = leaves.grad if leaves.grad is not None else torch.zeros_like(leaves)
         for b, seed in enumerate(seeds):
-            self.gradients[seed] = grad[b].detach()
+            self.gradients[seed] = sums[b]
 
     # ---- the policy gradient --------------------------------------------------------------------------------
     def policy_gradient(self, coefficients: Mapping[int, float]) -> tuple[dict[str, torch.Tensor], int]:
@@ -179,7 +188,7 @@ def _forward_with_rows(layer: nn.Module, x: torch.Tensor, *args, **kwargs) -> to
 # ---- the engine's gradient step ----------------------------------------------------------------------------
 def step_with_gradients(runner: ModelRunner, trajectories: list[Trajectory]) -> None:
     """One SDE step of rollout_gradient trajectories: per tile of samples, the forward with autograd through
-    each sample's LoRA copies, the step kernel (x' drawn from the detached velocity, as in `_apply_step`), then
+    each sample's row of the LoRA factors, the step kernel (x' drawn from the detached velocity, as in `_apply_step`), then
     the backward of Σ_b ℓ_b at once, so only one tile's activations live at a time. A tile is the trainer's
     micro-batch of samples (`rollout_gradient_tile`); the last one is padded by repeating its last sample when
     the engine runs fixed tiles (the batch_invariant group) or compiled graphs."""
@@ -204,7 +213,7 @@ def step_with_gradients(runner: ModelRunner, trajectories: list[Trajectory]) -> 
         latents = gather(lambda t: t.latents)
         sigmas = gather(lambda t: t.sigmas[t.step].expand(t.num_samples))
         conditioning = {key: gather(lambda t, key=key: t.conditioning[key]) for key in first.conditioning}
-        factors = gather(lambda t: t.gradient_leaves)
+        factors = runner.rollout_gradients.tile_rows(tile if pad else count)
         with torch.enable_grad():
             runner.rollout_gradients.forward_rows(factors)
             try:
@@ -224,7 +233,11 @@ def step_with_gradients(runner: ModelRunner, trajectories: list[Trajectory]) -> 
                 log_probs[id(t)].append(drawn.log_prob)
                 if t.request.debug:
                     t.debug_velocities.setdefault(k, []).append(v.detach())
-            total.backward()  # each sample's ∇ℓ into its own copy of the factors
+            total.backward()  # each sample's ∇ℓ into its own row of the factors
+        offset = 0
+        for t, start, end in segments if factors.grad is not None else []:  # the padding rows (no log-prob): out
+            t.gradient_sums[start:end] += factors.grad[offset : offset + end - start]
+            offset += end - start
     for t in trajectories:
         k = t.step
         t.latents = torch.cat(next_latents[id(t)])

@@ -115,13 +115,16 @@ def test_per_sample_gradients_are_kept_by_seed_and_dropped_with_new_weights():
     gradients = __import__("miles.engine.rollout_gradients", fromlist=["RolloutGradients"]).RolloutGradients(
         {"transformer": torch.nn.ModuleDict({"proj": layer})})
     gradients.set_factors("transformer", "proj", torch.ones(1, 3), torch.ones(2, 1), 0.5)
-    leaves = gradients.leaves(2)
-    gradients.forward_rows(leaves)
+    rows = gradients.tile_rows(2)
+    assert rows.stride(0) == 0  # one copy of the factors, whatever the tile
+    gradients.forward_rows(rows)
     layer(torch.tensor([[1.0, 2.0, 3.0], [0.0, 1.0, 0.0]])).sum().backward()
     gradients.forward_rows(None)
-    gradients.keep([10, 11], leaves)
+    sums = gradients.sums(2)
+    sums += rows.grad
+    gradients.keep([10, 11], sums)
     with pytest.raises(ProtocolError, match="seed 10"):
-        gradients.keep([10], leaves)
+        gradients.keep([10], sums)
     gradient, held = gradients.policy_gradient({10: 1.0, 99: 5.0})  # seed 99 was served elsewhere
     assert held == 1 and set(gradients.gradients) == {11}
     # sample 0: y = W'x + 0.5·B·A·x̄ with x = (1, 2, 3): ∂Σy/∂A = 0.5·(Σ_out B)·x = (1, 2, 3)
