@@ -28,9 +28,10 @@ when given.
 
 `--diagnose-start` scores the base, before any training, along each path a start can be measured on: the
 one-process `miles.tasks.shapes.evaluate` (the plain loop's eval) and `train_diffusion.py`'s eval (`--debug-rollout-only`,
-its eval before the first rollout), each in fp32 and bf16 with the noise drawn on the CPU and on the device. The same base read 0.53–0.54
-through the framework's eval on one H200 and 0.29–0.32 on the CPU (bench/RESULTS.md): the table says which
-switch moves it.
+its eval before the first rollout), each in fp32 and bf16 with the noise drawn on the CPU and on the device, and on
+a GPU the framework once more in bf16 without the exactness group (`--rollout-patch-group none`: its CUDA kernels
+are what the CPU cannot run). The same base read 0.53–0.54 through the framework's eval on one H200 and 0.29–0.32
+on the CPU (bench/RESULTS.md): the table says which switch moves it.
 """
 
 from __future__ import annotations
@@ -314,24 +315,29 @@ def diagnose_start(opts, checkpoint: str, data: str) -> None:
             rows.append(("miles.tasks.shapes.evaluate", dtype, noise, score.correct, score.dense))
             print(rows[-1], flush=True)
         del pipe
-    for dtype in ("fp32", "bf16"):
-        for noise in noise_devices:
-            out = tempfile.mkdtemp(prefix=f"bench-learning-start-{dtype}-{noise}-")
-            flags = framework_flags(opts, "nft", checkpoint, data, out)
-            flags = with_flag(with_flag(with_flag(flags, "--num-rollout", "1"), "--diffusion-forward-dtype", dtype),
-                              "--diffusion-generator-device", noise) + ["--debug-rollout-only"]  # eval, no training
-            env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
-            done = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "train_diffusion.py"), *flags],
-                                  cwd=REPO_ROOT, env=env, capture_output=True, text=True)
-            records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))] \
-                if done.returncode == 0 else []
-            scores = [r for r in records if CORRECT in r]
-            if not scores:
-                raise SystemExit(f"train_diffusion.py --debug-rollout-only failed ({done.returncode}):\n"
-                                 f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
-            rows.append(("train_diffusion.py", dtype, noise, scores[0][CORRECT],
-                         scores[0].get(CORRECT.replace("shapes_correct", "shapes"), float("nan"))))
-            print(rows[-1], flush=True)
+    # the framework along the same grid, then bf16 on the device's noise without the exactness group (its CUDA
+    # kernels are the one part of that path the CPU cannot run)
+    variants = [(dtype, noise, "batch_invariant") for dtype in ("fp32", "bf16") for noise in noise_devices]
+    if opts.device != "cpu":
+        variants.append(("bf16", opts.device, "none"))
+    for dtype, noise, group in variants:
+        out = tempfile.mkdtemp(prefix=f"bench-learning-start-{dtype}-{noise}-{group}-")
+        flags = framework_flags(opts, "nft", checkpoint, data, out)
+        flags = with_flag(with_flag(with_flag(with_flag(flags, "--num-rollout", "1"), "--diffusion-forward-dtype",
+                                              dtype), "--diffusion-generator-device", noise),
+                          "--rollout-patch-group", group) + ["--debug-rollout-only"]  # eval, no training
+        env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+        done = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "train_diffusion.py"), *flags],
+                              cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+        records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))] \
+            if done.returncode == 0 else []
+        scores = [r for r in records if CORRECT in r]
+        if not scores:
+            raise SystemExit(f"train_diffusion.py --debug-rollout-only failed ({done.returncode}):\n"
+                             f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        rows.append((f"train_diffusion.py (patch group {group})", dtype, noise, scores[0][CORRECT],
+                     scores[0].get(CORRECT.replace("shapes_correct", "shapes"), float("nan"))))
+        print(rows[-1], flush=True)
     print(f"\nthe base's held-out score by eval path ({opts.device}, {len(heldout)} prompts x {opts.eval_samples} "
           f"samples, {opts.steps} steps)")
     print("| path | forward dtype | noise drawn on | 0/1 correct | dense |")
