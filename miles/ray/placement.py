@@ -33,11 +33,6 @@ REWARD_GPU_SHARE = 0.05
 # (miles.utils.auth: the key itself never goes into a runtime_env, which Ray writes into its logs).
 _FORWARDED_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME", "TOKENIZERS_PARALLELISM", "WANDB_MODE",
                   "PYTHONPATH", "MILES_RUN_ID", "MILES_API_KEY_FILE", "MILES_RUN_FOLDER", "PYTORCH_CUDA_ALLOC_CONF")
-# The GPU workers' caching allocator, unless the user sets PYTORCH_CUDA_ALLOC_CONF: segments that grow in place
-# instead of fixed blocks. An engine's requests and a trainer's micro-batches change tensor sizes from one call to
-# the next, which strands freed blocks of one size beside requests for another; on one H200 the documented LoRA
-# command peaked at 40.3 GiB with it against 43.7 without, at the same speed (bench/RESULTS.md).
-GPU_ALLOCATOR_CONF = "expandable_segments:True"
 
 
 def use_gpus() -> bool:
@@ -88,7 +83,7 @@ def init_ray(config: RunConfig) -> None:
     if ray.is_initialized():
         return
     on_run_exit("the run's key file", _remove_key_file)
-    start_or_join_ray(config, {"env_vars": worker_env_vars(config, api_key, on_gpu=use_gpus())})
+    start_or_join_ray(config, {"env_vars": worker_env_vars(config, api_key)})
     reinstall_signal_handlers()  # ray.init made SIGTERM a bare sys.exit, which would skip the run's cleanup
 
 
@@ -167,9 +162,9 @@ def _local_gpu_budget(config: RunConfig) -> int:
 _RAY_JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 
 
-def worker_env_vars(config: RunConfig, api_key: str, environ=os.environ, on_gpu: bool = False) -> dict[str, str]:
-    """The environment every Ray worker of the run gets: the offline settings, --train-env-vars, the path of
-    the key file and, on GPUs, the allocator's setting (`GPU_ALLOCATOR_CONF` unless the user sets one). Joining a cluster (RAY_ADDRESS), whose other nodes may not see this node's files, the key itself
+def worker_env_vars(config: RunConfig, api_key: str, environ=os.environ) -> dict[str, str]:
+    """The environment every Ray worker of the run gets: the offline settings (and the allocator's, when set),
+    --train-env-vars and the path of the key file. Joining a cluster (RAY_ADDRESS), whose other nodes may not see this node's files, the key itself
     goes too (it then lands in that cluster's logs, docs/security.md), unless the key file is one the user
     exported (MILES_API_KEY_FILE outside the run's folder: storage every node shares).
 
@@ -179,8 +174,6 @@ def worker_env_vars(config: RunConfig, api_key: str, environ=os.environ, on_gpu:
     from miles.utils.auth import API_KEY_ENV, API_KEY_FILE_ENV, RUN_FOLDER_ENV
 
     env = {k: environ[k] for k in _FORWARDED_ENV if k in environ}
-    if on_gpu:
-        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", GPU_ALLOCATOR_CONF)
     env.update(config.trainer.train_env_vars)
     key_file = environ.get(API_KEY_FILE_ENV, "")
     run_folder = environ.get(RUN_FOLDER_ENV)

@@ -36,10 +36,9 @@ def test_worker_env_leaves_the_submitted_jobs_variables_to_the_job():
     # a Ray of the run's own: the key file's path, never the key (Ray logs a runtime_env)
     local = {**environ, "MILES_API_KEY_FILE": "/run/k", "MILES_API_KEY": "k" * 32}
     assert worker_env_vars(args, "k" * 32, local) == {**environ, "NCCL_DEBUG": "INFO", "MILES_API_KEY_FILE": "/run/k"}
-    # GPU workers get the growing allocator segments, unless the user chose the allocator's settings
-    assert worker_env_vars(args, "k" * 32, local, on_gpu=True)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
-    own = {**local, "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
-    assert worker_env_vars(args, "k" * 32, own, on_gpu=True)["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+    # the user's allocator settings reach every worker (a joined cluster's nodes too)
+    own = {**local, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert worker_env_vars(args, "k" * 32, own)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     joined = {**environ, "RAY_ADDRESS": "10.0.0.1:6379"}  # a cluster joined: its nodes may not share the run's file
     ours = {**joined, "MILES_RUN_FOLDER": "/tmp/miles-x", "MILES_API_KEY_FILE": "/tmp/miles-x/api_key"}
     assert worker_env_vars(args, "k" * 32, ours)["MILES_API_KEY"] == "k" * 32
