@@ -57,11 +57,13 @@ class RolloutGradients:
         self.factors: dict[str, LoraFactors] = {}  # "<module>.<layer>" -> the pushed adapter, in layout order
         self.layers: dict[str, nn.Module] = {}  # the Linear layers whose forward is wrapped
         self.gradients: dict[int, torch.Tensor] = {}  # seed -> that sample's Σ_k ∇ℓ, flat [P] in layout order
+        self._flat: torch.Tensor | None = None  # every layer's factors in layout order, built once per push
 
     # ---- the adapter, from the weight sync ------------------------------------------------------------------
     def set_factors(self, module_name: str, layer_name: str, lora_a: torch.Tensor, lora_b: torch.Tensor,
                     scaling: float) -> None:
         key = f"{module_name}.{layer_name}"
+        self._flat = None
         self.factors[key] = LoraFactors(lora_a.detach().float().clone(), lora_b.detach().float().clone(), scaling,
                                         f"{key}.lora_A.weight", f"{key}.lora_B.weight")
         if key not in self.layers:
@@ -87,7 +89,9 @@ class RolloutGradients:
         if not self.factors:
             raise ProtocolError("a rollout_gradient request before any LoRA weights were pushed to this engine "
                                 "(--diffusion-rollout-gradient syncs LoRA pairs first)")
-        return torch.cat([t.reshape(-1) for f in self.factors.values() for t in (f.a, f.b)])
+        if self._flat is None:
+            self._flat = torch.cat([t.reshape(-1) for f in self.factors.values() for t in (f.a, f.b)])
+        return self._flat
 
     def sums(self, num_samples: int) -> torch.Tensor:
         """A request's per-sample gradient sums, Σ_k ∇ℓ_{b,k}: zeros [M, P] fp32 (72 MiB per sample at
@@ -188,10 +192,10 @@ def _forward_with_rows(layer: nn.Module, x: torch.Tensor, *args, **kwargs) -> to
 # ---- the engine's gradient step ----------------------------------------------------------------------------
 def step_with_gradients(runner: ModelRunner, trajectories: list[Trajectory]) -> None:
     """One SDE step of rollout_gradient trajectories: per tile of samples, the forward with autograd through
-    each sample's row of the LoRA factors, the step kernel (x' drawn from the detached velocity, as in `_apply_step`), then
-    the backward of Σ_b ℓ_b at once, so only one tile's activations live at a time. A tile is the trainer's
-    micro-batch of samples (`rollout_gradient_tile`); the last one is padded by repeating its last sample when
-    the engine runs fixed tiles (the batch_invariant group) or compiled graphs."""
+    each sample's row of the LoRA factors, the step kernel (x' drawn from the detached velocity, as in
+    `_apply_step`), then the backward of Σ_b ℓ_b at once, so only one tile's activations live at a time. A tile
+    is the trainer's micro-batch of samples (`rollout_gradient_tile`); the last one is padded by repeating its
+    last sample when the engine runs fixed tiles (the batch_invariant group) or compiled graphs."""
     began, compiled_before = time.perf_counter(), compile_seconds()
     first = trajectories[0]
     guidance, shape = first.request.guidance, first.shape
