@@ -120,11 +120,17 @@ class RolloutGradients:
                                    self.factors[key].scaling)
 
     def keep(self, seeds: Iterable[int], sums: torch.Tensor) -> None:
-        """A finished request: sample b's accumulated gradient, kept under its seed until asked for."""
+        """A finished request: sample b's accumulated gradient, kept under its seed until asked for, in (pinned)
+        host memory: with the scheduler's waves the GPU then holds only the running wave's sums, however many
+        samples the rollout has (72 MiB each at SD3.5-Medium, LoRA rank 32)."""
         seeds = list(seeds)
         for seed in seeds:
             if seed in self.gradients:
                 raise ProtocolError(f"a second rollout_gradient sample with seed {seed} before the first was taken")
+        if sums.is_cuda:
+            host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+            host.copy_(sums)  # the sums are final: the request's last backward has run
+            sums = host
         for b, seed in enumerate(seeds):
             self.gradients[seed] = sums[b]
 
@@ -137,8 +143,8 @@ class RolloutGradients:
         pieces = self._pieces()
         total = torch.zeros(sum(shape.numel() for _, shape in pieces),
                             device=next(iter(self.factors.values())).a.device)
-        for seed in used:
-            total.add_(self.gradients.pop(seed), alpha=float(coefficients[seed]))
+        for seed in used:  # each sample's sums come back from the host as they are added
+            total.add_(self.gradients.pop(seed).to(total.device, non_blocking=True), alpha=float(coefficients[seed]))
         parts = torch.split(total, [shape.numel() for _, shape in pieces])
         return {name: part.view(shape) for (name, shape), part in zip(pieces, parts)}, len(used)
 

@@ -61,10 +61,14 @@ BURST_WAIT_FACTOR = 20
 class StepScheduler:
     """Owns the worker thread, the queue of new requests and the active trajectories of one engine."""
 
-    def __init__(self, runner: ModelRunner, max_batch_size: int, batch_wait_ms: float):
+    def __init__(self, runner: ModelRunner, max_batch_size: int, batch_wait_ms: float, gradient_wave: int = 0):
+        """`gradient_wave`: samples of rollout_gradient requests denoised at once (0: no limit). Their tiles run
+        one after another whatever the wave, so a wave of one tile costs no GPU work and bounds the per-sample
+        gradient sums held on the GPU to that wave's (finished ones wait on the host: `RolloutGradients.keep`)."""
         self.runner = runner
         self.max_batch_size = max(1, int(max_batch_size))
         self.batch_wait_s = max(0.0, float(batch_wait_ms)) / 1000.0
+        self.gradient_wave = max(0, int(gradient_wave))
         # the worker compiles and runs the model: it takes the runner's compiler settings (they are per thread)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-engine-worker",
                                            initializer=runner.prepare_thread)
@@ -153,10 +157,18 @@ class StepScheduler:
 
     async def _admit(self, loop: asyncio.AbstractEventLoop) -> None:
         pending, self._pending = self._pending, []
+        wave = sum(job.request.num_samples for job in self._active if job.request.rollout_gradient)
+        waiting = False  # a rollout_gradient request waits for the next wave: so do the ones after it (FIFO)
         for job in pending:
             if job.future.done():  # cancelled while queued: never admitted
                 self.counters.requests_cancelled += 1
                 continue
+            if job.request.rollout_gradient and self.gradient_wave:
+                waiting = waiting or (wave > 0 and wave + job.request.num_samples > self.gradient_wave)
+                if waiting:
+                    self._pending.append(job)
+                    continue
+                wave += job.request.num_samples
             try:
                 job.trajectory = await loop.run_in_executor(self.executor, self.runner.start, job.request)
             except Exception as err:

@@ -82,7 +82,8 @@ class EngineServer:
         api_key = resolve_api_key(api_key, "the engine")  # before the model loads: fail in a second, not a minute
         self.limits = request_limits(server_args)
         self.runner = runner if runner is not None else ModelRunner(server_args)
-        self.scheduler = StepScheduler(self.runner, server_args.max_batch_size, server_args.batch_wait_ms)
+        self.scheduler = StepScheduler(self.runner, server_args.max_batch_size, server_args.batch_wait_ms,
+                                       gradient_wave=server_args.rollout_gradient_tile)
         gradients = self.runner.rollout_gradients
         self.receiver = WeightReceiver({name: getattr(self.runner.pipe, name) for name in self.runner.module_names},
                                        on_lora_pair=None if gradients is None else gradients.set_factors)

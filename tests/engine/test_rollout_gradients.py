@@ -164,3 +164,48 @@ def test_a_compiled_engine_compiles_each_block_variant_once_with_the_gradient_ta
                               rollout_gradient=True, return_images=False)
     samples_through_the_engine(runner, request)  # step 0 with the gradient, step 1 without
     assert counters["stats"]["unique_graphs"] - before == (variants + 1) + variants
+
+
+def test_rollout_gradient_requests_run_in_waves_with_the_same_gradients(tiny_checkpoint):
+    """The scheduler denoises rollout_gradient requests a wave at a time (`gradient_wave` samples: the server
+    gives it one tile), so the GPU holds one wave's gradient sums whatever the rollout's size; the gradients are
+    those of the requests run all at once."""
+    import asyncio
+
+    from miles.engine.scheduler import StepScheduler
+    from miles.models.sd3 import SD3_LORA_TARGETS
+
+    path = tiny_checkpoint("sd3")
+
+    def runner() -> ModelRunner:
+        engine = ModelRunner(ServerArgs(model_path=path, device="cpu", dtype="fp32", generator_device="cpu",
+                                        rollout_gradient_tile=2))
+        generator = torch.Generator().manual_seed(0)
+        for name, layer in engine.modules["transformer"].named_modules():
+            if name.startswith("transformer_blocks") and name.endswith(SD3_LORA_TARGETS):
+                engine.rollout_gradients.set_factors(
+                    "transformer", name, 0.1 * torch.randn(4, layer.in_features, generator=generator),
+                    0.1 * torch.randn(layer.out_features, 4, generator=generator), 2.0)
+        return engine
+
+    def request(seed: int) -> GenerateRequest:
+        return replace(_request(rollout_gradient=True), num_samples=2, seed=seed, return_latent_indices=[])
+
+    async def rollout(wave: int):
+        scheduler = StepScheduler(runner(), max_batch_size=32, batch_wait_ms=20.0, gradient_wave=wave)
+        scheduler.start()
+        try:
+            await asyncio.gather(*(scheduler.generate(request(seed)) for seed in (100, 200, 300)))
+        finally:
+            await scheduler.stop()
+        coefficients = {seed + b: 0.1 * (seed // 100) - 0.05 * b for seed in (100, 200, 300) for b in range(2)}
+        gradient, held = scheduler.runner.rollout_gradients.policy_gradient(coefficients)
+        assert held == 6
+        return scheduler.counters.max_forward_samples, gradient
+
+    largest_wave, in_waves = asyncio.run(rollout(2))
+    largest_together, together = asyncio.run(rollout(0))
+    assert largest_wave == 2 and largest_together == 6  # one request at a time, against all three at once
+    for name, value in together.items():
+        torch.testing.assert_close(in_waves[name], value, rtol=1e-5, atol=1e-7, msg=name)
+    assert any(value.abs().max() > 0 for value in together.values())
