@@ -110,7 +110,7 @@ def train(args, resume: ResumePoint) -> None:
                 with run_logger.phase("onload"):
                     actor.onload()
             with run_logger.phase("train"):  # --diffusion-rollout-gradient: on the engines' gradient, no replay
-                train_metrics = actor.train(rollout_id, samples, rollout_manager.policy_gradient(samples))
+                train_metrics = actor.train(rollout_id, samples, rollout_manager.policy_gradient_ask(samples))
             run_logger.log(rollout_id, train_metrics)
 
             if should_save(config, rollout_id):

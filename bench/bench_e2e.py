@@ -239,6 +239,7 @@ def run_miles(opts, checkpoint: str, prompt_file: str, lora: bool, mode: str, wo
                    "engine decode": mean("rollout/engine_decode_seconds"),
                    "engine request": mean("rollout/engine_request_seconds"),
                    "trainer step": mean("perf/train_time_s"),
+                   "of which fetching the engines' gradient": mean("perf/policy_gradient_fetch_s"),
                    "trainer staging + micro-batching": mean("perf/train_prepare_s"),
                    "trainer cudaMalloc calls (count)": mean("perf/train_cuda_mallocs")},
         "log_prob_diff": mean("train/rollout_train_log_prob_abs_diff"),

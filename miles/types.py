@@ -105,3 +105,13 @@ class TrainPair:
     conditioning: dict[str, torch.Tensor] = field(default_factory=dict)
     loss_mask: float = 1.0
     debug_model_output: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class PolicyGradientAsk:
+    """`--diffusion-rollout-gradient`: what the trainer asks the engines for after a rollout. Per engine URL, the
+    coefficients c_b = −clip(A_b)/P of the samples it served, by seed (docs/algorithms.md §5); `samples`: how many
+    the rollout kept, every one of which some engine must hold."""
+
+    coefficients: dict[str, dict[int, float]]
+    samples: int

@@ -463,33 +463,61 @@ def decode_response(data: bytes) -> GenerateResponse:
 
 
 # ---- POST /policy_gradient (miles/engine/rollout_gradients.py) -----------------------------------------------
+# The request names the samples' coefficients c_b = −clip(A_b)/P by seed and may name `into`: a buffer of the
+# asking trainer's by reference (a shared-memory file or a CUDA IPC handle, as the map `encode_buffer_ref` of
+# miles/engine/weight_sync_wire.py writes; the server decodes it there). With `into` the engine adds its Σ_b c_b·G_b
+# into that buffer (fp32, its pieces one after another) and the answer carries only the pieces' names and shapes;
+# without it the answer carries the tensors.
 
 
-def encode_policy_gradient_request(coefficients: dict[int, float]) -> bytes:
-    """The driver's coefficients c_b = −clip(A_b)/P, by sample seed."""
+@dataclass(frozen=True)
+class PolicyGradientAnswer:
+    samples: int  # how many of the asked samples this engine held
+    gradient: dict[str, torch.Tensor] | None = None  # by name (no `into`)
+    layout: list[tuple[str, tuple[int, ...]]] | None = None  # the pieces added into `into`, in buffer order
+
+
+def encode_policy_gradient_request(coefficients: dict[int, float], into: dict | None = None) -> bytes:
     seeds = list(coefficients)
-    return packb({"seeds": seeds, "coefficients": [float(coefficients[s]) for s in seeds],
-                  "protocol_version": PROTOCOL_VERSION})
+    body = {"seeds": seeds, "coefficients": [float(coefficients[s]) for s in seeds],
+            "protocol_version": PROTOCOL_VERSION}
+    if into is not None:
+        body["into"] = into
+    return packb(body)
 
 
-def decode_policy_gradient_request(data: bytes) -> dict[int, float]:
+def decode_policy_gradient_request(data: bytes) -> tuple[dict[int, float], Any]:
+    """(coefficients by seed, the raw `into` map or None: for `decode_buffer_ref`)."""
     body = _check_version(unpackb(data), "policy_gradient request")
     seeds, coefficients = body.get("seeds"), body.get("coefficients")
-    if set(body) != {"seeds", "coefficients"} or type(seeds) is not list or type(coefficients) is not list \
-            or len(seeds) != len(coefficients) or len(seeds) > _MAX_INDEX_COUNT:
+    if not set(body) <= {"seeds", "coefficients", "into"} or type(seeds) is not list \
+            or type(coefficients) is not list or len(seeds) != len(coefficients) or len(seeds) > _MAX_INDEX_COUNT:
         raise ProtocolError("policy_gradient request: expected equal lists 'seeds' and 'coefficients'")
-    return {_as_int("seeds[]", s): _as_float("coefficients[]", c) for s, c in zip(seeds, coefficients)}
+    return {_as_int("seeds[]", s): _as_float("coefficients[]", c) for s, c in zip(seeds, coefficients)}, \
+        body.get("into")
 
 
-def encode_policy_gradient(gradient: dict[str, torch.Tensor], samples: int) -> bytes:
-    """Σ_b c_b·G_b by the trainer's tensor names, and how many of the asked samples this engine held."""
-    return packb({"samples": samples, "gradient": gradient, "protocol_version": PROTOCOL_VERSION})
+def encode_policy_gradient(answer: PolicyGradientAnswer) -> bytes:
+    body: dict[str, Any] = {"samples": answer.samples, "protocol_version": PROTOCOL_VERSION}
+    if answer.gradient is not None:
+        body["gradient"] = answer.gradient
+    if answer.layout is not None:
+        body["layout"] = [[name, list(shape)] for name, shape in answer.layout]
+    return packb(body)
 
 
-def decode_policy_gradient(data: bytes) -> tuple[dict[str, torch.Tensor], int]:
+def decode_policy_gradient(data: bytes) -> PolicyGradientAnswer:
     body = _check_version(unpackb(data), "policy_gradient response")
-    gradient, samples = body.get("gradient"), body.get("samples")
-    if type(gradient) is not dict or type(samples) is not int or not all(
-            type(k) is str and isinstance(v, torch.Tensor) and v.dtype == torch.float32 for k, v in gradient.items()):
-        raise ProtocolError("policy_gradient response: expected 'gradient' (name -> fp32 tensor) and 'samples'")
-    return gradient, samples
+    gradient, layout, samples = body.get("gradient"), body.get("layout"), body.get("samples")
+    if type(samples) is not int or (gradient is None) == (layout is None):
+        raise ProtocolError("policy_gradient response: expected 'samples' and one of 'gradient' or 'layout'")
+    if gradient is not None and (type(gradient) is not dict or not all(
+            type(k) is str and isinstance(v, torch.Tensor) and v.dtype == torch.float32 for k, v in gradient.items())):
+        raise ProtocolError("policy_gradient response: 'gradient' must map names to fp32 tensors")
+    if layout is not None:
+        if type(layout) is not list or not all(
+                type(piece) is list and len(piece) == 2 and type(piece[0]) is str and type(piece[1]) is list
+                and all(type(d) is int and d >= 0 for d in piece[1]) for piece in layout):
+            raise ProtocolError("policy_gradient response: 'layout' must be a list of [name, shape]")
+        layout = [(name, tuple(shape)) for name, shape in layout]
+    return PolicyGradientAnswer(samples, gradient, layout)

@@ -8,8 +8,9 @@ engine's forward computed; here the engine keeps that forward's graph instead. A
 takes the backward of Σ_b ℓ_{b,k} at once; each sample's term lands in its own row of the tile's factors (per-sample
 factors A_b [r, in], B_b [out, r], all equal to the pushed adapter), is added to the sample's sums over the
 request's steps and kept under the sample's seed.
-When the rewards are in, `POST /policy_gradient` returns Σ_b c_b·G_b for the coefficients the driver sends,
-and the trainer steps on that: no replay, and the gradient is of the very forward that drew the sample.
+When the rewards are in, `POST /policy_gradient` gives Σ_b c_b·G_b for the coefficients the trainer sends (added
+into a buffer the trainer shares where it can, miles/backends/fsdp_utils/gradient_fetch.py), and the trainer
+steps on that: no replay, and the gradient is of the very forward that drew the sample.
 
 A LoRA layer's value stays the merged weight's (W'x, as the engine always runs it): the per-sample term t only
 appears in the backward (`_AdapterGradientTap`), so only gradients see it. The factors are the trainer's, pushed
@@ -18,6 +19,7 @@ as LoRA pairs (`--lora-ipc-weight-sync`, which the flag implies; miles.engine.we
 
 from __future__ import annotations
 
+import math
 import time
 import types
 from dataclasses import dataclass
@@ -135,18 +137,40 @@ class RolloutGradients:
             self.gradients[seed] = sums[b]
 
     # ---- the policy gradient --------------------------------------------------------------------------------
-    def policy_gradient(self, coefficients: Mapping[int, float]) -> tuple[dict[str, torch.Tensor], int]:
-        """Σ_b c_b·G_b over the kept samples named in `coefficients` (seed -> c_b), by the trainer's tensor names;
-        the samples used are dropped. Returns (gradient, samples used); a seed this engine does not hold is
-        skipped (another engine served it)."""
+    def layout(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(trainer name, shape) of each piece of the flat fp32 layout, in order."""
+        return [(name, tuple(shape)) for name, shape in self._pieces()]
+
+    def _weighted_sum(self, coefficients: Mapping[int, float]) -> tuple[torch.Tensor, int]:
+        """Σ_b c_b·G_b, flat [P] on the engine's device, over the kept samples named in `coefficients`; those are
+        dropped. A seed this engine does not hold is skipped (another engine served it)."""
         used = [seed for seed in coefficients if seed in self.gradients]
-        pieces = self._pieces()
-        total = torch.zeros(sum(shape.numel() for _, shape in pieces),
+        total = torch.zeros(sum(shape.numel() for _, shape in self._pieces()),
                             device=next(iter(self.factors.values())).a.device)
         for seed in used:  # each sample's sums come back from the host as they are added
             total.add_(self.gradients.pop(seed).to(total.device, non_blocking=True), alpha=float(coefficients[seed]))
+        return total, len(used)
+
+    def policy_gradient(self, coefficients: Mapping[int, float]) -> tuple[dict[str, torch.Tensor], int]:
+        """Σ_b c_b·G_b (seed -> c_b) by the trainer's tensor names, and how many samples it used."""
+        total, used = self._weighted_sum(coefficients)
+        pieces = self._pieces()
         parts = torch.split(total, [shape.numel() for _, shape in pieces])
-        return {name: part.view(shape) for (name, shape), part in zip(pieces, parts)}, len(used)
+        return {name: part.view(shape) for (name, shape), part in zip(pieces, parts)}, used
+
+    def add_policy_gradient(self, coefficients: Mapping[int, float], into: torch.Tensor
+                            ) -> tuple[list[tuple[str, tuple[int, ...]]], int]:
+        """Add Σ_b c_b·G_b as fp32 in `layout()` order into the first bytes of `into` (a flat uint8 buffer the
+        trainer shared, miles/backends/fsdp_utils/gradient_fetch.py): the gradient reaches the trainer without
+        leaving the device. Returns (layout, samples used)."""
+        layout = self.layout()
+        nbytes = 4 * sum(math.prod(shape) for _, shape in layout)
+        if into.numel() < nbytes:  # checked before any kept gradient is taken
+            raise ProtocolError(f"policy_gradient: the 'into' buffer holds {into.numel()} bytes, the gradient "
+                                f"needs {nbytes}")
+        total, used = self._weighted_sum(coefficients)
+        into[:nbytes].view(torch.float32).add_(total.to(into.device))
+        return layout, used
 
 
 class _AdapterGradientTap(torch.autograd.Function):

@@ -32,6 +32,7 @@ from aiohttp import web
 from miles.engine.model_runner import ModelRunner
 from miles.engine.protocol import (
     CONTENT_TYPE,
+    PolicyGradientAnswer,
     ProtocolError,
     RequestLimits,
     decode_policy_gradient_request,
@@ -48,8 +49,8 @@ from miles.engine.weight_broadcast import (
     decode_receive_request,
     device_identity,
 )
-from miles.engine.weight_sync import WeightReceiver, module_checksums
-from miles.engine.weight_sync_wire import BroadcastRef, UpdateMessage, decode_update_message
+from miles.engine.weight_sync import WeightReceiver, map_buffer, module_checksums
+from miles.engine.weight_sync_wire import BroadcastRef, UpdateMessage, decode_buffer_ref, decode_update_message
 from miles.utils.auth import bearer_auth_middleware, json_errors_middleware, resolve_api_key, warn_if_exposed
 from miles.utils.http_guard import ConnectionLimits, GuardedSite, ServerGuard, quiet_bad_requests
 from miles.utils.device_memory import current_device_memory
@@ -323,17 +324,33 @@ class EngineServer:
         return web.json_response({"ok": True, "weight_version": self.runner.weight_version, **result})
 
     async def handle_policy_gradient(self, request: web.Request) -> web.Response:
-        """Σ_b c_b·G_b over the rollout_gradient samples this engine holds (miles/engine/rollout_gradients.py)."""
+        """Σ_b c_b·G_b over the rollout_gradient samples this engine holds (miles/engine/rollout_gradients.py): in
+        the answer, or added into the asking trainer's buffer when the request names one (`into`)."""
         gradients = self.runner.rollout_gradients
         if gradients is None:
             return _error(400, "this engine keeps no gradients: it was not started with --diffusion-rollout-gradient")
         try:
-            coefficients = decode_policy_gradient_request(await request.read())
+            coefficients, into = decode_policy_gradient_request(await request.read())
+            ref = None if into is None else decode_buffer_ref(into, None, by_reference_only=True)
         except ProtocolError as err:
             self.counters["bad_requests"] += 1
             return _error(400, str(err))
-        gradient, used = await self.scheduler.run_exclusive(gradients.policy_gradient, coefficients)
-        payload = await asyncio.get_running_loop().run_in_executor(None, encode_policy_gradient, gradient, used)
+
+        def add_into() -> PolicyGradientAnswer:
+            with map_buffer(ref, writable=True) as flat:  # on CUDA: the add has finished when this exits
+                layout, used = gradients.add_policy_gradient(coefficients, flat)
+            return PolicyGradientAnswer(used, layout=layout)
+
+        def in_answer() -> PolicyGradientAnswer:
+            gradient, used = gradients.policy_gradient(coefficients)
+            return PolicyGradientAnswer(used, gradient=gradient)
+
+        try:
+            answer = await self.scheduler.run_exclusive(in_answer if ref is None else add_into)
+        except ProtocolError as err:
+            self.counters["bad_requests"] += 1
+            return _error(400, str(err))
+        payload = await asyncio.get_running_loop().run_in_executor(None, encode_policy_gradient, answer)
         return web.Response(body=payload, content_type=CONTENT_TYPE)
 
     async def handle_server_info(self, request: web.Request) -> web.Response:

@@ -146,7 +146,7 @@ def _checksum_dict(tensors: Mapping[str, torch.Tensor], per_tensor: bool) -> Any
 # sender
 
 
-class _BucketBuffer:
+class SharedBuffer:
     """A reusable flat byte buffer on one device that engine processes can map: a /dev/shm file on the CPU,
     a CUDA allocation (shared through CUDA IPC) on a GPU. `shared=False`: plain host memory (a CPU buffer that
     only travels by broadcast needs no file)."""
@@ -295,20 +295,20 @@ async def push_weights_async(
     group_urls = list(group.engine_urls) if group is not None else []
     stats: dict[str, Any] = {"num_tensors": 0, "num_buckets": 0, "bytes": 0, "ipc_engines": len(engine_urls),
                              "broadcast_engines": len(group_urls)}
-    buffers: dict[tuple[torch.device, int], _BucketBuffer] = {}
+    buffers: dict[tuple[torch.device, int], SharedBuffer] = {}
     in_flight: asyncio.Future | None = None
     in_flight_slot: int | None = None
     headers = auth_headers(api_key)
     loop = asyncio.get_running_loop()
 
-    def buffer_for(device: torch.device, size: int, slot: int) -> _BucketBuffer:
+    def buffer_for(device: torch.device, size: int, slot: int) -> SharedBuffer:
         key = (device, slot)
         current = buffers.get(key)
         if current is None or current.capacity < size:
             if current is not None:
                 current.close()
             # engines reached by IPC map the buffer; a broadcast-only buffer is plain memory
-            current = _BucketBuffer(max(size, bucket_bytes), device, shared=bool(engine_urls))
+            current = SharedBuffer(max(size, bucket_bytes), device, shared=bool(engine_urls))
             buffers[key] = current
         return current
 
@@ -323,12 +323,12 @@ async def push_weights_async(
             )
         )
 
-    async def send_ipc(buffer: _BucketBuffer, entries: tuple[TensorEntry, ...]) -> None:
+    async def send_ipc(buffer: SharedBuffer, entries: tuple[TensorEntry, ...]) -> None:
         bodies = [message(buffer=buffer.describe(), entries=entries) for _ in engine_urls]
         await asyncio.gather(*(_post_bucket(session, url, body, timeout, headers)
                                for url, body in zip(engine_urls, bodies)))
 
-    async def send_broadcast(buffer: _BucketBuffer, entries: tuple[TensorEntry, ...], size: int) -> None:
+    async def send_broadcast(buffer: SharedBuffer, entries: tuple[TensorEntry, ...], size: int) -> None:
         assert group is not None
         bucket = group.next_bucket_id()
         body = message(buffer=BroadcastRef(group.name, size, bucket), entries=entries)
@@ -348,7 +348,7 @@ async def push_weights_async(
             raise WeightSyncError(f"weight broadcast of bucket {bucket} over {group.name} failed: "
                                   f"{type(failures[0]).__name__}: {failures[0]}") from failures[0]
 
-    async def transfer(buffer: _BucketBuffer, entries: tuple[TensorEntry, ...], size: int) -> None:
+    async def transfer(buffer: SharedBuffer, entries: tuple[TensorEntry, ...], size: int) -> None:
         parts = []
         if engine_urls:
             parts.append(send_ipc(buffer, entries))
@@ -448,13 +448,15 @@ def push_weights(
 
 
 @contextlib.contextmanager
-def _map_shared_memory(ref: SharedMemoryRef) -> Iterator[torch.Tensor]:
-    """The sender's /dev/shm file as a flat uint8 tensor (a private, copy-on-write view: we only read)."""
-    if SHM_NAME.fullmatch(ref.name) is None:  # decode_update_message checked it; this is the last line
+def _map_shared_memory(ref: SharedMemoryRef, writable: bool = False) -> Iterator[torch.Tensor]:
+    """The sender's /dev/shm file as a flat uint8 tensor: a private, copy-on-write view to read, or (`writable`)
+    the file itself, for a buffer the other process gave us to fill."""
+    if SHM_NAME.fullmatch(ref.name) is None:  # decode_buffer_ref checked it; this is the last line
         raise ProtocolError(f"shm buffer name {ref.name!r} is not a miles bucket")
     try:
         # O_NOFOLLOW: a symlink planted under that name is refused rather than followed
-        fd = os.open(os.path.join(SHM_DIR, ref.name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(os.path.join(SHM_DIR, ref.name), (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW
+                     | os.O_CLOEXEC)
     except OSError as err:
         raise ProtocolError(f"shm buffer {ref.name!r} cannot be opened: {err.strerror}") from err
     try:
@@ -463,7 +465,7 @@ def _map_shared_memory(ref: SharedMemoryRef) -> Iterator[torch.Tensor]:
             raise ProtocolError(f"shm buffer {ref.name!r} is not a regular file owned by this engine's user")
         if info.st_size < ref.size:
             raise ProtocolError(f"shm buffer {ref.name!r} has {info.st_size} bytes, the message claims {ref.size}")
-        mapping = mmap.mmap(fd, ref.size, access=mmap.ACCESS_COPY)
+        mapping = mmap.mmap(fd, ref.size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_COPY)
     finally:
         os.close(fd)
     # the mapping is unmapped when the last tensor viewing it is gone (after the copies; see apply)
@@ -488,8 +490,11 @@ def _map_cuda_ipc(ref: CudaIpcRef) -> Iterator[torch.Tensor]:
         torch.cuda.current_stream(device).synchronize()
 
 
-def _map_buffer(ref: SharedMemoryRef | CudaIpcRef):
-    return _map_shared_memory(ref) if isinstance(ref, SharedMemoryRef) else _map_cuda_ipc(ref)
+def map_buffer(ref: SharedMemoryRef | CudaIpcRef, writable: bool = False):
+    """A context giving another process's buffer as a flat uint8 tensor (on its GPU for a CUDA IPC handle, where
+    the work queued on it has finished when the context exits). `writable`: we fill it (a shared-memory file is
+    then mapped shared, not copy-on-write)."""
+    return _map_shared_memory(ref, writable) if isinstance(ref, SharedMemoryRef) else _map_cuda_ipc(ref)
 
 
 @dataclass
@@ -605,7 +610,7 @@ class WeightReceiver:
                     raise ProtocolError("a broadcast bucket is applied from the bytes the engine received")
                 self._copy(steps, received, message.target_modules)
             else:
-                with _map_buffer(message.buffer) as flat:
+                with map_buffer(message.buffer) as flat:
                     self._copy(steps, flat, message.target_modules)
                     del flat  # drop the mapping of the sender's memory before answering
         self.tensors_received += len(steps)

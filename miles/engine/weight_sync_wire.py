@@ -128,13 +128,12 @@ class UpdateMessage:
     entries: tuple[TensorEntry, ...] = ()
 
 
-def encode_update_message(message: UpdateMessage) -> bytes:
-    buffer: dict[str, Any] | None = None
-    if isinstance(message.buffer, SharedMemoryRef):
-        buffer = {"kind": "shm", "name": message.buffer.name, "size": message.buffer.size}
-    elif isinstance(message.buffer, CudaIpcRef):
-        ref = message.buffer
-        buffer = {
+def encode_buffer_ref(ref: SharedMemoryRef | CudaIpcRef | BroadcastRef) -> dict[str, Any]:
+    """A buffer reference as the plain msgpack map `decode_buffer_ref` reads."""
+    if isinstance(ref, SharedMemoryRef):
+        return {"kind": "shm", "name": ref.name, "size": ref.size}
+    if isinstance(ref, CudaIpcRef):
+        return {
             "kind": "cuda_ipc",
             "device": ref.device,
             "handle": ref.handle,
@@ -145,9 +144,11 @@ def encode_update_message(message: UpdateMessage) -> bytes:
             "event_handle": ref.event_handle,
             "event_sync_required": ref.event_sync_required,
         }
-    elif isinstance(message.buffer, BroadcastRef):
-        ref = message.buffer
-        buffer = {"kind": "broadcast", "group_name": ref.group_name, "size": ref.size, "bucket": ref.bucket}
+    return {"kind": "broadcast", "group_name": ref.group_name, "size": ref.size, "bucket": ref.bucket}
+
+
+def encode_update_message(message: UpdateMessage) -> bytes:
+    buffer = None if message.buffer is None else encode_buffer_ref(message.buffer)
     body = {
         "protocol_version": WEIGHT_SYNC_PROTOCOL_VERSION,
         "weight_version": message.weight_version,
@@ -232,7 +233,7 @@ def decode_update_message(body: bytes, cuda_device_count: int | None = None) -> 
             raise ProtocolError(f"target_modules must be a list of module names, got {_short(target_modules)}")
         target_modules = tuple(target_modules)
     flush = _expect_bool(raw["flush"], "flush")
-    buffer = None if raw["buffer"] is None else _decode_buffer(raw["buffer"], cuda_device_count)
+    buffer = None if raw["buffer"] is None else decode_buffer_ref(raw["buffer"], cuda_device_count)
     entries = _decode_entries(raw["entries"], buffer)
     if flush and (buffer is not None or entries):
         raise ProtocolError("a flush message carries no buffer and no entries")
@@ -247,8 +248,13 @@ def decode_update_message(body: bytes, cuda_device_count: int | None = None) -> 
     )
 
 
-def _decode_buffer(raw: Any, cuda_device_count: int | None) -> SharedMemoryRef | CudaIpcRef | BroadcastRef:
+def decode_buffer_ref(raw: Any, cuda_device_count: int | None, by_reference_only: bool = False
+                      ) -> SharedMemoryRef | CudaIpcRef | BroadcastRef:
+    """The checked reference of `encode_buffer_ref`'s map (ProtocolError otherwise). `by_reference_only`: a
+    shared-memory file or a CUDA IPC handle, never a broadcast."""
     kind = raw.get("kind") if isinstance(raw, dict) else None
+    if by_reference_only and kind == "broadcast":
+        raise ProtocolError("this buffer must be a shared-memory file or a CUDA IPC handle, not a broadcast")
     if kind == "shm":
         raw = _expect_map(raw, "shm buffer", _SHM_KEYS)
         name = raw["name"]

@@ -157,29 +157,6 @@ class EngineFleet:
         for url in self.urls:
             _post_json(f"{url}{path}")
 
-    def policy_gradient(self, coefficients_by_engine: dict[str | None, dict[int, float]]) -> tuple[dict, int]:
-        """Σ over engines of each one's Σ_b c_b·G_b (POST /policy_gradient), and how many samples they held.
-        Coefficients under None or a URL not in the fleet (a sample whose engine is not known) go to every engine."""
-        from miles.engine.protocol import CONTENT_TYPE, decode_policy_gradient, encode_policy_gradient_request
-
-        unknown = {seed: c for url, coefficients in coefficients_by_engine.items() if url not in self.urls
-                   for seed, c in coefficients.items()}
-        total: dict = {}
-        held = 0
-        for url in self.urls:
-            coefficients = {**unknown, **coefficients_by_engine.get(url, {})}
-            if not coefficients:
-                continue
-            request = urllib.request.Request(
-                f"{url}/policy_gradient", data=encode_policy_gradient_request(coefficients), method="POST",
-                headers={"Content-Type": CONTENT_TYPE, **auth_headers()})
-            with urllib.request.urlopen(request, timeout=600.0) as response:
-                gradient, samples = decode_policy_gradient(response.read())
-            held += samples
-            for name, value in gradient.items():
-                total[name] = total[name] + value if name in total else value
-        return total, held
-
     def memory_stats(self) -> list:
         """Each engine's GPU memory (`DeviceMemory`), from its `/server_info`; empty for CPU engines."""
         from miles.utils.device_memory import DeviceMemory

@@ -37,7 +37,7 @@ from miles.rollout.rm_hub import (
     model_reward_workers,
     reward_component_metrics,
 )
-from miles.types import Sample
+from miles.types import PolicyGradientAsk, Sample
 from miles.utils.device_memory import peak_memory_metrics
 from miles.utils.errors import MilesUserError, PartDiedError
 from miles.utils.safe_load import load_plain, save_plain
@@ -180,10 +180,11 @@ class RolloutManager:
                        "--save-debug-rollout-data")
         return samples
 
-    def policy_gradient(self, samples: list[Sample]) -> dict[str, torch.Tensor] | None:
-        """`--diffusion-rollout-gradient`: the rollout's policy gradient from the engines, which kept each sample's
-        Σ_k ∇ℓ_{b,k}: Σ_b c_b·G_b with c_b = −clip(A_b)/P, P the train pairs of the kept samples (the clipped
-        loss's gradient at ratio 1, docs/algorithms.md §5). None without the flag."""
+    def policy_gradient_ask(self, samples: list[Sample]) -> PolicyGradientAsk | None:
+        """`--diffusion-rollout-gradient`: what the trainer asks the engines for, which kept each sample's
+        Σ_k ∇ℓ_{b,k}: per engine, c_b = −clip(A_b)/P for its samples, P the train pairs of the kept samples (the
+        clipped loss's gradient at ratio 1 is Σ_b c_b·G_b, docs/algorithms.md §5). A sample whose engine is not
+        known (no URL, or one no longer in the fleet) is asked of every engine. None without the flag."""
         if not self.config.trainer.diffusion_rollout_gradient or self.fleet is None:
             return None
         from miles.diffusion.losses import rollout_gradient_coefficients
@@ -192,14 +193,12 @@ class RolloutManager:
         coefficients = rollout_gradient_coefficients(torch.tensor([float(s.advantage) for s in kept]),
                                                      torch.tensor([len(s.sde_step_indices) for s in kept]),
                                                      self.config.trainer.diffusion_adv_clip_max)
-        by_engine: dict[str | None, dict[int, float]] = {}
+        urls = list(self.fleet.urls)
+        by_engine: dict[str, dict[int, float]] = {url: {} for url in urls}
         for sample, coefficient in zip(kept, coefficients.tolist()):
-            by_engine.setdefault(sample.engine_url, {})[sample.seed] = coefficient
-        gradient, held = self.fleet.policy_gradient(by_engine)
-        if held != len(kept):
-            raise PartDiedError(f"--diffusion-rollout-gradient: the engines held the gradients of {held} of the "
-                                f"rollout's {len(kept)} samples (an engine restarted during the rollout?)")
-        return gradient
+            for url in [sample.engine_url] if sample.engine_url in by_engine else urls:
+                by_engine[url][sample.seed] = coefficient
+        return PolicyGradientAsk(by_engine, samples=len(kept))
 
     def generate_ahead(self, rollout_id: int) -> None:
         """`--overlap-rollout`: start generating `rollout_id` on the engines' current weights, in the background,

@@ -96,13 +96,39 @@ class TrainRayActor:
     def loaded_extra_state(self) -> dict | None:
         return self.trainer.loaded_extra_state
 
-    def train(self, rollout_id: int, samples, gradient=None) -> dict[str, float]:
-        """The trainer's metrics, with this rank's peak GPU memory (`perf/train_peak_*_gib`, CUDA only)."""
+    def train(self, rollout_id: int, samples, ask=None) -> dict[str, float]:
+        """The trainer's metrics, with this rank's peak GPU memory (`perf/train_peak_*_gib`, CUDA only). `ask`
+        (`--diffusion-rollout-gradient`, a `PolicyGradientAsk`): rank 0 fetches the engines' policy gradient and
+        every rank steps on it."""
         from miles.utils.device_memory import current_device_memory, peak_memory_metrics
 
+        gradient = None
+        if ask is not None:
+            from miles.backends.fsdp_utils.gradient_fetch import FetchedGradient, fetch_policy_gradient
+            from miles.backends.fsdp_utils.rollout_gradient_step import adapter_params_by_pushed_name
+
+            if self.rank == 0:
+                shapes = {name: p.shape for name, p in adapter_params_by_pushed_name(self.trainer).items()}
+                gradient = fetch_policy_gradient(ask, self._weight_pusher(), shapes, self.trainer.device,
+                                                 timeout=60.0 * self.config.placement.distributed_timeout_minutes)
+            else:
+                gradient = FetchedGradient(None, held=-1, expected=ask.samples)
         metrics = self.trainer.train(rollout_id, samples, gradient)
         memory = current_device_memory()
         return {**metrics, **peak_memory_metrics("perf/train", [memory] if memory is not None else [])}
+
+    def _weight_pusher(self):
+        """Rank 0's `WeightPusher`, built on first use (it knows which engines share rank 0's memory)."""
+        if self.weight_pusher is None:
+            from miles.backends.fsdp_utils.weight_push import WeightPusher
+
+            self.weight_pusher = WeightPusher(
+                self.config.rollout.update_weight_transport,
+                colocated=self.config.placement.colocate,
+                device=self.trainer.device,
+                timeout=60.0 * self.config.placement.distributed_timeout_minutes,
+            )
+        return self.weight_pusher
 
     def update_weights(self, engine_urls: list[str], weight_version: int) -> dict | None:
         """Push the weights; rank 0 sends (shared memory / CUDA IPC or broadcast per engine, `WeightPusher`), the
@@ -115,16 +141,7 @@ class TrainRayActor:
                 pass
             return None
         config = self.config
-        if self.weight_pusher is None:
-            from miles.backends.fsdp_utils.weight_push import WeightPusher
-
-            self.weight_pusher = WeightPusher(
-                config.rollout.update_weight_transport,
-                colocated=config.placement.colocate,
-                device=self.trainer.device,
-                timeout=60.0 * config.placement.distributed_timeout_minutes,
-            )
-        return self.weight_pusher.push(
+        return self._weight_pusher().push(
             engine_urls,
             named_tensors,
             bucket_bytes=config.rollout.update_weight_buffer_size,
@@ -274,12 +291,12 @@ class TrainActorGroup:
         self.loaded_extra_state = self._gather("loaded_extra_state", [self.actors[0].loaded_extra_state.remote()])[0]
         return start_ids[0]
 
-    def train(self, rollout_id: int, samples, gradient=None) -> dict[str, float]:
+    def train(self, rollout_id: int, samples, ask=None) -> dict[str, float]:
         """Every rank expands all samples and trains on its DP share; returns rank 0's (global) metrics. With
-        `gradient` (`--diffusion-rollout-gradient`: the engines' policy gradient) every rank steps on it instead."""
+        `ask` (`--diffusion-rollout-gradient`: what to ask the engines for) every rank steps on the engines'
+        policy gradient instead, which rank 0 fetches."""
         samples_ref = ray.put(samples)
-        gradient_ref = None if gradient is None else ray.put(gradient)
-        return self._all("train", rollout_id, samples_ref, gradient_ref)[0]
+        return self._all("train", rollout_id, samples_ref, ask)[0]
 
     def update_weights(self, engine_urls: list[str], weight_version: int | None = None) -> dict | None:
         """Push the live or EMA weights (full or LoRA pairs) to the engines; returns rank 0's push report."""

@@ -53,10 +53,10 @@ def interrupt_signal(interrupt: KeyboardInterrupt) -> signal.Signals:
     return signal.Signals(getattr(interrupt, "signum", None) or RunInterrupted.received or signal.SIGINT)
 
 
-def user_error_message(err: MilesUserError) -> str:
-    """The one-line message: the original one when Ray wrapped the error (its `cause`)."""
+def one_line_message(err: MilesUserError | PartDiedError) -> str:
+    """The one-line message: the original one when Ray wrapped the error (its `cause`), raised in an actor."""
     cause = getattr(err, "cause", None)
-    return str(cause) if isinstance(cause, MilesUserError) else str(err)
+    return str(cause) if isinstance(cause, (MilesUserError, PartDiedError)) else str(err)
 
 
 def exit_on_user_error(fn):
@@ -68,10 +68,10 @@ def exit_on_user_error(fn):
         try:
             return fn(*args, **kwargs)
         except MilesUserError as err:
-            print(f"error: {user_error_message(err)}", file=sys.stderr)
+            print(f"error: {one_line_message(err)}", file=sys.stderr)
             sys.exit(USER_ERROR_EXIT_CODE)
         except PartDiedError as err:
-            print(f"error: {err}", file=sys.stderr)
+            print(f"error: {one_line_message(err)}", file=sys.stderr)
             sys.exit(PART_DIED_EXIT_CODE)
         except KeyboardInterrupt as interrupt:
             signum = interrupt_signal(interrupt)

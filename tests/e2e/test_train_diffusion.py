@@ -357,7 +357,8 @@ def test_hybrid_sharded_trainer_with_its_own_engine_matches_one_rank(sd3, prompt
 
 def test_rollout_gradient_steps_as_the_replay_does(sd3, prompts, tmp_path):
     """--diffusion-rollout-gradient (LoRA): the engine takes each sample's gradient during the rollout and the
-    trainer replays nothing, yet every rollout's gradient is the replayed clipped loss's (fp32 rounding apart)."""
+    trainer replays nothing, yet every rollout's gradient is the replayed clipped loss's (fp32 rounding apart);
+    the gradient reaches the trainer through its shared buffer."""
     replay, fused = tmp_path / "replay", tmp_path / "fused"
     lora = ["--use-lora", "--lora-rank", "4", "--lora-alpha", "8", "--colocate", "--num-rollout", "3"]
     run([*base_flags(sd3, prompts, replay), *lora, "--lora-ipc-weight-sync"])
@@ -372,6 +373,8 @@ def test_rollout_gradient_steps_as_the_replay_does(sd3, prompts, tmp_path):
     for x, y in zip(norms_replay, norms_fused):
         assert abs(x - y) < 1e-3 * x
     assert series(b, "train/rollout_train_log_prob_abs_diff") == [0.0] * 3
+    # the colocated engine added its sum into the trainer's shared buffer (gradient_fetch.py), not in a body
+    assert series(b, "perf/policy_gradient_engines_by_reference") == [1.0] * 3
 
 
 def test_overlapped_rollout_learns_one_step_off_policy(sd3, prompts, tmp_path):

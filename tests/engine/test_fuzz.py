@@ -17,7 +17,7 @@ from torch import nn
 from miles.engine.protocol import GenerateRequest, ProtocolError, RequestLimits, decode_request, encode_request
 from miles.engine.weight_sync import (
     WeightReceiver,
-    _BucketBuffer,
+    SharedBuffer,
 )
 from miles.engine.weight_sync_wire import (
     CudaIpcRef,
@@ -100,7 +100,7 @@ class _Tiny(nn.Module):
 
 MODULE = _Tiny()
 PARAMS = dict(MODULE.named_parameters())
-BUFFER = _BucketBuffer(512, torch.device("cpu"))  # a real /dev/shm bucket, removed at the end of the module
+BUFFER = SharedBuffer(512, torch.device("cpu"))  # a real /dev/shm bucket, removed at the end of the module
 BUFFER.buffer.view(torch.float32).copy_(torch.randn(128, generator=torch.Generator().manual_seed(0)))
 NAMES = [f"transformer.{name}" for name in PARAMS] + ["transformer.table", "transformer.nope", "unet.proj.weight",
                                                       "transformer", ""]

@@ -18,7 +18,7 @@ from miles.backends.fsdp_utils.weight_export import iter_named_tensors, lora_sca
 from miles.engine.model_runner import ModelRunner
 from miles.engine.protocol import GenerateRequest, ProtocolError
 from miles.engine.server_args import ServerArgs
-from miles.engine.weight_sync import WeightReceiver, _BucketBuffer
+from miles.engine.weight_sync import WeightReceiver, SharedBuffer
 from miles.engine.weight_sync_wire import UpdateMessage
 from miles.testing.tiny_rollout import build_tiny_family, samples_through_the_engine, tiny_trainer_config
 from miles.types import GuidanceConfig
@@ -42,7 +42,7 @@ def _request(rollout_gradient: bool) -> GenerateRequest:
 
 def _push_lora_pairs(trainer, receiver: WeightReceiver) -> None:
     named = list(iter_named_tensors(trainer, lora_only=True))
-    buffer = _BucketBuffer(sum(t.numel() * 4 for _, t in named) + 4096 * len(named), torch.device("cpu"))
+    buffer = SharedBuffer(sum(t.numel() * 4 for _, t in named) + 4096 * len(named), torch.device("cpu"))
     try:
         entries = buffer.pack(named)
         receiver.apply(UpdateMessage(weight_version=1, lora=True, lora_scaling=lora_scaling(trainer),

@@ -15,7 +15,7 @@ from torch import nn
 from miles.engine.model_runner import ModelRunner
 from miles.engine.protocol import GenerateRequest, ProtocolError, decode_response, encode_request
 from miles.engine.weight_sync import (
-    _BucketBuffer,
+    SharedBuffer,
     WeightReceiver,
     WeightSyncError,
     merge_lora_weight,
@@ -200,7 +200,7 @@ def test_a_lora_bucket_with_a_mismatched_rank_changes_nothing():
     layer = nn.Linear(4, 3, bias=False)
     weight_before = layer.weight.detach().clone()
     receiver = WeightReceiver({"transformer": nn.ModuleDict({"proj": layer})})
-    buffer = _BucketBuffer(4096, torch.device("cpu"))
+    buffer = SharedBuffer(4096, torch.device("cpu"))
     try:
         def bucket(*named):
             entries = buffer.pack(list(named))

@@ -13,6 +13,7 @@ import copy
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,9 @@ from miles.utils.errors import MilesUserError
 from miles.utils.host_usage import HostUsage
 from miles.utils.imports import load_function
 from miles.utils.profiling import profile_train_step
+
+if TYPE_CHECKING:
+    from miles.backends.fsdp_utils.gradient_fetch import FetchedGradient
 
 logger = logging.getLogger(__name__)
 
@@ -449,10 +453,11 @@ class DiffusionTrainer:
                 )
         return batch
 
-    def train(self, rollout_id: int, samples: list[Sample], gradient: dict[str, torch.Tensor] | None = None
+    def train(self, rollout_id: int, samples: list[Sample], gradient: FetchedGradient | None = None
               ) -> dict[str, float]:
         """Train on one rollout's samples; returns `train/*` and `perf/*` metrics (identical on every rank).
-        `gradient`: the engines' policy gradient (`--diffusion-rollout-gradient`), stepped on without a replay."""
+        `gradient`: the engines' policy gradient (`--diffusion-rollout-gradient`: fetched by rank 0,
+        gradient_fetch.py), stepped on without a replay."""
         if gradient is not None:
             from miles.backends.fsdp_utils.rollout_gradient_step import train_on_rollout_gradient
 

@@ -1,7 +1,7 @@
 """The trainer's step under `--diffusion-rollout-gradient`: the engines already took each sample's gradient.
 
-The rollout manager hands the trainer Σ_b c_b·G_b (c_b = −clip(A_b)/P; miles/engine/rollout_gradients.py),
-by the names the LoRA pairs were pushed under. That is the gradient the replayed clipped loss would give at ratio 1
+Rank 0 fetches Σ_b c_b·G_b from the engines (c_b = −clip(A_b)/P; gradient_fetch.py) and broadcasts it to the
+other ranks. That is the gradient the replayed clipped loss would give at ratio 1
 (docs/algorithms.md §5), so the trainer only puts it in each adapter's `.grad` (its shard, under FSDP) and takes
 the ordinary optimizer step: clipping, the NaN guard, the LR schedule and the EMA as in `DiffusionTrainer.train`.
 
@@ -15,12 +15,14 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 
+from miles.backends.fsdp_utils.gradient_fetch import FetchedGradient
 from miles.backends.fsdp_utils.weight_export import is_lora_param, strip_peft_name
 from miles.diffusion.losses import rollout_gradient_coefficients
 from miles.engine.weight_sync import canonical_lora_name
 from miles.types import Sample
-from miles.utils.errors import MilesUserError
+from miles.utils.errors import PartDiedError
 
 
 def adapter_params_by_pushed_name(trainer) -> dict[str, torch.nn.Parameter]:
@@ -34,28 +36,45 @@ def adapter_params_by_pushed_name(trainer) -> dict[str, torch.nn.Parameter]:
 
 
 def _like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """`full` laid out as `param` is: its FSDP shard (a DTensor), or itself."""
+    """`full` laid out as `param` is: this rank's FSDP shard (a DTensor), cut from `full`, which every rank holds
+    (no communication), or `full` itself."""
     if hasattr(param, "device_mesh"):
         from torch.distributed.tensor import distribute_tensor
 
-        return distribute_tensor(full, param.device_mesh, param.placements)
+        return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
     return full
 
 
+def _everyone_holds(fetched: FetchedGradient, numel: int, device: torch.device) -> torch.Tensor:
+    """The flat gradient on every rank: rank 0 fetched it; one broadcast (of the held count, then of the
+    vector) gives it to the others, and every rank stops alike when an engine lost samples."""
+    flat = fetched.flat
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        held = torch.tensor([fetched.held], dtype=torch.int64, device=device)
+        dist.broadcast(held, src=0)
+        fetched.held = int(held.item())
+        if fetched.held == fetched.expected:
+            flat = flat if flat is not None else torch.empty(numel, dtype=torch.float32, device=device)
+            dist.broadcast(flat, src=0)
+    if fetched.held != fetched.expected:
+        raise PartDiedError(f"--diffusion-rollout-gradient: the engines held the gradients of {fetched.held} of the "
+                            f"rollout's {fetched.expected} samples (an engine restarted during the rollout?)")
+    assert flat is not None and flat.numel() == numel
+    return flat
+
+
 def train_on_rollout_gradient(trainer, rollout_id: int, samples: list[Sample],
-                              gradient: dict[str, torch.Tensor]) -> dict[str, float]:
+                              fetched: FetchedGradient) -> dict[str, float]:
     started = time.perf_counter()
     params = adapter_params_by_pushed_name(trainer)
-    if set(params) != set(gradient):
-        missing, extra = sorted(set(params) - set(gradient)), sorted(set(gradient) - set(params))
-        raise MilesUserError(f"--diffusion-rollout-gradient: the engines' gradient names do not match the adapter "
-                             f"(missing {missing[:3]}, unknown {extra[:3]})")
+    flat = _everyone_holds(fetched, sum(p.numel() for p in params.values()), trainer.device)
     trainer.optimizer.zero_grad(set_to_none=True)
-    finite = torch.ones((), dtype=torch.bool, device=trainer.device)
-    for name, param in params.items():
-        full = gradient[name].to(device=trainer.device, dtype=param.dtype)
-        finite &= torch.isfinite(full).all()
-        param.grad = _like(param, full)
+    finite = torch.isfinite(flat).all()
+    offset = 0
+    for param in params.values():
+        full = flat[offset : offset + param.numel()].view(param.shape)
+        offset += param.numel()
+        param.grad = _like(param, full.to(param.dtype))
     grad_norm = trainer.optimizer_step(f"rollout {rollout_id}", finite)
     if trainer.ema is not None:
         trainer.ema.update()
@@ -69,7 +88,11 @@ def train_on_rollout_gradient(trainer, rollout_id: int, samples: list[Sample],
         "train/loss": loss, "train/policy_loss": loss, "train/clipfrac": 0.0, "train/ratio_mean": 1.0,
         "train/rollout_train_log_prob_abs_diff": 0.0, "train/lr": trainer.optimizer.param_groups[0]["lr"],
         "train/num_pairs": float(pairs.sum()), "train/skipped_steps": float(grad_norm is None),
-        "perf/train_time_s": seconds, "perf/train_pairs_per_s": float(pairs.sum()) / max(seconds, 1e-9),
+        "perf/train_time_s": seconds + fetched.seconds,
+        "perf/train_pairs_per_s": float(pairs.sum()) / max(seconds + fetched.seconds, 1e-9),
+        "perf/policy_gradient_fetch_s": fetched.seconds,
+        "perf/policy_gradient_engines_by_reference": float(fetched.engines_by_reference),
+        "perf/policy_gradient_engines_by_body": float(fetched.engines_by_body),
     }
     if grad_norm is not None:
         result["train/grad_norm"] = float(grad_norm)

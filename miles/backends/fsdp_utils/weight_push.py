@@ -52,6 +52,13 @@ class WeightPusher:
             self._engine_info[url] = _get_json(f"{url}/server_info")
         return self._engine_info[url]
 
+    def split(self, urls: Sequence[str]) -> tuple[list[str], list[str]]:
+        """(engines that share rank 0's memory: reached by shared memory / CUDA IPC, the others)."""
+        urls = list(urls)
+        needs_info = self.transport == "auto" and self.colocated
+        identities = [self.engine_info(url)["device_identity"] for url in urls] if needs_info else [""] * len(urls)
+        return split_by_transport(urls, self.transport, self.colocated, self.identity, identities)
+
     def _group_for(self, urls: list[str]) -> WeightBroadcastGroup | None:
         if self.group is not None and (self.group.broken or self.group.engine_urls != urls):
             logger.info("weight broadcast group %s: rebuilding (%s)", self.group.name,
@@ -65,9 +72,7 @@ class WeightPusher:
              bucket_bytes: int, weight_version: int, lora: bool, lora_scaling: float,
              target_modules: Sequence[str], check: bool = False) -> dict[str, Any]:
         urls = list(engine_urls)
-        needs_info = self.transport == "auto" and self.colocated
-        identities = [self.engine_info(url)["device_identity"] for url in urls] if needs_info else [""] * len(urls)
-        ipc_urls, broadcast_urls = split_by_transport(urls, self.transport, self.colocated, self.identity, identities)
+        ipc_urls, broadcast_urls = self.split(urls)
         group = self._group_for(broadcast_urls)
         digests: dict[str, dict[str, str]] = {}
         if check:
