@@ -305,11 +305,15 @@ async def push_weights_async(
         key = (device, slot)
         current = buffers.get(key)
         if current is None or current.capacity < size:
+            # the bucket's own size, not `bucket_bytes`: a LoRA push of 75 MB took a 512 MiB GPU buffer that
+            # the trainer's allocator then kept beside the engine; a bigger bucket later grows it once
+            capacity = size if current is None else max(size, min(bucket_bytes, 2 * current.capacity))
             if current is not None:
                 current.close()
             # engines reached by IPC map the buffer; a broadcast-only buffer is plain memory
-            current = SharedBuffer(max(size, bucket_bytes), device, shared=bool(engine_urls))
+            current = SharedBuffer(capacity, device, shared=bool(engine_urls))
             buffers[key] = current
+        stats["buffer_bytes"] = sum(buffer.capacity for buffer in buffers.values())
         return current
 
     def message(**fields) -> bytes:
@@ -423,8 +427,8 @@ def push_weights(
     broadcast, each bucket validated by every engine before it is sent. Both can be used in one push; every
     engine receives the same buckets concurrently. `lora=True` pushes PEFT A/B pairs that the engines merge
     with `lora_scaling` (PEFT's alpha / rank). `api_key`: the engines' key (default $MILES_API_KEY). Returns
-    {"num_tensors", "num_buckets", "bytes", "seconds", "engine_weight_versions" (IPC engines first),
-    "ipc_engines", "broadcast_engines"}. Raises WeightSyncError naming the engine on any failure (a failed
+    {"num_tensors", "num_buckets", "bytes", "buffer_bytes" (the send buffers' total), "seconds",
+    "engine_weight_versions" (IPC engines first), "ipc_engines", "broadcast_engines"}. Raises WeightSyncError naming the engine on any failure (a failed
     broadcast also marks the group `broken`). Safe to call from sync code, also while an event loop runs in this
     thread (the push then runs on a helper thread).
     """

@@ -24,6 +24,7 @@ from miles.engine.weight_sync import (
 )
 from miles.engine.weight_sync_wire import (
     SharedMemoryRef,
+    aligned_size,
     TensorEntry,
     UpdateMessage,
 )
@@ -90,6 +91,9 @@ def test_full_update_gives_exact_weights_and_a_fresh_engines_outputs(
     new_weights = _perturbed(base_transformer, seed=1)
     stats = push_weights([engine.url], new_weights, bucket_bytes=BUCKET_BYTES, weight_version=1)
     assert stats["num_buckets"] > 3 and stats["num_tensors"] == len(new_weights)
+    # two alternating buffers sized by the buckets, never above the bucket size unless one tensor is
+    largest = max(tensor.numel() * tensor.element_size() for _, tensor in new_weights)
+    assert stats["buffer_bytes"] <= 2 * max(BUCKET_BYTES, largest + 256)
     checksums, version = _engine_state(engine.url)
     assert version == 1 and stats["engine_weight_versions"] == [1]
     assert checksums == named_tensor_checksums(new_weights)
@@ -156,8 +160,11 @@ def test_lora_update_equals_the_equivalent_full_update_and_replaces_the_previous
 
     # the second LoRA update replaces the first delta (W = W_base + s·B2@A2), it does not add to it
     second = _lora_pairs(base_transformer, seed=8)
-    push_weights([engine.url], _lora_named(second), bucket_bytes=1024, weight_version=12, lora=True,
-                 lora_scaling=scaling)
+    stats = push_weights([engine.url], _lora_named(second), bucket_bytes=512 << 20, weight_version=12, lora=True,
+                         lora_scaling=scaling)
+    # one bucket, and a buffer of its size: not the 512 MiB a bucket may hold (a GPU trainer's allocator keeps it)
+    lora_bytes = sum(aligned_size(t.numel() * t.element_size()) for _, t in _lora_named(second))
+    assert stats["num_buckets"] == 1 and stats["buffer_bytes"] == lora_bytes
     assert _engine_state(engine.url)[0] == named_tensor_checksums(_merged_full(base_transformer, second, scaling))
 
     # the equivalent full-weight update gives the same bits as the first LoRA update
