@@ -428,9 +428,9 @@ def push_weights(
     engine receives the same buckets concurrently. `lora=True` pushes PEFT A/B pairs that the engines merge
     with `lora_scaling` (PEFT's alpha / rank). `api_key`: the engines' key (default $MILES_API_KEY). Returns
     {"num_tensors", "num_buckets", "bytes", "buffer_bytes" (the send buffers' total), "seconds",
-    "engine_weight_versions" (IPC engines first), "ipc_engines", "broadcast_engines"}. Raises WeightSyncError naming the engine on any failure (a failed
-    broadcast also marks the group `broken`). Safe to call from sync code, also while an event loop runs in this
-    thread (the push then runs on a helper thread).
+    "engine_weight_versions" (IPC engines first), "ipc_engines", "broadcast_engines"}. Raises WeightSyncError
+    naming the engine on any failure (a failed broadcast also marks the group `broken`). Safe to call from sync
+    code, also while an event loop runs in this thread (the push then runs on a helper thread).
     """
     coroutine = push_weights_async(
         engine_urls,
