@@ -22,8 +22,8 @@ Names are `<module>.<parameter name>` (e.g. `transformer.transformer_blocks.0.at
 LoRA (`lora=True`, `--lora-ipc-weight-sync`): the tensors are PEFT A/B pairs
 (`<module>.[base_model.model.]<layer>.lora_A[.<adapter>].weight` and the matching `lora_B`); the engine merges
 `W = W_base + scaling · B @ A` (in fp32, cast to W's dtype). The engine keeps the unmerged `W_base` of every
-merged layer, so the next LoRA update replaces the previous delta instead of adding to it. A full-weight update
-of a layer makes the pushed weight its new base.
+merged layer (in host memory, pinned on a GPU engine), so the next LoRA update replaces the previous delta
+instead of adding to it. A full-weight update of a layer makes the pushed weight its new base.
 
 The receiving side is `WeightReceiver`: it checks every entry of a bucket (known parameter of an allowed
 module, dtype in the allow-list, shape equal to the parameter's, bytes inside the buffer) before it copies
@@ -649,11 +649,22 @@ class WeightReceiver:
         _, param_name, weight = self._resolve(f"{module_name}.{layer}.weight", target_modules)
         base_key = (module_name, param_name)
         if base_key not in self._lora_base:
-            self._lora_base[base_key] = weight.detach().clone()
-        base = self._lora_base[base_key]
+            self._lora_base[base_key] = _host_copy(weight.detach())
+        base = self._lora_base[base_key].to(weight.device, non_blocking=True)
         weight.copy_(merge_lora_weight(base, lora_a, lora_b, self._lora_scaling))
         if self.on_lora_pair is not None:
             self.on_lora_pair(module_name, layer, lora_a, lora_b, self._lora_scaling)
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy in host memory (pinned when `tensor` is on a GPU): the unmerged base of every LoRA layer waits
+    there between updates instead of beside the model (0.9 GB at SD3.5-Medium's 191 layers in bf16); each
+    update reads it back, a few tens of milliseconds over PCIe."""
+    if not tensor.is_cuda:
+        return tensor.clone()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor)
+    return host
 
 
 def merge_lora_weight(base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
