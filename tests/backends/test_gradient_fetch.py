@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 import torch
 
-from miles.backends.fsdp_utils.gradient_fetch import FetchedGradient, fetch_policy_gradient
+from miles.backends.fsdp_utils.gradient_fetch import FetchedGradient, _post, fetch_policy_gradient
 from miles.backends.fsdp_utils.rollout_gradient_step import _everyone_holds
 from miles.backends.fsdp_utils.weight_push import WeightPusher
 from miles.engine.launcher import launch_engine
@@ -105,6 +105,9 @@ def test_a_refused_buffer_loses_no_kept_gradient_and_lost_samples_stop_the_step(
     fetched.expected = 3
     with pytest.raises(PartDiedError, match="held the gradients of 2 of the rollout's 3 samples"):
         _everyone_holds(fetched, fetched.flat.numel(), torch.device("cpu"))
+    # a refusal reaches the run's one line with the engine's reason
+    with pytest.raises(PartDiedError, match=r"policy_gradient failed \(HTTP Error 400.*not valid msgpack"):
+        _post(url, b"\xc1", timeout=60.0)
 
 
 def _every_rank_holds_rank_zeros_fetch(rank: int, held: int) -> dict:

@@ -19,6 +19,7 @@ import math
 import time
 import urllib.request
 from dataclasses import dataclass
+from urllib.error import HTTPError
 
 import torch
 
@@ -56,7 +57,8 @@ def _post(url: str, body: bytes, timeout: float) -> PolicyGradientAnswer:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return decode_policy_gradient(response.read())
     except (OSError, ProtocolError) as err:  # URLError, HTTPError, a refused or dropped connection, a bad body
-        raise PartDiedError(f"--diffusion-rollout-gradient: POST {url}/policy_gradient failed ({err}); the engine "
+        reason = f"{err}: {err.read().decode(errors='replace')[:300]}" if isinstance(err, HTTPError) else str(err)
+        raise PartDiedError(f"--diffusion-rollout-gradient: POST {url}/policy_gradient failed ({reason}); the engine "
                             f"holding those samples' gradients is gone or refused the request") from err
 
 
