@@ -109,6 +109,9 @@ def fetch_policy_gradient(ask: PolicyGradientAsk, pusher, shapes: dict[str, torc
                 into = encode_buffer_ref(shared.describe())
                 answer = _post(url, encode_policy_gradient_request(ask.coefficients[url], into), timeout)
                 order.check(url, answer.layout or [])
+                if layout is not None and answer.layout != layout:  # the same push, so the same order, or a bug
+                    raise PartDiedError(f"--diffusion-rollout-gradient: engine {url} lays the gradient out in "
+                                        f"another order than {by_reference[0]}; they cannot add into one buffer")
                 held += answer.samples
                 layout = answer.layout
             if [name for name, _ in layout] == list(shapes):
