@@ -13,7 +13,7 @@ import torch
 from miles.backends.fsdp_utils.gradient_fetch import FetchedGradient, _post, fetch_policy_gradient
 from miles.backends.fsdp_utils.rollout_gradient_step import _everyone_holds
 from miles.backends.fsdp_utils.weight_push import WeightPusher
-from miles.engine.launcher import launch_engine
+from miles.engine.launcher import launch_engines
 from miles.engine.protocol import CONTENT_TYPE, GenerateRequest, encode_policy_gradient_request, encode_request
 from miles.engine.server_args import ServerArgs
 from miles.engine.weight_sync import SharedBuffer, push_weights
@@ -28,9 +28,9 @@ RANK = 2
 
 
 @pytest.fixture(scope="module")
-def engine_with_adapter(tiny_checkpoint, tmp_path_factory):
-    """An engine process that keeps rollout gradients, holding a random rank-2 adapter on three layers; and the
-    adapter's tensors by the names the engine knows them by."""
+def engines_with_adapter(tiny_checkpoint, tmp_path_factory):
+    """Two engine processes that keep rollout gradients, each holding the same random rank-2 adapter on three
+    layers; their URLs and the adapter's tensors by the names the engines know them by."""
     path = tiny_checkpoint("sd3")
     transformer = SD3TrainPipelineConfig().load_pipeline(path, torch.float32).transformer
     generator = torch.Generator().manual_seed(0)
@@ -42,11 +42,13 @@ def engine_with_adapter(tiny_checkpoint, tmp_path_factory):
                                                                            generator=generator)
     args = ServerArgs(model_path=path, model_family="sd3", device="cpu", dtype="fp32", generator_device="cpu",
                       rollout_gradient_tile=2)
-    process = launch_engine(args, log_path=str(tmp_path_factory.mktemp("engine") / "engine.log"), startup_timeout=150)
-    push_weights([process.url], adapter.items(), 1 << 20, weight_version=1, lora=True, lora_scaling=2.0,
+    processes = launch_engines([args, args], log_dir=str(tmp_path_factory.mktemp("engines")), startup_timeout=150)
+    urls = [process.url for process in processes]
+    push_weights(urls, adapter.items(), 1 << 20, weight_version=1, lora=True, lora_scaling=2.0,
                  target_modules=["transformer"])
-    yield process.url, adapter
-    process.stop()
+    yield urls, adapter
+    for process in processes:
+        process.stop()
 
 
 def _rollout(url: str, seed: int) -> None:
@@ -59,29 +61,37 @@ def _rollout(url: str, seed: int) -> None:
     urllib.request.urlopen(http, timeout=120).read()
 
 
-def _fetch(url: str, adapter: dict, transport: str, coefficients: dict[int, float]) -> FetchedGradient:
+def _fetch(coefficients: dict[str, dict[int, float]], adapter: dict, transport: str) -> FetchedGradient:
     pusher = WeightPusher(transport, colocated=True, device="cpu", timeout=60.0)
-    shapes = {name: tensor.shape for name, tensor in reversed(adapter.items())}  # not the engine's order
-    return fetch_policy_gradient(PolicyGradientAsk({url: coefficients}, samples=2), pusher, shapes,
-                                 torch.device("cpu"), timeout=60.0)
+    shapes = {name: tensor.shape for name, tensor in reversed(adapter.items())}  # not the engines' order
+    asked = PolicyGradientAsk(coefficients, samples=sum(len(c) for c in coefficients.values()))
+    return fetch_policy_gradient(asked, pusher, shapes, torch.device("cpu"), timeout=60.0)
 
 
-def test_the_gradient_added_into_the_trainers_buffer_is_the_one_in_the_body(engine_with_adapter):
-    url, adapter = engine_with_adapter
-    coefficients = {7: 0.25, 8: -0.5}
-    _rollout(url, seed=7)
-    shared = _fetch(url, adapter, "ipc", coefficients)  # an engine sharing the trainer's memory: by reference
-    _rollout(url, seed=7)  # the same samples again (same weights, same seeds)
-    body = _fetch(url, adapter, "broadcast", coefficients)  # any other engine: in the answer's body
-    assert (shared.engines_by_reference, shared.engines_by_body) == (1, 0)
-    assert (body.engines_by_reference, body.engines_by_body) == (0, 1)
-    assert shared.held == body.held == 2
-    assert shared.flat.abs().sum() > 0 and torch.equal(shared.flat, body.flat)
+def test_the_gradient_added_into_the_trainers_buffer_is_the_one_in_the_bodies(engines_with_adapter):
+    (first, second), adapter = engines_with_adapter
+    coefficients = {first: {7: 0.25, 8: -0.5}, second: {9: 1.0, 10: -0.125}}
+
+    def rollouts() -> None:  # the same samples each time (same weights, same seeds)
+        _rollout(first, seed=7)
+        _rollout(second, seed=9)
+
+    rollouts()
+    shared = _fetch(coefficients, adapter, "ipc")  # engines sharing the trainer's memory: into its buffer
+    rollouts()
+    bodies = _fetch(coefficients, adapter, "broadcast")  # any other engine: in the answers' bodies
+    rollouts()
+    alone = _fetch({first: coefficients[first]}, adapter, "ipc").flat
+    alone += _fetch({second: coefficients[second]}, adapter, "ipc").flat
+    assert (shared.engines_by_reference, shared.engines_by_body) == (2, 0)
+    assert (bodies.engines_by_reference, bodies.engines_by_body) == (0, 2)
+    assert shared.held == bodies.held == 4
+    assert shared.flat.abs().sum() > 0 and torch.equal(shared.flat, bodies.flat) and torch.equal(shared.flat, alone)
     assert torch.equal(_everyone_holds(shared, shared.flat.numel(), torch.device("cpu")), shared.flat)
 
 
-def test_a_refused_buffer_loses_no_kept_gradient_and_lost_samples_stop_the_step(engine_with_adapter):
-    url, adapter = engine_with_adapter
+def test_a_refused_buffer_loses_no_kept_gradient_and_lost_samples_stop_the_step(engines_with_adapter):
+    (url, _), adapter = engines_with_adapter
     _rollout(url, seed=20)
     small = SharedBuffer(16, torch.device("cpu"))  # far smaller than the gradient
     try:
@@ -100,9 +110,8 @@ def test_a_refused_buffer_loses_no_kept_gradient_and_lost_samples_stop_the_step(
     finally:
         small.close()
     # both samples' gradients are still there; seed 99 was never served here
-    fetched = _fetch(url, adapter, "ipc", {20: 1.0, 21: 1.0, 99: 1.0})
+    fetched = _fetch({url: {20: 1.0, 21: 1.0, 99: 1.0}}, adapter, "ipc")
     assert fetched.held == 2 and fetched.flat.abs().sum() > 0
-    fetched.expected = 3
     with pytest.raises(PartDiedError, match="held the gradients of 2 of the rollout's 3 samples"):
         _everyone_holds(fetched, fetched.flat.numel(), torch.device("cpu"))
     # a refusal reaches the run's one line with the engine's reason
