@@ -1,4 +1,4 @@
-"""How many graphs a compiled engine's `--diffusion-rollout-gradient` step makes dynamo trace, and how long tracing takes.
+"""How many graphs a compiled engine's `--diffusion-rollout-gradient` step makes dynamo trace, and for how long.
 
     python -m miles.testing.make_tiny --family sd3 --real-size --out /tmp/sd35m     # SD3.5-Medium's structure
     python bench/bench_engine_graphs.py --checkpoint /tmp/sd35m --backend eager     # dynamo's tracing only

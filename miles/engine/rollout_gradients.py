@@ -30,6 +30,7 @@ from torch import nn
 
 from miles.engine.protocol import ProtocolError
 from miles.utils.compile import compile_seconds
+from miles.utils.device_memory import host_copy
 
 if TYPE_CHECKING:
     from miles.engine.model_runner import ModelRunner, Trajectory
@@ -73,8 +74,8 @@ class RolloutGradients:
             layer._rollout_rows = None  # (A rows, B rows, scaling) during a gradient forward, else None
             layer._rollout_base_forward = layer.forward
             # a method of the one function, not a per-layer partial: dynamo guards a forward attribute by the
-            # object's id, so a partial per layer compiled each block on its own (24 graphs at SD3.5-Medium
-            # instead of one per block variant), at start-up and again on every later launch
+            # object's id, so a partial per layer compiled each block on its own (48 graphs at SD3.5-Medium where
+            # 7 do: bench/bench_engine_graphs.py), at start-up and again on every later launch
             layer.forward = types.MethodType(_forward_with_rows, layer)
             self.layers[key] = layer
 
@@ -82,9 +83,10 @@ class RolloutGradients:
         """A weight update finished: gradients of the previous policy that nobody asked for are dropped."""
         self.gradients.clear()
 
-    def _pieces(self) -> list[tuple[str, torch.Size]]:
-        """(trainer name, shape) of each piece of the flat layout."""
-        return [piece for f in self.factors.values() for piece in ((f.name_a, f.a.shape), (f.name_b, f.b.shape))]
+    def layout(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(trainer name, shape) of each piece of the flat fp32 layout, in order."""
+        return [(name, tuple(shape)) for f in self.factors.values()
+                for name, shape in ((f.name_a, f.a.shape), (f.name_b, f.b.shape))]
 
     # ---- one request's gradient sums and one tile's factor rows -----------------------------------------------
     def _flat_factors(self) -> torch.Tensor:
@@ -114,8 +116,8 @@ class RolloutGradients:
             for layer in self.layers.values():
                 layer._rollout_rows = None
             return
-        pieces = self._pieces()
-        parts = torch.split(rows, [shape.numel() for _, shape in pieces], dim=1)
+        pieces = self.layout()
+        parts = torch.split(rows, [math.prod(shape) for _, shape in pieces], dim=1)
         for index, (key, layer) in enumerate(self.layers.items()):
             (_, shape_a), (_, shape_b) = pieces[2 * index], pieces[2 * index + 1]
             layer._rollout_rows = (parts[2 * index].view(-1, *shape_a), parts[2 * index + 1].view(-1, *shape_b),
@@ -130,22 +132,16 @@ class RolloutGradients:
             if seed in self.gradients:
                 raise ProtocolError(f"a second rollout_gradient sample with seed {seed} before the first was taken")
         if sums.is_cuda:
-            host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
-            host.copy_(sums)  # the sums are final: the request's last backward has run
-            sums = host
+            sums = host_copy(sums)  # final: the request's last backward has run
         for b, seed in enumerate(seeds):
             self.gradients[seed] = sums[b]
 
     # ---- the policy gradient --------------------------------------------------------------------------------
-    def layout(self) -> list[tuple[str, tuple[int, ...]]]:
-        """(trainer name, shape) of each piece of the flat fp32 layout, in order."""
-        return [(name, tuple(shape)) for name, shape in self._pieces()]
-
     def _weighted_sum(self, coefficients: Mapping[int, float]) -> tuple[torch.Tensor, int]:
         """Σ_b c_b·G_b, flat [P] on the engine's device, over the kept samples named in `coefficients`; those are
         dropped. A seed this engine does not hold is skipped (another engine served it)."""
         used = [seed for seed in coefficients if seed in self.gradients]
-        total = torch.zeros(sum(shape.numel() for _, shape in self._pieces()),
+        total = torch.zeros(sum(math.prod(shape) for _, shape in self.layout()),
                             device=next(iter(self.factors.values())).a.device)
         for seed in used:  # each sample's sums come back from the host as they are added
             total.add_(self.gradients.pop(seed).to(total.device, non_blocking=True), alpha=float(coefficients[seed]))
@@ -154,8 +150,8 @@ class RolloutGradients:
     def policy_gradient(self, coefficients: Mapping[int, float]) -> tuple[dict[str, torch.Tensor], int]:
         """Σ_b c_b·G_b (seed -> c_b) by the trainer's tensor names, and how many samples it used."""
         total, used = self._weighted_sum(coefficients)
-        pieces = self._pieces()
-        parts = torch.split(total, [shape.numel() for _, shape in pieces])
+        pieces = self.layout()
+        parts = torch.split(total, [math.prod(shape) for _, shape in pieces])
         return {name: part.view(shape) for (name, shape), part in zip(pieces, parts)}, used
 
     def add_policy_gradient(self, coefficients: Mapping[int, float], into: torch.Tensor

@@ -44,7 +44,6 @@ def compile_seconds() -> float:
         return 0.0
 
 
-
 def compiled_graphs() -> int:
     """Graphs dynamo has compiled in this process so far (each block variant, grad mode and batch shape is one;
     0 where torch does not say)."""

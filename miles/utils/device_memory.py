@@ -61,3 +61,15 @@ def allocator_counts(device: torch.device) -> dict[str, int]:
         return {}
     stats = torch.cuda.memory_stats(device)
     return {"cuda_mallocs": stats.get("num_device_alloc", 0), "alloc_retries": stats.get("num_alloc_retries", 0)}
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor` in host memory, pinned when it comes from a GPU (so copying it back is asynchronous):
+    where the engine keeps what it only needs between steps, not beside the model."""
+    import torch
+
+    if not tensor.is_cuda:
+        return tensor.clone()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor)
+    return host
