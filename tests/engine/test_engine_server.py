@@ -349,7 +349,8 @@ def test_a_compiled_engine_on_its_worker_thread_gives_the_eager_bf16_velocities(
 
     def runner(compiled: bool) -> ModelRunner:
         return ModelRunner(ServerArgs(model_path=PRETRAINED_SD3, device="cpu", dtype="bf16", generator_device="cpu",
-                                      enable_torch_compile=compiled, forward_tile=4, rollout_patch_group="batch_invariant"))
+                                      enable_torch_compile=compiled, forward_tile=4,
+                                      rollout_patch_group="batch_invariant"))
 
     request = _request(prompt="two red circles", num_samples=4, guidance=GuidanceConfig(guidance_scale=1.0), debug=True,
                        return_images=False)  # the VAE compiles nothing the check needs
