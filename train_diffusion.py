@@ -57,6 +57,7 @@ def train(args, resume: ResumePoint) -> None:
         if actor is not None:
             with run_logger.startup_part("trainer_init"):
                 start_rollout_id = actor.init()
+            run_logger.record_startup_laps("trainer_init", actor.init_laps)
             rollout_manager.load_state_dict((actor.loaded_extra_state or {}).get("data_source"))
         if config.data.start_rollout_id is not None:
             start_rollout_id = config.data.start_rollout_id

@@ -226,6 +226,7 @@ def run_miles(opts, checkpoint: str, prompt_file: str, lora: bool, mode: str, wo
         "unaccounted": mean("perf/unaccounted_time"),
         "peak_gib": memory.gib,
         "startup": iterations[0].get("perf/startup_time"),
+        "engine_load": iterations[0].get("perf/engine_load_s"),
         "startup_parts": {key[len("perf/startup/"):-len("_time")]: value for key, value in iterations[0].items()
                           if key.startswith("perf/startup/")},
         "first_iteration": iterations[0]["perf/iteration_time"],
@@ -290,7 +291,14 @@ def print_table(title: str, rows: dict[str, dict], floor: dict | None = None) ->
             print(f"{name}, its processes' peak memory (GiB): "
                   + ", ".join(f"{k} {v:.1f}" for k, v in row["memory"].items()))
         if row.get("startup_parts"):
-            print(f"{name}, its start-up (s): " + ", ".join(f"{k} {v:.2f}" for k, v in row["startup_parts"].items()))
+            parts = {k: v for k, v in row["startup_parts"].items() if "/" not in k}
+            laps = {k: v for k, v in row["startup_parts"].items() if "/" in k}  # e.g. trainer_init/load
+            print(f"{name}, its start-up (s): " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
+            if laps:
+                print(f"{name}, inside its start-up parts (s): " + ", ".join(f"{k} {v:.2f}" for k, v in laps.items()))
+            if row.get("engine_load") is not None:
+                print(f"{name}, the slowest engine's model load, overlapped with trainer_init (s): "
+                      f"{row['engine_load']:.2f}")
         if row.get("first_iteration_parts"):
             print(f"{name}, its first iteration (s): "
                   + ", ".join(f"{k} {v:.2f}" for k, v in row["first_iteration_parts"].items()))

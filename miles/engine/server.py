@@ -24,6 +24,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 from typing import Any
 
 import torch
@@ -82,7 +83,9 @@ class EngineServer:
         self.server_args = server_args
         api_key = resolve_api_key(api_key, "the engine")  # before the model loads: fail in a second, not a minute
         self.limits = request_limits(server_args)
+        began = time.perf_counter()
         self.runner = runner if runner is not None else ModelRunner(server_args)
+        self.load_seconds = time.perf_counter() - began  # the pipeline's load, onto the device, patched
         self.scheduler = StepScheduler(self.runner, server_args.max_batch_size, server_args.batch_wait_ms,
                                        gradient_wave=server_args.rollout_gradient_tile)
         gradients = self.runner.rollout_gradients
@@ -370,6 +373,7 @@ class EngineServer:
                 "device_identity": self.device_identity,
                 "weights_update_group": self.weight_group.describe() if self.weight_group is not None else None,
                 "compiled": bool(self.server_args.enable_torch_compile),
+                "load_seconds": self.load_seconds,
                 "memory_released": self.memory_released,
                 "running_requests": self.scheduler.num_running,
                 "cuda_memory": _device_memory(),  # what the colocation policy reads

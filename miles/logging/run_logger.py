@@ -11,7 +11,8 @@ its phases). An iteration's clock starts when the previous one's `flush` starts,
 the `perf/log_time` phase of the next record and the records tile the run's wall time without gaps.
 `perf/startup_time` (process start to the first iteration) comes with the first record, split into
 `perf/startup/<part>_time` (the loop's `startup_part`s: launch, ray, actors, trainer_init, engines_ready,
-weight_sync) and `perf/startup/other_time`, the rest.
+weight_sync) and `perf/startup/other_time`, the rest; `perf/startup/trainer_init/<lap>_time` splits the trainer's
+part (spawn, process_group, load, adapters, shard, resume, other).
 
 `--use-tensorboard` writes every record's scalars, at step = rollout id, to `<output-dir>/tensorboard`
 (torch.utils.tensorboard), and the sample grid whenever it is redrawn.
@@ -74,6 +75,7 @@ class RunLogger:
         self.tensorboard = self._init_tensorboard(config) if logging_config.use_tensorboard else None
         self._started_at = started_at
         self._startup_parts: dict[str, float] = {}  # perf/startup/<part>_time, see startup_part
+        self._startup_laps: dict[str, dict[str, float]] = {}  # perf/startup/<part>/<lap>_time, see record_startup_laps
         self._iteration_start: float | None = None
         self._next_iteration_start: float | None = None  # when the last flush began
         self._last_flush_seconds = 0.0
@@ -89,6 +91,11 @@ class RunLogger:
             self._pending["perf/startup_time"] = startup
             for part, seconds in self._startup_parts.items():
                 self._pending[f"perf/startup/{part}_time"] = seconds
+                laps = self._startup_laps.get(part)
+                if laps:  # the part's own split, with what its laps leave of it
+                    for lap, lap_seconds in laps.items():
+                        self._pending[f"perf/startup/{part}/{lap}_time"] = lap_seconds
+                    self._pending[f"perf/startup/{part}/other_time"] = seconds - sum(laps.values())
             self._pending["perf/startup/other_time"] = startup - sum(self._startup_parts.values())
             self._started_at = None  # once, in the first record
         self._iteration_start = self._next_iteration_start if self._next_iteration_start is not None else now
@@ -101,6 +108,11 @@ class RunLogger:
         """A part of the start-up (before the first iteration), reported as `perf/startup/<part>_time` with the
         first record; `perf/startup/other_time` is what the parts leave of `perf/startup_time`."""
         self._startup_parts[part] = self._startup_parts.get(part, 0.0) + seconds
+
+    def record_startup_laps(self, part: str, laps: dict[str, float]) -> None:
+        """Where a start-up part's time went (e.g. the trainer's load, adapters, shard), reported as
+        `perf/startup/<part>/<lap>_time` with `perf/startup/<part>/other_time` the rest of the part."""
+        self._startup_laps[part] = dict(laps)
 
     @contextmanager
     def startup_part(self, part: str) -> Iterator[None]:

@@ -157,6 +157,10 @@ class EngineFleet:
         for url in self.urls:
             _post_json(f"{url}{path}")
 
+    def load_seconds(self) -> list[float]:
+        """Each engine's model load (from its `/server_info`): what the trainer's start-up overlaps."""
+        return [float(_get_json(f"{url}/server_info").get("load_seconds", 0.0)) for url in self.urls]
+
     def memory_stats(self) -> list:
         """Each engine's GPU memory (`DeviceMemory`), from its `/server_info`; empty for CPU engines."""
         from miles.utils.device_memory import DeviceMemory

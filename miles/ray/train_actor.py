@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -86,12 +87,18 @@ class TrainRayActor:
         if master_addr == "127.0.0.1":
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         listen_fd = self._store_socket.detach() if self.rank == 0 else None  # rank 0 serves on its bound socket
+        began = time.perf_counter()
         store = dist.TCPStore(master_addr, master_port, self.world_size, self.rank == 0, timeout=timeout,
                               master_listen_fd=listen_fd)
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
+        self.process_group_seconds = time.perf_counter() - began
         family = build_train_pipeline_config(**self.config.model.family_source())
         self.trainer = DiffusionTrainer(self.config, family, device="cuda" if on_gpu else "cpu")
         return self.trainer.init()
+
+    def init_laps(self) -> dict[str, float]:
+        """Where `init` spent its time: the process group, then the trainer's laps (load, adapters, shard, resume)."""
+        return {"process_group": self.process_group_seconds, **self.trainer.init_laps.seconds}
 
     def loaded_extra_state(self) -> dict | None:
         return self.trainer.loaded_extra_state
@@ -282,13 +289,17 @@ class TrainActorGroup:
                 f"of memory or crashed); the run is stopped{resume}")
 
     def init(self) -> int:
-        """Start the process group, load and shard the model, resume from `--load`; returns the first rollout id."""
-        one_node = len(set(self._all("node_id"))) == 1
+        """Start the process group, load and shard the model, resume from `--load`; returns the first rollout id.
+        `init_laps` then says where the time went (rank 0's laps; `spawn`: the actor processes' start)."""
+        began = time.perf_counter()
+        one_node = len(set(self._all("node_id"))) == 1  # the first call: waits for the processes to start
+        spawn_seconds = time.perf_counter() - began
         master_addr, master_port = self._gather("master_address",
                                                 [self.actors[0].master_address.remote(one_node)])[0]
         self.rendezvous = (master_addr, master_port)
         start_ids = self._all("init", master_addr, master_port)
         self.loaded_extra_state = self._gather("loaded_extra_state", [self.actors[0].loaded_extra_state.remote()])[0]
+        self.init_laps = {"spawn": spawn_seconds, **self._gather("init_laps", [self.actors[0].init_laps.remote()])[0]}
         return start_ids[0]
 
     def train(self, rollout_id: int, samples, ask=None) -> dict[str, float]:

@@ -152,6 +152,7 @@ def test_startup_is_split_into_its_parts(tmp_path, monkeypatch):
     logger.record_startup("ray", 0.75)
     with logger.startup_part("trainer_init"):
         pass
+    logger.record_startup_laps("trainer_init", {"spawn": 0.5, "load": 2.0})
     with logger.startup_part("engines_ready"):
         pass
     logger.begin_iteration()
@@ -159,6 +160,9 @@ def test_startup_is_split_into_its_parts(tmp_path, monkeypatch):
     assert first["perf/startup_time"] == 7.0
     assert first["perf/startup/ray_time"] == 0.75 and first["perf/startup/trainer_init_time"] == 3.0
     assert first["perf/startup/engines_ready_time"] == 2.5 and first["perf/startup/other_time"] == 0.75
+    # a part's laps split it, with what they leave of it; they are not parts of their own
+    assert first["perf/startup/trainer_init/spawn_time"] == 0.5 and first["perf/startup/trainer_init/load_time"] == 2.0
+    assert first["perf/startup/trainer_init/other_time"] == 0.5
 
 
 def test_dashboard_timeline_is_written_on_flush(tmp_path):

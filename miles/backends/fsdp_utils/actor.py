@@ -47,6 +47,7 @@ from miles.utils.device_memory import allocator_counts
 from miles.utils.errors import MilesUserError
 from miles.utils.host_usage import HostUsage
 from miles.utils.imports import load_function
+from miles.utils.laps import Laps
 from miles.utils.profiling import profile_train_step
 
 if TYPE_CHECKING:
@@ -187,23 +188,27 @@ class DiffusionTrainer:
     def init(self) -> int:
         """Load, LoRA, shard, optimizer, scheduler, EMA, resume. Returns the first rollout id to run."""
         config = self.config
+        laps = self.init_laps = Laps()  # perf/startup/trainer_init/<lap>_time
         deterministic.apply_deterministic_mode(config.trainer.seed, config.trainer.deterministic_mode)
         self.mesh = self.dims.build_mesh(self.device.type)
-        modules = self.family.load_modules(config.model.hf_checkpoint, self.module_names,
-                                           base_load_dtype(config.trainer, self.dims))
-        if self.forward_tile:
-            pin_attention(modules, self.forward_dtype, self.device.type, family=self.family)
+        with laps.lap("load"):
+            modules = self.family.load_modules(config.model.hf_checkpoint, self.module_names,
+                                               base_load_dtype(config.trainer, self.dims))
+            if self.forward_tile:
+                pin_attention(modules, self.forward_dtype, self.device.type, family=self.family)
         deterministic.seed_everything(config.trainer.seed)  # identical LoRA init on every rank
         for name, module in modules.items():
-            if config.trainer.use_lora:
-                self._add_lora(name, module)
-                if self.forward_tile:
-                    patch_lora_layers(module)
-            else:
-                module.requires_grad_(True)
-                self.family.freeze_untrained(name, module)
-            parallelize_module(module, self.family, config.trainer, self.dims, self.mesh, name, self.device,
-                               opaque_kernels=bool(self.forward_tile))
+            with laps.lap("adapters"):
+                if config.trainer.use_lora:
+                    self._add_lora(name, module)
+                    if self.forward_tile:
+                        patch_lora_layers(module)
+                else:
+                    module.requires_grad_(True)
+                    self.family.freeze_untrained(name, module)
+            with laps.lap("shard"):
+                parallelize_module(module, self.family, config.trainer, self.dims, self.mesh, name, self.device,
+                                   opaque_kernels=bool(self.forward_tile))
         self.model = nn.ModuleDict(modules)
         self.trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         # the frozen base the trainer never forwards (--diffusion-rollout-gradient): kept on the host throughout
@@ -252,7 +257,8 @@ class DiffusionTrainer:
         )
         from miles.backends.fsdp_utils.checkpoint import load_checkpoint
 
-        start_rollout_id = load_checkpoint(self)
+        with laps.lap("resume"):
+            start_rollout_id = load_checkpoint(self)
         if config.data.start_rollout_id is not None:
             start_rollout_id = config.data.start_rollout_id
         return start_rollout_id
