@@ -88,6 +88,11 @@ def test_flow_grpo_reward_rises(sd3, prompts, tmp_path, seed):
     spread = series(records, "rollout/reward_std")[0]
     assert last > first + max(0.01, 3 * spread), f"reward did not rise: {rewards}"
     assert (out / "reward_curve.png").exists() and (out / "samples.png").exists()
+    # the start-up is accounted: the trainer's part split into laps, the engine's model load beside it
+    laps = {k: v for k, v in records[0].items() if k.startswith("perf/startup/trainer_init/")}
+    assert {"spawn", "process_group", "load", "adapters", "shard", "resume", "other"} <= {
+        k[len("perf/startup/trainer_init/"):-len("_time")] for k in laps}
+    assert records[0]["perf/startup/trainer_init/load_time"] > 0 and records[0]["perf/engine_load_s"] > 0
 
 
 @pytest.fixture
