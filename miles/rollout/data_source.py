@@ -29,6 +29,7 @@ import torch
 
 from miles.config.sections import DataConfig, HookArgs, RunConfig, run_config_of
 from miles.rollout.hooks import REQUIRED_METHODS, build_user_data_source, with_hook_args
+from miles.rollout.jsonl import decoded_lines, json_object
 from miles.types import Sample
 from miles.utils.errors import MilesUserError
 from miles.utils.imports import load_function, load_object
@@ -50,30 +51,6 @@ TEXT_SUFFIX = ".txt"
 GENEVAL_SUFFIX = "_metadata.jsonl"
 GENEVAL_KEYS = ("prompt", "tag", "include")  # what every GenEval metadata row holds
 IMAGE_KEY = "image"  # a JSONL row's input image
-
-
-def _decoded_lines(path: str, flag: str) -> Iterator[tuple[int, str, str]]:
-    """(1-based line number, "flag file:line", text) of each non-blank line. Decoded line by line so that a
-    file that is not UTF-8 fails naming the line instead of somewhere in a buffer."""
-    with open(path, "rb") as handle:
-        for line_number, raw in enumerate(handle, start=1):
-            where = f"{flag} {path}:{line_number}"
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise MilesUserError(f"{where}: not UTF-8 text (byte {err.start + 1} of the line)") from None
-            if text.strip():
-                yield line_number, where, text
-
-
-def _json_object(where: str, text: str) -> dict[str, Any]:
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise MilesUserError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
-    if not isinstance(record, dict):
-        raise MilesUserError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    return record
 
 
 def _checked_prompt(where: str, record: dict[str, Any], key: str, key_origin: str) -> str:
@@ -99,7 +76,7 @@ def prompt_file_format(path: str, input_key: str = "input", flag: str = "--promp
         return "txt"
     if name.endswith(GENEVAL_SUFFIX):
         return "geneval"
-    first_line = next(_decoded_lines(path, flag), None)
+    first_line = next(decoded_lines(path, flag), None)
     if first_line is None:
         return "jsonl"  # no rows: the reader reports the empty file
     try:
@@ -145,11 +122,11 @@ def _iter_rows(path: str, input_key: str, metadata_key: str, flag: str,
     file_format = prompt_file_format(path, input_key, flag)
     geneval_reason = ("GenEval metadata, by the file name *_metadata.jsonl" if path.lower().endswith(GENEVAL_SUFFIX)
                       else "GenEval metadata, as the first row has prompt/tag/include")
-    for line_number, where, text in _decoded_lines(path, flag):
+    for line_number, where, text in decoded_lines(path, flag):
         if file_format == "txt":
             yield PromptRow(prompt=text.strip(), metadata={}, line=line_number), where
             continue
-        record = _json_object(where, text)
+        record = json_object(where, text)
         if file_format == "geneval":
             prompt = _checked_prompt(where, record, "prompt", f"read as {geneval_reason}")
             metadata = {key: value for key, value in record.items() if key != "prompt"}

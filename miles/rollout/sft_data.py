@@ -31,6 +31,7 @@ import torch
 
 from miles.config.rollout_sections import SftDataConfig
 from miles.config.sections import RunConfig
+from miles.rollout.jsonl import decoded_lines, json_object
 from miles.models.base import GenerationShape
 from miles.types import GuidanceConfig, Sample
 from miles.utils.errors import MilesUserError
@@ -60,31 +61,22 @@ def load_sft_rows(path: str, caption_key: str = "input") -> list[SftRow]:
         raise MilesUserError(f"SFT data file {path!r} does not exist")
     folder = os.path.dirname(os.path.abspath(path))
     rows: list[SftRow] = []
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise MilesUserError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from err
-            if not isinstance(record, dict):
-                raise MilesUserError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            caption = record.get(caption_key)
-            if not isinstance(caption, str) or not caption.strip():
-                raise MilesUserError(f"{where}: needs a non-empty caption string under {caption_key!r} (--input-key)")
-            kinds = [key for key in MEDIA_KEYS if key in record]
-            if len(kinds) != 1:
-                raise MilesUserError(f"{where}: needs exactly one of the keys {list(MEDIA_KEYS)}, got {sorted(record)}")
-            kind = kinds[0]
-            media = record[kind]
-            if not isinstance(media, str) or not media:
-                raise MilesUserError(f"{where}: {kind!r} must be a path string")
-            media_path = media if os.path.isabs(media) else os.path.join(folder, media)
-            if not os.path.exists(media_path):
-                raise MilesUserError(f"{where}: {kind} {media_path!r} does not exist")
-            rows.append(SftRow(caption=caption, media_path=media_path, media_kind=kind, line=line_number, raw=line.strip()))
+    for line_number, where, line in decoded_lines(path, ""):
+        record = json_object(where, line)
+        caption = record.get(caption_key)
+        if not isinstance(caption, str) or not caption.strip():
+            raise MilesUserError(f"{where}: needs a non-empty caption string under {caption_key!r} (--input-key)")
+        kinds = [key for key in MEDIA_KEYS if key in record]
+        if len(kinds) != 1:
+            raise MilesUserError(f"{where}: needs exactly one of the keys {list(MEDIA_KEYS)}, got {sorted(record)}")
+        kind = kinds[0]
+        media = record[kind]
+        if not isinstance(media, str) or not media:
+            raise MilesUserError(f"{where}: {kind!r} must be a path string")
+        media_path = media if os.path.isabs(media) else os.path.join(folder, media)
+        if not os.path.exists(media_path):
+            raise MilesUserError(f"{where}: {kind} {media_path!r} does not exist")
+        rows.append(SftRow(caption=caption, media_path=media_path, media_kind=kind, line=line_number, raw=line.strip()))
     if not rows:
         raise MilesUserError(f"SFT data file {path!r} holds no rows")
     return rows
