@@ -101,7 +101,8 @@ class RolloutManager:
         if self.fleet is not None:
             self.fleet.wait_until_started()
             self.config = self.config.with_router_url(self.fleet.router_url)  # hooks see args.miles_router_url
-            # beside perf/startup/*: the slowest engine's load, which the trainer's start-up overlaps
+            # into the first record, beside perf/startup/*: the slowest engine's load, which the trainer's
+            # start-up overlaps
             self.run_logger.log(0, {"perf/engine_load_s": max(self.fleet.load_seconds(), default=0.0)})
 
     def engine_urls(self) -> list[str]:

@@ -31,8 +31,8 @@ import torch
 
 from miles.config.rollout_sections import SftDataConfig
 from miles.config.sections import RunConfig
-from miles.rollout.jsonl import decoded_lines, json_object
 from miles.models.base import GenerationShape
+from miles.rollout.jsonl import decoded_lines, json_object
 from miles.types import GuidanceConfig, Sample
 from miles.utils.errors import MilesUserError
 from miles.utils.progress import progress_bar
