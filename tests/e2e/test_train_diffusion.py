@@ -74,9 +74,9 @@ def series(records: list[dict], key: str) -> list[float]:
     return [r[key] for r in records if key in r]
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_flow_grpo_reward_rises(sd3, prompts, tmp_path, seed):
-    out = tmp_path / "run"
+def test_flow_grpo_reward_rises(sd3, prompts, tmp_path):
+    # one seed: tests/e2e/test_shapes_learning.py measures learning on a task whose outputs can be checked
+    out, seed = tmp_path / "run", 1
     run([*base_flags(sd3, prompts, out), "--num-rollout", "15", "--seed", str(seed), "--rollout-seed", str(seed),
          "--colocate"])
     records = metrics(out)
