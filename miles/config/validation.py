@@ -58,9 +58,16 @@ def _rule_model(args: argparse.Namespace) -> None:
               f"{args.diffusion_model_family!r} are mutually exclusive: a custom TrainPipelineConfig has no family key")
     args.diffusion_model_family_resolved = None
     if not args.train_pipeline_config_path:
+        from miles.config.preflight import check_pipeline_source
         from miles.models import resolve_family_name
 
-        args.diffusion_model_family_resolved = resolve_family_name(args.hf_checkpoint, args.diffusion_model_family)
+        try:
+            args.diffusion_model_family_resolved = resolve_family_name(args.hf_checkpoint,
+                                                                       args.diffusion_model_family)
+        except MilesUserError:
+            # a mistyped folder says so, not "cannot tell the family" (the preflight checks it again with the rest)
+            check_pipeline_source(args.hf_checkpoint, "--hf-checkpoint")
+            raise
     targets = [m.strip() for m in args.update_weight_target_module.split(",") if m.strip()]
     if not targets:
         _fail(f"--update-weight-target-module {args.update_weight_target_module!r} names no module")

@@ -322,13 +322,17 @@ def test_train_pipeline_config_path_excludes_family():
     assert args.diffusion_model_family_resolved is None
 
 
-def test_family_resolution_order(monkeypatch):
+def test_family_resolution_order(monkeypatch, tmp_path):
     assert parse("--hf-checkpoint", "Wan-AI/Wan2.2-T2V-A14B").diffusion_model_family_resolved == "wan2_2"
     monkeypatch.setenv("MILES_DIFFUSION_MODEL_FAMILY", "flux")
     assert parse("--hf-checkpoint", "/weights/unnamed").diffusion_model_family_resolved == "flux"
     assert parse("--diffusion-model-family", "ltx").diffusion_model_family_resolved == "ltx"
     monkeypatch.delenv("MILES_DIFFUSION_MODEL_FAMILY")
-    assert "pass --diffusion-model-family" in error("--hf-checkpoint", "/weights/unnamed")
+    unnamed = tmp_path / "weights"  # a pipeline folder whose class and name say no family
+    unnamed.mkdir()
+    (unnamed / "model_index.json").write_text('{"_class_name": "MyPipeline"}')
+    assert "pass --diffusion-model-family" in error("--hf-checkpoint", str(unnamed))
+    assert "no such folder" in error("--hf-checkpoint", "/weights/unnamed")  # not the family it cannot tell
     assert "'nope' is not a registered family" in error("--diffusion-model-family", "nope")
 
 

@@ -325,6 +325,10 @@ def test_a_pipeline_that_is_a_file_broken_or_offline_and_uncached_is_one_line(pr
     assert "HF_HUB_OFFLINE is set but the hub cache does not hold it" in error(
         prompts, tmp_path, "--hf-checkpoint", "someone/sd3-elsewhere")
     assert "no such folder" in error(prompts, tmp_path, "--hf-checkpoint", str(tmp_path / "sd3" / "typo"))
+    # a path naming no family: the missing folder is the error, not the family it cannot tell
+    assert error(prompts, tmp_path, "--hf-checkpoint", "/nonexistent/model") == (
+        "--hf-checkpoint '/nonexistent/model': no such folder (and not a hub id of the form org/name)")
+    assert "the hub cache does not hold it" in error(prompts, tmp_path, "--hf-checkpoint", "someone/elsewhere")
 
 
 @pytest.mark.parametrize("flags, message", [
