@@ -200,5 +200,5 @@ def test_rollout_and_train_step(path):
 def test_make_tiny_variants_are_checked(tmp_path):
     with pytest.raises(ValueError, match="no tiny wan2_2 variant 'wan2_3'; one of a14b, ti2v_5b, wan2_1"):
         build_tiny_pipeline("wan2_2", str(tmp_path / "x"), variant="wan2_3")
-    with pytest.raises(ValueError, match="no tiny sd3 variant 'wan2_1'; it has none"):
-        build_tiny_pipeline("sd3", str(tmp_path / "y"), variant="wan2_1")
+    with pytest.raises(ValueError, match="no tiny cosmos3 variant 'wan2_1'; it has none"):
+        build_tiny_pipeline("cosmos3", str(tmp_path / "y"), variant="wan2_1")

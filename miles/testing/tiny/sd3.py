@@ -19,8 +19,13 @@ from miles.testing.tiny.tokenizers import build_clip_tokenizer, build_t5_tokeniz
 
 SD35_FLOW_SHIFT = 3.0  # SD3.5's static shift (its scheduler_config.json)
 
+# sd3: the position table spans 32 patches a side (256 px); wide: 128 (1024 px), for commands at the sizes of real
+# recipes (their dry runs read the table's size; nothing denoises at that size on the tiny model).
+VARIANTS = ("sd3", "wide")
+POSITION_TABLE = {"sd3": 32, "wide": 128}
 
-def build(out_dir: str, seed: int = 0) -> str:
+
+def build(out_dir: str, seed: int = 0, variant: str = "sd3") -> str:
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
     torch.manual_seed(seed)
@@ -41,7 +46,7 @@ def build(out_dir: str, seed: int = 0) -> str:
         caption_projection_dim=16,  # = heads × head_dim
         pooled_projection_dim=32,  # the two CLIP projections concatenated
         out_channels=4,
-        pos_embed_max_size=32,
+        pos_embed_max_size=POSITION_TABLE[variant],
     )
     vae = tiny_vae_kl(latent_channels=4)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=SD35_FLOW_SHIFT)
