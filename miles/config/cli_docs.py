@@ -36,8 +36,9 @@ logged warning (the YAML wins), an unknown key close to a flag name is an error 
 unknown keys are set too (with a warning) for your hooks, and validation then runs on the final values. A user
 mistake ends with one `error:` line naming the flags and values, exit status 2. Before Ray starts, the entry
 point (and `--dry-run`) also checks the files and folders the run will use: the first rows of the prompt
-files, that `--save` and `--output-dir` are writable, and that the `--load` checkpoint is complete and matches
-the run (`miles/config/preflight.py`).
+files, that `--save` and `--output-dir` are writable, that `--hf-checkpoint` is a pipeline folder (or a hub id)
+that can make the output size, and that the `--load` checkpoint is complete and matches the run
+(`miles/config/preflight.py`).
 
 Values: `"lo,hi"` and `"1,2,3"` are comma-separated integers; `str+` takes one or more words; JSON is an
 object; `–` means unset. Flags marked *Extension* are beyond the reference CLI.

@@ -52,7 +52,23 @@ def check_run_inputs(args: argparse.Namespace) -> ResumePoint:
         if path:
             check_writable_folder(path, flag)
     check_pipeline_source(args.hf_checkpoint, "--hf-checkpoint")
+    _check_image_size(args)
     return resume_point(args)
+
+
+def _check_image_size(args: argparse.Namespace) -> None:
+    """The output size within what the checkpoint's denoiser takes (SD3's position table), found here rather
+    than by the engine's first request."""
+    family_name = args.diffusion_model_family_resolved
+    if not family_name:
+        return
+    from miles.models import get_family_class
+
+    largest = get_family_class(family_name).largest_image_side(args.hf_checkpoint)
+    for flag, value in (("--diffusion-height", args.diffusion_height), ("--diffusion-width", args.diffusion_width)):
+        if largest is not None and value > largest:
+            raise MilesUserError(f"{flag} {value} is larger than --hf-checkpoint {args.hf_checkpoint!r} can make: at "
+                                 f"most {largest} px a side (its transformer's position table)")
 
 
 def resume_point(args: argparse.Namespace) -> ResumePoint:

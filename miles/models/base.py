@@ -153,6 +153,13 @@ class TrainPipelineConfig(ABC):
         whose layouts differ (Wan: only the TI2V 5B takes an image) reads the checkpoint's model_index.json."""
         return cls.condition_image
 
+    @classmethod
+    def largest_image_side(cls, hf_checkpoint: str | None) -> int | None:
+        """The largest output height or width in pixels the checkpoint's denoiser takes, read from its config
+        files without loading weights (the preflight's question); None where none is known (a family whose
+        positions are rotary, a hub id)."""
+        return None
+
     def final_latents(self, latents: torch.Tensor, conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The clean latents x_n after the last step, as decoded and returned as `clean_latents`: the state itself,
         except where the family pins part of it to a condition (Wan TI2V image-to-video: the first latent frame)."""

@@ -66,6 +66,20 @@ def read_model_index(path: str) -> dict[str, Any] | None:
         return json.load(f)
 
 
+def read_component_config(path: str | None, component: str) -> dict[str, Any] | None:
+    """`<path>/<component>/config.json` as a dict, read without loading weights; None for a hub id or a folder
+    without that file (loading reports a missing component)."""
+    config_path = os.path.join(path, component, "config.json") if path and os.path.isdir(path) else None
+    if config_path is None or not os.path.isfile(config_path):
+        return None
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as err:
+        raise MilesUserError(f"--hf-checkpoint {path!r}: cannot read {config_path}: {err}") from None
+    return config if isinstance(config, dict) else None
+
+
 def check_components(path: str, components: Sequence[str]) -> None:
     """Raise a MilesUserError naming the first of `components` the local pipeline folder lacks.
 

@@ -23,6 +23,7 @@ from miles.models.common import (
     decode_scaled_latents,
     encode_with_negative,
     randn_per_sample,
+    read_component_config,
     scale_shift_latents,
     scheduler_sigmas,
     vae_latent_mean,
@@ -108,6 +109,16 @@ class SD3TrainPipelineConfig(DiffusersTrainPipelineConfig):
                 "(VAE scale factor × patch size) for this SD3 checkpoint"
             )
         return shape.height // scale, shape.width // scale
+
+    @classmethod
+    def largest_image_side(cls, hf_checkpoint: str | None) -> int | None:
+        """The transformer's learnt position table spans `pos_embed_max_size` patches a side (SD3.5: 384, so
+        6144 px; the `shapes` base: 16, so 64 px)."""
+        transformer, vae = (read_component_config(hf_checkpoint, name) for name in ("transformer", "vae"))
+        if not transformer or not vae or not transformer.get("pos_embed_max_size"):
+            return None
+        vae_scale = 2 ** (len(vae.get("block_out_channels", (0,) * 4)) - 1)  # the pipeline's vae_scale_factor
+        return int(transformer["pos_embed_max_size"]) * int(transformer.get("patch_size", 2)) * vae_scale
 
     def latent_sample_shape(self, pipe: Any, shape: GenerationShape) -> tuple[int, int, int]:
         return (pipe.transformer.config.in_channels, *self.latent_grid(pipe, shape))

@@ -331,6 +331,16 @@ def test_a_pipeline_that_is_a_file_broken_or_offline_and_uncached_is_one_line(pr
     assert "the hub cache does not hold it" in error(prompts, tmp_path, "--hf-checkpoint", "someone/elsewhere")
 
 
+def test_an_image_larger_than_the_checkpoint_makes_is_one_line(prompts, tmp_path):
+    from miles.tasks.shapes import PRETRAINED_SD3
+
+    flags = ("--hf-checkpoint", PRETRAINED_SD3, "--diffusion-height", "64", "--diffusion-width")
+    check(prompts, tmp_path, *flags, "64")  # the base's 16 patches of 2 latents of 2 px a side
+    assert error(prompts, tmp_path, *flags, "80") == (
+        f"--diffusion-width 80 is larger than --hf-checkpoint {PRETRAINED_SD3!r} can make: at most 64 px a side "
+        "(its transformer's position table)")
+
+
 @pytest.mark.parametrize("flags, message", [
     (("--diffusion-height", "8192"), "--diffusion-height 8192 exceeds the engines' --sglang-max-image-size 4096"),
     (("--sglang-max-image-size", "256"), "--diffusion-height 512 exceeds the engines' --sglang-max-image-size 256"),

@@ -161,6 +161,20 @@ def test_size_not_divisible_is_a_user_error(family, pipe):
         family.prepare_latents(pipe, GenerationShape(height=36, width=32), generators_from_seeds([0]), torch.float32)
 
 
+def test_largest_image_side_is_where_the_transformers_position_table_ends(family, pipe, tiny_checkpoint):
+    largest = family.largest_image_side(tiny_checkpoint("sd3"))
+    assert largest == pipe.transformer.config.pos_embed_max_size * 2 * pipe.vae_scale_factor
+    step = 2 * pipe.vae_scale_factor  # the smallest size change the DiT's patches allow
+
+    def latents(side: int) -> torch.Tensor:
+        return torch.zeros(1, pipe.transformer.config.in_channels, side // pipe.vae_scale_factor, step // 2)
+
+    pipe.transformer.pos_embed(latents(largest))  # the largest side fits the table
+    with pytest.raises(ValueError, match="pos_embed_max_size"):
+        pipe.transformer.pos_embed(latents(largest + step))
+    assert family.largest_image_side("stabilityai/stable-diffusion-3.5-medium") is None  # a hub id: not read
+
+
 def test_encode_images_is_the_inverse_of_decode(family, pipe):
     from miles.models.common import vae_output_to_uint8
     from miles.testing.sft import check_encode_images, gradient_pixels, vae_input
