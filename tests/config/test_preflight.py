@@ -331,6 +331,26 @@ def test_a_pipeline_that_is_a_file_broken_or_offline_and_uncached_is_one_line(pr
     assert "the hub cache does not hold it" in error(prompts, tmp_path, "--hf-checkpoint", "someone/elsewhere")
 
 
+def test_rows_their_reward_cannot_score_are_one_line_with_the_file_and_line(prompts, tmp_path):
+    from miles.tasks.shapes.data import write_prompt_files
+
+    train, heldout = write_prompt_files(str(tmp_path / "shapes"))
+    check(train, tmp_path, "--rm-type", "shapes", "--eval-prompt-data", "heldout", heldout)
+    # a plain prompt file (no scenes) under the shapes reward: its first row names what is missing
+    assert error(prompts, tmp_path, "--rm-type", "shapes") == (
+        f"--prompt-data {prompts}:1: reward 'shapes' cannot score this row: shapes metadata: 'tag' must be one of "
+        "('single', 'counting', 'two_object', 'position'), got None; write the prompts with "
+        "`python -m miles.tasks.shapes.data`")
+    assert f"--eval-prompt-data plain {prompts}:1: reward 'shapes'" in error(
+        train, tmp_path, "--rm-type", "shapes", "--eval-prompt-data", "plain", prompts)
+    # a row routed to the shapes reward by its own rm_type is checked too; --custom-rm-path rows are not
+    routed = tmp_path / "routed.jsonl"
+    routed.write_text('{"input": "a cat", "metadata": {"rm_type": "shapes", "tag": "single"}}\n')
+    assert f"{routed}:1: reward 'shapes' cannot score this row: shapes metadata: 'objects'" in error(
+        str(routed), tmp_path)
+    check(prompts, tmp_path, "--rm-type", "shapes", "--custom-rm-path", "miles.rollout.rm_hub.builtin.brightness_rm")
+
+
 def test_an_image_larger_than_the_checkpoint_makes_is_one_line(prompts, tmp_path):
     from miles.tasks.shapes import PRETRAINED_SD3
 

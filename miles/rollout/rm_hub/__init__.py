@@ -74,6 +74,21 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 }
 
 
+def _shapes_row_check(metadata: Any) -> None:
+    from miles.tasks.shapes.spec import scene_from_metadata
+
+    try:
+        scene_from_metadata(metadata)
+    except ValueError as err:
+        raise ValueError(f"{err}; write the prompts with `python -m miles.tasks.shapes.data`") from None
+
+
+# The built-in rewards that read each prompt row's metadata, with what they need of it (a ValueError saying what
+# is missing): the preflight runs these on the first rows of every prompt file, so a row the reward cannot score
+# fails before Ray starts, naming the file and line, not in the first rollout.
+ROW_METADATA_CHECKS: dict[str, Callable[[Any], None]] = {"shapes": _shapes_row_check}
+
+
 def _model_pool_getter(rm_type: str) -> Callable[[Any], Any] | None:
     """The pool getter of a reward that loads a model into workers, or None for the others."""
     if rm_type == "pickscore":
