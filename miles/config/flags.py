@@ -66,8 +66,16 @@ def comma_list(text: str) -> list[str]:
     return items
 
 
-REWARD_TYPE_NAMES = ("pickscore", "ocr", "remote_rm", "jpeg_compressibility", "brightness", "clipscore", "aesthetic",
-                     "vlm_judge", "geneval", "shapes")
+# Each built-in reward and what it gives a sample: None a float (one component, named after the reward), a tuple
+# the keys of its dict (tests/rollout/test_rm_shapes.py holds `shapes` to its), RUNTIME_KEYS a value its service
+# decides at run time.
+RUNTIME_KEYS = "decided by its service"
+BUILTIN_REWARD_OUTPUTS: dict[str, tuple[str, ...] | str | None] = {
+    "pickscore": None, "ocr": None, "remote_rm": RUNTIME_KEYS, "jpeg_compressibility": None, "brightness": None,
+    "clipscore": None, "aesthetic": None, "vlm_judge": None, "geneval": RUNTIME_KEYS,
+    "shapes": ("shapes", "shapes_correct"),
+}
+REWARD_TYPE_NAMES = tuple(BUILTIN_REWARD_OUTPUTS)
 
 
 class RewardTypeChoices(tuple):

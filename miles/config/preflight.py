@@ -48,7 +48,7 @@ def check_run_inputs(args: argparse.Namespace) -> ResumePoint:
     _check_prompt_files(args)
     _check_hooks(args)
     _check_reward_is_named(args)
-    _check_reward_metadata(args)
+    _check_row_rewards(args)
     for flag, path in (("--save", args.save), ("--output-dir", args.output_dir)):
         if path:
             check_writable_folder(path, flag)
@@ -179,25 +179,31 @@ def _check_reward_is_named(args: argparse.Namespace) -> None:
                          "--rm-type pickscore) or --custom-rm-path, or give the prompt rows a metadata.rm_type")
 
 
-def _check_reward_metadata(args: argparse.Namespace) -> None:
-    """The first rows of each prompt file carry the metadata their reward reads (`ROW_METADATA_CHECKS`: the
-    `shapes` scene); a row's reward is its `metadata.rm_type`, else --rm-type unless --custom-rm-path scores it."""
+def _check_row_rewards(args: argparse.Namespace) -> None:
+    """The rewards the first rows of each prompt file go to (a row's `metadata.rm_type`, else --rm-type unless
+    --custom-rm-path scores it): each row carries the metadata its reward reads (`ROW_METADATA_CHECKS`: the
+    `shapes` scene), and a row's own reward of several components has its scalar named (`check_reward_selection`)."""
     from itertools import islice
 
+    from miles.config.reward_rules import check_reward_selection
     from miles.rollout.data_source import iter_prompt_rows
     from miles.rollout.rm_hub import ROW_METADATA_CHECKS, split_reward_spec
 
-    if args.loss_type == "sft_loss" or args.disable_rollout_global_dataset:
+    if args.loss_type == "sft_loss" or args.train_only or args.disable_rollout_global_dataset:
         return
     default_spec = None if args.custom_rm_path else args.rm_type
     input_key, metadata_key = args.input_key or "input", args.metadata_key or "metadata"
-    files = [("--prompt-data", args.prompt_data, input_key)] if args.prompt_data else []
-    files += [(f"--eval-prompt-data {name}", path, args.eval_input_key or input_key)
+    files = [("--prompt-data", args.prompt_data, input_key, False)] if args.prompt_data else []
+    files += [(f"--eval-prompt-data {name}", path, args.eval_input_key or input_key, True)
               for name, path in args.eval_prompt_data_pairs]
-    for flag, path, key in files:
+    specs: dict[tuple[str, bool], str] = {}  # (spec, evaluation) -> the first row that uses it
+    for flag, path, key, evaluation in files:
         for row in islice(iter_prompt_rows(path, key, metadata_key, flag, input_images=False), PROMPT_ROWS_CHECKED):
             spec = (row.metadata.get("rm_type") if isinstance(row.metadata, dict) else None) or default_spec
-            for rm_type in split_reward_spec(spec or ""):
+            if not spec:
+                continue
+            specs.setdefault((spec, evaluation), f"{flag} {path}:{row.line}")
+            for rm_type in split_reward_spec(spec):
                 check = ROW_METADATA_CHECKS.get(rm_type)
                 try:
                     if check is not None:
@@ -205,6 +211,9 @@ def _check_reward_metadata(args: argparse.Namespace) -> None:
                 except ValueError as err:
                     raise MilesUserError(f"{flag} {path}:{row.line}: reward {rm_type!r} cannot score this row: "
                                          f"{err}") from None
+    for (spec, evaluation), where in specs.items():
+        if spec != default_spec:  # --rm-type's own is a flag rule (validation)
+            check_reward_selection(args, spec, evaluation, f"{where}'s metadata.rm_type")
 
 
 def _condition_image_check(args: argparse.Namespace):

@@ -17,6 +17,7 @@ from typing import Callable
 from miles.config.batch_geometry import batch_geometry, step_strategy
 from miles.utils.errors import MilesUserError
 from miles.config.flags import REWARD_TYPE_NAMES, all_flags
+from miles.config.reward_rules import check_reward_selection, reward_components
 
 # The command line's logger: these warnings keep the name users (and tests) filter on.
 logger = logging.getLogger(__name__)
@@ -368,19 +369,17 @@ def _rule_reward(args: argparse.Namespace) -> None:
     if args.reward_weights and args.reward_key:
         _fail(f"--reward-key {args.reward_key!r} and --reward-weights exclude each other: the trained reward is one "
               "component or their weighted sum")
-    # Rewards that may return dicts with keys of their own; without them every component is named by its reward.
+    # Rewards that may return dicts with keys of their own; without them every component is a built-in's.
     free_keys = bool(args.custom_rm_path or args.rm_url or args.geneval_url)
     if args.reward_weights and not free_keys:
-        unknown = sorted(set(args.reward_weights) - set(REWARD_TYPE_NAMES))
+        known = sorted({key for name in REWARD_TYPE_NAMES for key in reward_components(name) or ()})
+        unknown = sorted(set(args.reward_weights) - set(known))
         if unknown:
-            _fail(f"--reward-weights names {unknown}, which no reward produces: a component is a reward's name "
-                  f"({', '.join(REWARD_TYPE_NAMES)}) or a key of a dict reward (--custom-rm-path, remote_rm)")
-    if len(rm_types) > 1 and not args.custom_rm_path:
-        if not args.reward_weights and not args.reward_key:
-            _fail(f"--rm-type {args.rm_type} gives {len(rm_types)} reward components per sample: set --reward-weights "
-                  f"(e.g. {'=1,'.join(rm_types)}=1) or --reward-key (one of them)")
-        if args.reward_key and args.reward_key not in rm_types and not free_keys:
-            _fail(f"--reward-key {args.reward_key!r} is none of the --rm-type components {rm_types}")
+            _fail(f"--reward-weights names {unknown}, which no reward produces: a component is a built-in reward's "
+                  f"({', '.join(known)}) or a key of a dict reward (--custom-rm-path, remote_rm)")
+    if rm_types and not args.custom_rm_path:
+        for evaluation in (False, True):
+            check_reward_selection(args, args.rm_type, evaluation, "--rm-type")
 
 
 def _rule_eval(args: argparse.Namespace) -> None:

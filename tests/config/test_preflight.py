@@ -335,20 +335,45 @@ def test_rows_their_reward_cannot_score_are_one_line_with_the_file_and_line(prom
     from miles.tasks.shapes.data import write_prompt_files
 
     train, heldout = write_prompt_files(str(tmp_path / "shapes"))
-    check(train, tmp_path, "--rm-type", "shapes", "--eval-prompt-data", "heldout", heldout)
+    check(train, tmp_path, "--rm-type", "shapes", "--reward-key", "shapes", "--eval-prompt-data", "heldout", heldout)
     # a plain prompt file (no scenes) under the shapes reward: its first row names what is missing
-    assert error(prompts, tmp_path, "--rm-type", "shapes") == (
+    assert error(prompts, tmp_path, "--rm-type", "shapes", "--reward-key", "shapes") == (
         f"--prompt-data {prompts}:1: reward 'shapes' cannot score this row: shapes metadata: 'tag' must be one of "
         "('single', 'counting', 'two_object', 'position'), got None; write the prompts with "
         "`python -m miles.tasks.shapes.data`")
     assert f"--eval-prompt-data plain {prompts}:1: reward 'shapes'" in error(
-        train, tmp_path, "--rm-type", "shapes", "--eval-prompt-data", "plain", prompts)
+        train, tmp_path, "--rm-type", "shapes", "--reward-key", "shapes", "--eval-prompt-data", "plain", prompts)
     # a row routed to the shapes reward by its own rm_type is checked too; --custom-rm-path rows are not
     routed = tmp_path / "routed.jsonl"
     routed.write_text('{"input": "a cat", "metadata": {"rm_type": "shapes", "tag": "single"}}\n')
     assert f"{routed}:1: reward 'shapes' cannot score this row: shapes metadata: 'objects'" in error(
         str(routed), tmp_path)
     check(prompts, tmp_path, "--rm-type", "shapes", "--custom-rm-path", "miles.rollout.rm_hub.builtin.brightness_rm")
+
+
+def test_a_reward_of_several_components_needs_its_scalar_named_before_ray_starts(prompts, tmp_path):
+    from miles.tasks.shapes.data import write_prompt_files
+
+    train, heldout = write_prompt_files(str(tmp_path / "shapes"))
+    assert error(train, tmp_path, "--rm-type", "shapes") == (
+        "--rm-type shapes gives 2 reward components per sample (shapes, shapes_correct): set --reward-weights (e.g. "
+        "shapes=1,shapes_correct=1) or --reward-key (one of them)")
+    assert error(train, tmp_path, "--rm-type", "shapes", "--reward-key", "shape") == (
+        "--reward-key 'shape' is none of the components of --rm-type shapes: ['shapes', 'shapes_correct']")
+    eval_flags = ("--rm-type", "shapes", "--reward-key", "shapes", "--eval-prompt-data", "heldout", heldout)
+    check(train, tmp_path, *eval_flags, "--eval-reward-key", "shapes_correct")
+    assert "--eval-reward-key 'correct' is none of the components of --rm-type shapes" in error(
+        train, tmp_path, *eval_flags, "--eval-reward-key", "correct")
+    check(train, tmp_path, "--rm-type", "shapes", "--reward-weights", "shapes=1,shapes_correct=0.5")
+    check(prompts, tmp_path, "--rm-type", "remote_rm", "--rm-url", "http://127.0.0.1:1")  # its service decides
+    # a row routed to a reward of several components by its own rm_type, with no key for it
+    routed = tmp_path / "routed.jsonl"
+    routed.write_text('{"input": "a cat", "metadata": {"rm_type": "brightness,jpeg_compressibility"}}\n')
+    assert error(str(routed), tmp_path, "--rm-type", "brightness") == (
+        f"--prompt-data {routed}:1's metadata.rm_type brightness,jpeg_compressibility gives 2 reward components per "
+        "sample (brightness, jpeg_compressibility): set --reward-weights (e.g. brightness=1,jpeg_compressibility=1) or "
+        "--reward-key (one of them)")
+    check(str(routed), tmp_path, "--rm-type", "brightness", "--reward-key", "brightness")
 
 
 def test_an_image_larger_than_the_checkpoint_makes_is_one_line(prompts, tmp_path):

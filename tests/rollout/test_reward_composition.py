@@ -151,8 +151,8 @@ def test_command_line_rules():
     assert args.rm_type == "ocr,brightness" and args.reward_weights == {"ocr": 1.0, "brightness": 0.5}
     assert parse_args([*BASE, "--rm-type", "ocr,brightness", "--reward-key", "ocr"]).reward_key == "ocr"
     assert "set --reward-weights (e.g. ocr=1,brightness=1) or --reward-key" in _error("--rm-type", "ocr,brightness")
-    assert "--reward-key 'x' is none of the --rm-type components" in _error("--rm-type", "ocr,brightness",
-                                                                           "--reward-key", "x")
+    assert "--reward-key 'x' is none of the components of --rm-type ocr,brightness" in _error(
+        "--rm-type", "ocr,brightness", "--reward-key", "x")
     assert "--reward-weights names ['x'], which no reward produces" in _error("--reward-weights", "x=1")
     assert "exclude each other" in _error("--reward-weights", "ocr=1", "--reward-key", "ocr")
     assert "--reward-weights: expected name=weight pairs" in _error("--reward-weights", "ocr")

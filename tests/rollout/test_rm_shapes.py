@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from miles.config.flags import BUILTIN_REWARD_OUTPUTS
 from miles.rollout.rm_hub import batched_async_rm, reward_value
 from miles.tasks.shapes.render import render
 from miles.tasks.shapes.spec import all_scenes
@@ -28,6 +29,7 @@ def test_renders_score_one_and_a_blank_zero():
     rewards = asyncio.run(batched_async_rm(args, samples))
     assert rewards[:-1] == [{"shapes": 1.0, "shapes_correct": 1.0}] * len(scenes)
     assert rewards[-1] == {"shapes": 0.0, "shapes_correct": 0.0}
+    assert tuple(rewards[0]) == BUILTIN_REWARD_OUTPUTS["shapes"]  # the keys the command-line rules know
     assert reward_value(args, rewards[0]) == 1.0 and reward_value(args, rewards[-1], evaluation=True) == 0.0
 
 
