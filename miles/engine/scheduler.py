@@ -36,6 +36,7 @@ class _Job:
     future: asyncio.Future
     trajectory: Trajectory | None = None
     admitted_at: float = field(default_factory=time.perf_counter)
+    step_clock_at_start: float = 0.0  # the engine's `step_seconds` when this request's trajectory started
 
 
 @dataclass
@@ -174,6 +175,7 @@ class StepScheduler:
             except Exception as err:
                 self._fail(job, err)
                 continue
+            job.step_clock_at_start = self.counters.step_seconds
             self._active.append(job)
 
     def _drop_cancelled(self) -> None:
@@ -214,6 +216,10 @@ class StepScheduler:
             return
         self.counters.decode_seconds += time.perf_counter() - began
         response.timings["queue"] = job.trajectory.started_at - job.admitted_at
+        # the engine's step time from this request's start to its end, whoever's steps ran (waves, other requests):
+        # the rollout side takes each engine's span over its requests as that engine's denoising time
+        response.timings["step_clock_start"] = job.step_clock_at_start
+        response.timings["step_clock_end"] = self.counters.step_seconds
         self.counters.samples_total += job.trajectory.num_samples
         if not job.future.done():
             job.future.set_result(response)

@@ -146,6 +146,7 @@ class _Rollout:
         self.group_rm = config.reward.group_rm
         # engine-side seconds of this rollout's requests: where a rollout's time goes (bench/RESULTS.md)
         self.engine_seconds = {"denoise": 0.0, "decode": 0.0, "request": 0.0, "compile": 0.0}
+        self.engine_step_clocks: dict[str, tuple[float, float]] = {}  # engine url -> its step clock's span
 
     async def generate_group(self, group: list[Sample], group_index: int, group_size: int) -> list[Sample]:
         """Generate and score one prompt group (its microgroups run concurrently)."""
@@ -195,17 +196,9 @@ class _Rollout:
                 raise EngineRequestError(f"engine {engine_url} returned {len(response.samples)} samples for {len(samples)}")
             for sample, result in zip(samples, response.samples):
                 result.fill_sample(sample, request, response.weight_version, engine_url)
-            self._add_engine_timings(response.timings)
+            add_engine_timings(self.engine_seconds, self.engine_step_clocks, response.timings, engine_url)
         if not self.group_rm:
             await self.score(samples)
-
-    def _add_engine_timings(self, timings: dict[str, float]) -> None:
-        """Concurrent requests denoise together (the longest counts) but decode one after another (they add)."""
-        seconds = self.engine_seconds
-        seconds["denoise"] = max(seconds["denoise"], float(timings.get("denoise", 0.0)))
-        seconds["compile"] = max(seconds["compile"], float(timings.get("compile", 0.0)))  # in denoise and decode
-        seconds["decode"] += float(timings.get("decode", 0.0))
-        seconds["request"] = max(seconds["request"], float(timings.get("total", 0.0)) + float(timings.get("queue", 0.0)))
 
     async def score(self, samples: list[Sample]) -> None:
         unscored = [s for s in samples if s.reward is None]
@@ -214,6 +207,24 @@ class _Rollout:
         rewards = await batched_async_rm(self.config, unscored, evaluation=self.evaluation)
         for sample, reward in zip(unscored, rewards):
             sample.reward = reward
+
+
+def add_engine_timings(seconds: dict[str, float], step_clocks: dict[str, tuple[float, float]],
+                       timings: dict[str, float], engine_url: str) -> None:
+    """Add one response's engine timings to a rollout's `seconds`. An engine's requests decode one after another
+    (they add); its denoising time is the span of its step clock over the rollout's requests (`step_clocks`:
+    requests that share steps count them once, waves one after another add up), the slowest engine's; a request's
+    own steps where the engine gives no clock. The request time is the longest request's, queue included."""
+    if "step_clock_end" in timings:
+        start, end = float(timings.get("step_clock_start", 0.0)), float(timings["step_clock_end"])
+        first, last = step_clocks.get(engine_url, (start, end))
+        step_clocks[engine_url] = span = (min(first, start), max(last, end))
+        seconds["denoise"] = max(seconds["denoise"], span[1] - span[0])
+    else:
+        seconds["denoise"] = max(seconds["denoise"], float(timings.get("denoise", 0.0)))
+    seconds["compile"] = max(seconds["compile"], float(timings.get("compile", 0.0)))  # in denoise and decode
+    seconds["decode"] += float(timings.get("decode", 0.0))
+    seconds["request"] = max(seconds["request"], float(timings.get("total", 0.0)) + float(timings.get("queue", 0.0)))
 
 
 def _get_groups(data_source, num_groups: int, rollout_id: int) -> list[list[Sample]]:

@@ -195,12 +195,20 @@ def test_rollout_gradient_requests_run_in_waves_with_the_same_gradients(tiny_che
         scheduler = StepScheduler(runner(), max_batch_size=32, batch_wait_ms=20.0, gradient_wave=wave)
         scheduler.start()
         try:
-            await asyncio.gather(*(scheduler.generate(request(seed)) for seed in (100, 200, 300)))
+            responses = await asyncio.gather(*(scheduler.generate(request(seed)) for seed in (100, 200, 300)))
         finally:
             await scheduler.stop()
         coefficients = {seed + b: 0.1 * (seed // 100) - 0.05 * b for seed in (100, 200, 300) for b in range(2)}
         gradient, held = scheduler.runner.rollout_gradients.policy_gradient(coefficients)
         assert held == 6
+        # each request's step clock spans the engine's steps from its start to its end: waves one after another,
+        # requests of one wave the same steps; over all of them, the engine's whole denoising time
+        spans = sorted((r.timings["step_clock_start"], r.timings["step_clock_end"]) for r in responses)
+        assert spans[0][0] == 0.0 and max(end for _, end in spans) == scheduler.counters.step_seconds
+        if wave:
+            assert all(earlier[1] <= later[0] for earlier, later in zip(spans, spans[1:]))
+        else:
+            assert len(set(spans)) == 1
         return scheduler.counters.max_forward_samples, gradient
 
     largest_wave, in_waves = asyncio.run(rollout(2))

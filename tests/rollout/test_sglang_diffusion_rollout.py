@@ -16,7 +16,12 @@ from miles.engine.server import EngineServer
 from miles.engine.server_args import ServerArgs
 from miles.rollout.data_source import RolloutDataSourceWithBuffer
 from miles.rollout.eval_config import EvalDataset
-from miles.rollout.sglang_diffusion_rollout import generate_rollout, generate_rollout_async, run_sync
+from miles.rollout.sglang_diffusion_rollout import (
+    add_engine_timings,
+    generate_rollout,
+    generate_rollout_async,
+    run_sync,
+)
 from miles.rollout.step_strategy_hub import request_seed
 from miles.router.router import Router, RouterConfig
 from miles.testing.config import hook_args
@@ -84,6 +89,24 @@ def test_rollout_returns_scored_group_contiguous_samples(stack, prompt_file):
             assert isinstance(sample.reward, float) and 0.0 <= sample.reward <= 1.0
             assert sample.image.shape == (1, 32, 32, 3) and sample.engine_url == stack.engine_url
             assert sample.rollout_log_probs.shape == (1,) and sample.conditioning
+
+
+def test_the_engines_denoising_time_is_its_step_clock_over_the_rollout(stack, prompt_file):
+    clock_before = stack.engine.scheduler.counters.step_seconds
+    groups = generate_rollout(_args(stack, prompt_file), 0, RolloutDataSourceWithBuffer(_args(stack, prompt_file)))
+    denoise = groups.metrics["rollout/engine_denoise_seconds"]
+    # its one engine ran only this rollout's steps, whichever requests shared them
+    assert denoise == pytest.approx(stack.engine.scheduler.counters.step_seconds - clock_before, abs=1e-9)
+    assert 0 < denoise < groups.metrics["rollout/engine_request_seconds"]
+
+
+def test_engine_timings_count_shared_steps_once_and_waves_one_after_another():
+    seconds, clocks = {"denoise": 0.0, "decode": 0.0, "request": 0.0, "compile": 0.0}, {}
+    for url, start, end in [("a", 10.0, 12.0), ("a", 10.0, 12.0),  # engine a: two requests sharing their steps
+                            ("a", 12.0, 14.5), ("b", 3.0, 4.0)]:  # then a second wave; engine b: one request
+        add_engine_timings(seconds, clocks, {"step_clock_start": start, "step_clock_end": end, "decode": 0.25,
+                                             "total": end - start + 0.25, "queue": start - 10.0}, url)
+    assert seconds == {"denoise": 4.5, "decode": 1.0, "request": 4.75, "compile": 0.0}
 
 
 def test_microgroup_size_does_not_change_samples(stack, prompt_file):
