@@ -198,7 +198,9 @@ def engine_graphs(out: str) -> int | None:
 
 
 def run_miles(opts, checkpoint: str, prompt_file: str, lora: bool, mode: str, workdir: str) -> dict:
-    launches = opts.compiled_launches if mode.startswith("compiled") else 1  # the first compiled launch fills the caches
+    """The last launch's row; a compiled mode's earlier launches fill the compile caches, and --rows-jsonl gets
+    each of their rows too (a call cut short in the last launch keeps the first's)."""
+    launches = opts.compiled_launches if mode.startswith("compiled") else 1
     for launch in range(launches):
         out = os.path.join(workdir, f"miles-{'lora' if lora else 'full'}-{mode}-{launch}")
         shutil.rmtree(out, ignore_errors=True)  # a reused --workdir: this launch's metrics only
@@ -218,13 +220,22 @@ def run_miles(opts, checkpoint: str, prompt_file: str, lora: bool, mode: str, wo
             print(f"  miles {'lora' if lora else 'full'} {mode} launch {launch} rollout {r['rollout_id']}: " +
                   " ".join(f"{k[5:]}={v:.2f}" for k, v in r.items() if k.startswith("perf/") and k.endswith("_time")),
                   flush=True)
+        row = launch_row(iterations, memory.gib, wall, out)
+        if launch < launches - 1:
+            record_row(opts, lora, f"miles {mode}, launch {launch + 1} of {launches} (cold caches)", row)
+    return row
+
+
+def launch_row(iterations: list[dict], peak_gib: float | None, wall: float, out: str) -> dict:
+    """One launch's row from its per-iteration records: the steady iterations' means, its start-up and first
+    iteration split into their parts."""
     steady = iterations[1:] or iterations
     mean = lambda key: sum(r.get(key, 0.0) for r in steady) / len(steady)  # noqa: E731
     return {
         "iteration": mean("perf/iteration_time"),
         "phases": {phase: mean(f"perf/{phase}_time") for phase in PHASES if any(f"perf/{phase}_time" in r for r in steady)},
         "unaccounted": mean("perf/unaccounted_time"),
-        "peak_gib": memory.gib,
+        "peak_gib": peak_gib,
         "startup": iterations[0].get("perf/startup_time"),
         "engine_load": iterations[0].get("perf/engine_load_s"),
         "startup_parts": {key[len("perf/startup/"):-len("_time")]: value for key, value in iterations[0].items()
