@@ -182,7 +182,8 @@ def _check_reward_is_named(args: argparse.Namespace) -> None:
 def _check_row_rewards(args: argparse.Namespace) -> None:
     """The rewards the first rows of each prompt file go to (a row's `metadata.rm_type`, else --rm-type unless
     --custom-rm-path scores it): each row carries the metadata its reward reads (`ROW_METADATA_CHECKS`: the
-    `shapes` scene), and a row's own reward of several components has its scalar named (`check_reward_selection`)."""
+    `shapes` scene), and a reward of several components that a row's own rm_type or an eval set's rows use has its
+    scalar named (`check_reward_selection`)."""
     from itertools import islice
 
     from miles.config.reward_rules import check_reward_selection
@@ -212,8 +213,10 @@ def _check_row_rewards(args: argparse.Namespace) -> None:
                     raise MilesUserError(f"{flag} {path}:{row.line}: reward {rm_type!r} cannot score this row: "
                                          f"{err}") from None
     for (spec, evaluation), where in specs.items():
-        if spec != default_spec:  # --rm-type's own is a flag rule (validation)
+        if spec != default_spec:
             check_reward_selection(args, spec, evaluation, f"{where}'s metadata.rm_type")
+        elif evaluation:  # training under --rm-type is a flag rule (validation)
+            check_reward_selection(args, spec, evaluation, "--rm-type")
 
 
 def _condition_image_check(args: argparse.Namespace):

@@ -377,9 +377,8 @@ def _rule_reward(args: argparse.Namespace) -> None:
         if unknown:
             _fail(f"--reward-weights names {unknown}, which no reward produces: a component is a built-in reward's "
                   f"({', '.join(known)}) or a key of a dict reward (--custom-rm-path, remote_rm)")
-    if rm_types and not args.custom_rm_path:
-        for evaluation in (False, True):
-            check_reward_selection(args, args.rm_type, evaluation, "--rm-type")
+    if rm_types and not args.custom_rm_path:  # the eval sets' rewards: the preflight, which reads their rows
+        check_reward_selection(args, args.rm_type, False, "--rm-type")
 
 
 def _rule_eval(args: argparse.Namespace) -> None:
