@@ -170,10 +170,11 @@ def _check_reward_is_named(args: argparse.Namespace) -> None:
         from itertools import islice
 
         from miles.rollout.data_source import iter_prompt_rows
+        from miles.rollout.rm_hub import reward_spec
 
         rows = islice(iter_prompt_rows(args.prompt_data, args.input_key or "input", args.metadata_key or "metadata",
                                        "--prompt-data", input_images=False), PROMPT_ROWS_CHECKED)
-        if any(isinstance(row.metadata, dict) and row.metadata.get("rm_type") for row in rows):
+        if any(reward_spec(row.metadata, None, None) for row in rows):
             return
     raise MilesUserError(f"--loss-type {args.loss_type} needs a reward and none is named: set --rm-type (e.g. "
                          "--rm-type pickscore) or --custom-rm-path, or give the prompt rows a metadata.rm_type")
@@ -188,7 +189,7 @@ def _check_row_rewards(args: argparse.Namespace) -> None:
 
     from miles.config.reward_rules import check_reward_selection
     from miles.rollout.data_source import iter_prompt_rows
-    from miles.rollout.rm_hub import ROW_METADATA_CHECKS, split_reward_spec
+    from miles.rollout.rm_hub import CUSTOM_RM_TYPE, ROW_METADATA_CHECKS, reward_spec, split_reward_spec
 
     if args.loss_type == "sft_loss" or args.train_only or args.disable_rollout_global_dataset:
         return
@@ -200,8 +201,8 @@ def _check_row_rewards(args: argparse.Namespace) -> None:
     specs: dict[tuple[str, bool], str] = {}  # (spec, evaluation) -> the first row that uses it
     for flag, path, key, evaluation in files:
         for row in islice(iter_prompt_rows(path, key, metadata_key, flag, input_images=False), PROMPT_ROWS_CHECKED):
-            spec = (row.metadata.get("rm_type") if isinstance(row.metadata, dict) else None) or default_spec
-            if not spec:
+            spec = reward_spec(row.metadata, args.rm_type, args.custom_rm_path)
+            if spec in (None, CUSTOM_RM_TYPE):
                 continue
             specs.setdefault((spec, evaluation), f"{flag} {path}:{row.line}")
             for rm_type in split_reward_spec(spec):

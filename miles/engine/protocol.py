@@ -288,7 +288,7 @@ class GenerateResponse:
     request_id: str
     weight_version: int
     samples: list[SampleResult]
-    timings: dict[str, float] = field(default_factory=dict)  # engine-side seconds: queue, denoise, decode
+    timings: dict[str, float] = field(default_factory=dict)  # engine-side seconds: queue, denoise, decode, step clock
 
 
 def encode_request(request: GenerateRequest) -> bytes:

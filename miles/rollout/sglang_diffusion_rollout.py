@@ -213,15 +213,13 @@ def add_engine_timings(seconds: dict[str, float], step_clocks: dict[str, tuple[f
                        timings: dict[str, float], engine_url: str) -> None:
     """Add one response's engine timings to a rollout's `seconds`. An engine's requests decode one after another
     (they add); its denoising time is the span of its step clock over the rollout's requests (`step_clocks`:
-    requests that share steps count them once, waves one after another add up), the slowest engine's; a request's
-    own steps where the engine gives no clock. The request time is the longest request's, queue included."""
-    if "step_clock_end" in timings:
-        start, end = float(timings.get("step_clock_start", 0.0)), float(timings["step_clock_end"])
+    requests that share steps count them once, waves one after another add up), the slowest engine's. The request
+    time is the longest request's, queue included."""
+    if "step_clock_end" in timings:  # every engine's scheduler gives it
+        start, end = float(timings["step_clock_start"]), float(timings["step_clock_end"])
         first, last = step_clocks.get(engine_url, (start, end))
         step_clocks[engine_url] = span = (min(first, start), max(last, end))
         seconds["denoise"] = max(seconds["denoise"], span[1] - span[0])
-    else:
-        seconds["denoise"] = max(seconds["denoise"], float(timings.get("denoise", 0.0)))
     seconds["compile"] = max(seconds["compile"], float(timings.get("compile", 0.0)))  # in denoise and decode
     seconds["decode"] += float(timings.get("decode", 0.0))
     seconds["request"] = max(seconds["request"], float(timings.get("total", 0.0)) + float(timings.get("queue", 0.0)))

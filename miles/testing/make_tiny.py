@@ -9,9 +9,8 @@
 Each family's builder lives in `miles/testing/tiny/<family>.py` and exposes `build(out_dir, seed)`; a family
 with several published layouts lists them in `VARIANTS` and takes `build(out_dir, seed, variant=...)`
 (`--variant`; flux: flux (default), kontext; wan2_2: a14b (default), ti2v_5b, wan2_1; ltx: ltx-video (default),
-ltx2, ltx2_i2v; qwen_image: qwen_image (default), edit; sd3: sd3 (default), wide). It creates locally built tokenizers (no hub), random
-weights from a fixed seed, and saves with
-`save_pretrained`, so the result loads through the same `from_pretrained` path as a real checkpoint.
+ltx2, ltx2_i2v; qwen_image: qwen_image (default), edit; sd3: sd3 (default), wide). It creates locally built
+tokenizers (no hub), random weights from a fixed seed, and saves with `save_pretrained`, so the result loads through the same `from_pretrained` path as a real checkpoint.
 
 `--real-size` (sd3: SD3.5-Medium; wan2_2: Wan2.2-TI2V-5B) calls the family's `build_real_size` instead: the
 published transformer and VAE configs (`miles/testing/real_size.py`) and text encoders of the real output

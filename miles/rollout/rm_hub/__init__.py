@@ -75,12 +75,9 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 
 
 def _shapes_row_check(metadata: Any) -> None:
-    from miles.tasks.shapes.spec import scene_from_metadata
+    from miles.rollout.rm_hub.shapes import scene_of
 
-    try:
-        scene_from_metadata(metadata)
-    except ValueError as err:
-        raise ValueError(f"{err}; write the prompts with `python -m miles.tasks.shapes.data`") from None
+    scene_of(metadata)
 
 
 # The built-in rewards that read each prompt row's metadata, with what they need of it (a ValueError saying what
@@ -147,14 +144,19 @@ def load_custom_rm(path: str) -> RewardFn:
     return fn
 
 
+def reward_spec(metadata: Any, rm_type: str | None, custom_rm_path: str | None) -> str | None:
+    """The reward a sample (or its prompt row) goes to: its `metadata.rm_type`, else the custom reward under
+    --custom-rm-path, else --rm-type; None when none is named. The preflight reads prompt rows by this rule too."""
+    own = metadata.get("rm_type") if isinstance(metadata, dict) else None
+    if own:
+        return str(own)
+    return CUSTOM_RM_TYPE if custom_rm_path else (rm_type or None)
+
+
 def _reward_type(reward_config: RewardConfig, sample: Sample) -> str:
-    rm_type = sample.metadata.get("rm_type") if isinstance(sample.metadata, dict) else None
-    if rm_type:
-        return str(rm_type)
-    if reward_config.custom_rm_path:
-        return CUSTOM_RM_TYPE
-    if reward_config.rm_type:
-        return reward_config.rm_type
+    spec = reward_spec(sample.metadata, reward_config.rm_type, reward_config.custom_rm_path)
+    if spec:
+        return spec
     raise MilesUserError(
         f"no reward for sample {sample.index} (prompt {sample.prompt[:60]!r}): set --rm-type or --custom-rm-path "
         "(or metadata.rm_type in the prompt data)"

@@ -19,9 +19,18 @@ from typing import Sequence
 from miles.config.sections import RewardConfig
 from miles.rollout.rm_hub.builtin import frames_uint8
 from miles.tasks.shapes.score import score_scene
-from miles.tasks.shapes.spec import scene_from_metadata
+from miles.tasks.shapes.spec import Scene, scene_from_metadata
 from miles.types import Sample
 from miles.utils.errors import MilesUserError
+
+
+def scene_of(metadata) -> Scene:
+    """The scene a prompt row's metadata describes; a ValueError says what is malformed and how to write such rows
+    (the preflight checks the first rows of each prompt file with this)."""
+    try:
+        return scene_from_metadata(metadata)
+    except ValueError as err:
+        raise ValueError(f"{err}; write the prompts with `python -m miles.tasks.shapes.data`") from None
 
 
 async def shapes_rm(reward_config: RewardConfig, samples: Sequence[Sample]) -> list[dict[str, float]]:
@@ -29,10 +38,10 @@ async def shapes_rm(reward_config: RewardConfig, samples: Sequence[Sample]) -> l
     rewards = []
     for sample in samples:
         try:
-            scene = scene_from_metadata(sample.metadata)
+            scene = scene_of(sample.metadata)
         except ValueError as err:
-            raise MilesUserError(f"--rm-type shapes: sample {sample.index} (prompt {sample.prompt[:60]!r}): {err}; "
-                                 "write the prompts with `python -m miles.tasks.shapes.data`") from None
+            raise MilesUserError(f"--rm-type shapes: sample {sample.index} (prompt {sample.prompt[:60]!r}): "
+                                 f"{err}") from None
         score = score_scene(scene, frames_uint8(sample)[0])
         rewards.append({"shapes": score.dense, "shapes_correct": score.correct})
     return rewards
