@@ -30,8 +30,9 @@ when given.
 one-process `miles.tasks.shapes.evaluate` (the plain loop's eval) and `train_diffusion.py`'s eval (`--debug-rollout-only`,
 its eval before the first rollout), each in fp32 and bf16 with the noise drawn on the CPU and on the device, and on
 a GPU the framework once more in bf16 without the exactness group (`--rollout-patch-group none`: its CUDA kernels
-are what the CPU cannot run). The same base read 0.53–0.54 through the framework's eval on one H200 and 0.29–0.32
-on the CPU (bench/RESULTS.md): the table says which switch moves it.
+are what the CPU cannot run). On one H100 (bench/RESULTS.md) each path read the same score as the others on each
+switch, and only where the noise is drawn moved it (0.34–0.36 on CPU noise, 0.44–0.46 on CUDA noise, 25 prompts
+× 2): the plain loop's eval therefore draws its noise on the device, as the framework's does.
 """
 
 from __future__ import annotations
@@ -239,8 +240,10 @@ def run_plain(opts, checkpoint: str, data: str) -> dict:
     def evaluate(rollout: int) -> None:
         nonlocal eval_seconds
         begin = time.time()
+        # the noise drawn where the framework's eval draws it (--diffusion-generator-device): on one base both
+        # evals then score the same images (`--diagnose-start`: CPU and CUDA noise read 0.36 and 0.44 there)
         score = heldout_score(family, pipe, heldout, num_steps=opts.steps, samples_per_prompt=opts.eval_samples,
-                              size=size).correct
+                              size=size, generator_device=device).correct
         eval_seconds += time.time() - begin
         evals.append((rollout, score, time.time() - started, eval_seconds))
 

@@ -2,11 +2,18 @@
 
     python bench/profile_rollout.py --device cuda --compile        # SD3.5-Medium size, random weights
     python bench/profile_rollout.py --device cpu --arch-layers 1 --height 64 --num-images 4 --steps 2
+    python bench/profile_rollout.py --device cuda --compile --rollout-gradient 8 --profile-step  # the no-replay step
 
 The engine's own timers (`rollout/engine_*_seconds`) do not synchronise the device, so queued denoising work
 shows up in whatever waits for it first (the decode). This script drives the same `ModelRunner` methods the
 scheduler calls (start, step, finish) plus the wire encoding, with a device synchronise around each, and times
 the VAE decode of the rollout's latents in a few layouts, so every second of the engine side is attributed.
+
+`--rollout-gradient TILE` runs the requests as `--diffusion-rollout-gradient` does (each SDE step's forward with
+autograd through per-sample LoRA rows, then its backward, a tile of samples at a time; miles/engine/rollout_gradients.py),
+with random rank-`--lora-rank` factors pushed on the family's LoRA targets. `--profile-step` puts one denoising step
+of the timed rollout under torch.profiler and prints its kernels by class (matmul, attention, compiled elementwise,
+other) and the slowest ones; on CUDA each phase's peak allocated memory is printed too.
 """
 
 from __future__ import annotations
@@ -31,16 +38,28 @@ from miles.types import GuidanceConfig  # noqa: E402
 
 
 class Timer:
+    """Each call's seconds, synchronised, and (CUDA) its peak allocated GiB, under the call's name."""
+
     def __init__(self, device: torch.device):
-        self.device, self.rows = device, []
+        self.device, self.rows, self.peaks = device, [], {}
 
     def __call__(self, name: str, fn, *args, **kwargs):
         synchronize(self.device)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
         began = time.perf_counter()
         out = fn(*args, **kwargs)
         synchronize(self.device)
         self.rows.append((name, time.perf_counter() - began))
+        if cuda:
+            key = phase_of(name)
+            self.peaks[key] = max(self.peaks.get(key, 0.0), torch.cuda.max_memory_allocated(self.device) / (1 << 30))
         return out
+
+
+def phase_of(name: str) -> str:
+    return "step (each of the steps)" if name.startswith("step ") else name
 
 
 def requests_for(opts) -> list[GenerateRequest]:
@@ -49,20 +68,80 @@ def requests_for(opts) -> list[GenerateRequest]:
         GenerateRequest(prompt=f"benchmark prompt number {i}", num_samples=m, seed=1000 + i, num_steps=opts.steps,
                         guidance=GuidanceConfig(opts.cfg), height=opts.height, width=opts.width,
                         sde_step_indices=list(range(opts.steps)), return_latent_indices=list(range(opts.steps + 1)),
-                        request_id=str(i))
+                        request_id=str(i), rollout_gradient=bool(opts.rollout_gradient))
         for i in range(0, opts.num_images, m)
     ]
 
 
-def one_rollout(runner: ModelRunner, opts, timer: Timer) -> None:
+def push_random_lora(runner: ModelRunner, rank: int) -> int:
+    """Random rank-`rank` factors on every LoRA target of the transformer, handed to the engine's rollout
+    gradients as the weight sync hands a pushed pair (the merged weight is left as it is: timing only)."""
+    transformer = runner.pipe.transformer
+    targets = runner.family.default_lora_target_modules
+    generator = torch.Generator().manual_seed(0)
+    count = 0
+    for name, layer in transformer.named_modules():
+        if isinstance(layer, torch.nn.Linear) and any(name.endswith(target) for target in targets):
+            a = torch.randn(rank, layer.in_features, generator=generator) / layer.in_features ** 0.5
+            b = torch.randn(layer.out_features, rank, generator=generator) * 1e-3
+            runner.rollout_gradients.set_factors("transformer", name, a.to(runner.device), b.to(runner.device), 1.0)
+            count += 1
+    return count
+
+
+def one_rollout(runner: ModelRunner, opts, timer: Timer, profile_step: int | None = None) -> None:
+    if runner.rollout_gradients is not None:
+        runner.rollout_gradients.new_weights()  # the previous rollout's kept sums (the same seeds) are dropped
     trajectories = [timer("start (encode, initial latents)", runner.start, r) for r in requests_for(opts)]
     for k in range(opts.steps):
-        timer(f"step {k}", runner.step, trajectories)
+        if k == profile_step:
+            with step_profiler(runner.device) as profile:
+                timer(f"step {k}", runner.step, trajectories)
+            print_kernels(profile, runner.device)
+        else:
+            timer(f"step {k}", runner.step, trajectories)
     for t in trajectories:
         response = timer("finish (decode + pack)", runner.finish, t)
         payload = timer("encode_response (msgpack)", encode_response, response)
         timer("decode_response (client)", decode_response, payload)
         timer.rows.append(("response MB", len(payload) / 1e6))
+
+
+def step_profiler(device: torch.device):
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities)
+
+
+KERNEL_CLASSES = (  # (class, substrings of a kernel's name), first match wins
+    ("matmul (triton template)", ("triton_tem",)),
+    ("compiled elementwise (triton)", ("triton",)),
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa", "attn")),
+    ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "sm90_", "matmul", "bmm", "addmm", "mm")),
+    ("copy / cast", ("copy", "cast", "memcpy", "to_copy")),
+)
+
+
+def print_kernels(profile, device: torch.device, top: int = 25) -> None:
+    """One step's device time by kernel class, and its slowest kernels (CPU time where there is no device)."""
+    cuda = device.type == "cuda"
+    events = [e for e in profile.key_averages() if (e.device_type.name == "CUDA") == cuda] if cuda else \
+        list(profile.key_averages())
+    attr = "device_time_total" if cuda else "self_cpu_time_total"
+    classes: dict[str, float] = {}
+    for event in events:
+        name = event.key.lower()
+        label = next((c for c, keys in KERNEL_CLASSES if any(k in name for k in keys)), "other")
+        classes[label] = classes.get(label, 0.0) + getattr(event, attr, 0.0)
+    total = sum(classes.values()) or 1.0
+    print(f"\none profiled step, {'device' if cuda else 'CPU self'} time by kernel class ({total / 1e6:.3f} s)")
+    print("| class | seconds | share |\n|---|---|---|")
+    for label, us in sorted(classes.items(), key=lambda kv: -kv[1]):
+        print(f"| {label} | {us / 1e6:.3f} | {100 * us / total:.1f}% |")
+    print(f"\n| slowest kernels | calls | seconds |\n|---|---|---|")
+    for event in sorted(events, key=lambda e: -getattr(e, attr, 0.0))[:top]:
+        print(f"| {event.key[:110]} | {event.count} | {getattr(event, attr, 0.0) / 1e6:.4f} |")
 
 
 def best_of_three(fn, device: torch.device) -> float:
@@ -81,8 +160,7 @@ def best_of_three(fn, device: torch.device) -> float:
 def summarise(rows: list[tuple[str, float]]) -> list[tuple[str, float, int]]:
     merged: dict[str, list[float]] = {}
     for name, value in rows:
-        key = "step (each of the steps)" if name.startswith("step ") else name
-        merged.setdefault(key, []).append(value)
+        merged.setdefault(phase_of(name), []).append(value)
     return [(name, sum(values), len(values)) for name, values in merged.items()]
 
 
@@ -149,6 +227,10 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="per-block torch.compile, as the documented command")
     parser.add_argument("--arch-layers", type=int, default=None, help="fewer transformer blocks (CPU smoke test)")
     parser.add_argument("--dtype", default=None)
+    parser.add_argument("--rollout-gradient", type=int, default=0, metavar="TILE",
+                        help="the requests take each sample's LoRA gradient in tiles of TILE samples (0: off)")
+    parser.add_argument("--lora-rank", type=int, default=32)
+    parser.add_argument("--profile-step", action="store_true", help="torch.profiler over one step of the timed rollout")
     parser.add_argument("--attention-backends", default="",
                         help="comma list of diffusers attention backends to time eagerly first (e.g. native,_native_cudnn)")
     opts = parser.parse_args()
@@ -163,19 +245,30 @@ def main() -> None:
             print(f"| {backend} | {forward:.3f} | {both:.3f} |", flush=True)
     server_args = ServerArgs(model_path="arch:sd3.5-medium", model_family="sd3", device=opts.device,
                              dtype="bf16" if dtype == torch.bfloat16 else "fp32", generator_device=opts.device,
-                             max_batch_size=opts.max_batch_size, enable_torch_compile=opts.compile)
+                             max_batch_size=opts.max_batch_size, enable_torch_compile=opts.compile,
+                             rollout_gradient_tile=opts.rollout_gradient)
     runner = ModelRunner(server_args, loaded=(family, pipe))
+    if opts.rollout_gradient:
+        layers = push_random_lora(runner, opts.lora_rank)
+        print(f"rollout gradient: tiles of {opts.rollout_gradient} samples, rank-{opts.lora_rank} factors on {layers} "
+              "layers")
 
     one_rollout(runner, opts, Timer(device))  # warm-up (and compilation)
     timer = Timer(device)
+    resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     began = time.perf_counter()
-    one_rollout(runner, opts, timer)
+    one_rollout(runner, opts, timer, profile_step=opts.steps // 2 if opts.profile_step else None)
     total = time.perf_counter() - began
     print(f"\none rollout, {opts.num_images} images of {opts.height}x{opts.width}, {opts.steps} steps, CFG {opts.cfg}, "
-          f"requests of {opts.samples_per_request}, compile={opts.compile}, device {device}, {dtype}: {total:.3f} s")
-    print("| phase | seconds | calls |\n|---|---|---|")
+          f"requests of {opts.samples_per_request}, compile={opts.compile}, rollout gradient tile "
+          f"{opts.rollout_gradient or 'off'}, device {device}, {dtype}: {total:.3f} s")
+    if device.type == "cuda":
+        print(f"memory: {resident / (1 << 30):.2f} GiB allocated between rollouts, "
+              f"{torch.cuda.max_memory_reserved(device) / (1 << 30):.2f} GiB reserved at most")
+    print("| phase | seconds | calls | peak allocated GiB |\n|---|---|---|---|")
     for name, seconds, calls in summarise(timer.rows):
-        print(f"| {name} | {seconds:.3f} | {calls} |")
+        peak = timer.peaks.get(name)
+        print(f"| {name} | {seconds:.3f} | {calls} | {'–' if peak is None else f'{peak:.2f}'} |")
 
     generators = [torch.Generator(device=device).manual_seed(i) for i in range(opts.num_images)]
     latents = family.prepare_latents(pipe, GenerationShape(opts.height, opts.width), generators, dtype)

@@ -1,0 +1,51 @@
+"""bench/profile_rollout.py --rollout-gradient: the engine's runner, given random LoRA factors, takes every
+sample's gradient during a synchronised rollout, and the profiled step's kernel table accounts for its time."""
+
+import argparse
+import importlib.util
+import os
+import sys
+
+import pytest
+
+from miles.engine.model_runner import ModelRunner
+from miles.engine.server_args import ServerArgs
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "profile_rollout.py")
+
+
+@pytest.fixture(scope="module")
+def profile_rollout():
+    spec = importlib.util.spec_from_file_location("profile_rollout", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["profile_rollout"] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("profile_rollout", None)
+
+
+def test_a_rollout_gradient_rollout_keeps_each_samples_gradient_and_profiles_a_step(profile_rollout, tiny_checkpoint,
+                                                                                    capsys):
+    args = ServerArgs(model_path=tiny_checkpoint("sd3"), model_family="sd3", device="cpu", dtype="fp32",
+                      generator_device="cpu", max_batch_size=8, rollout_gradient_tile=2)
+    runner = ModelRunner(args)
+    layers = profile_rollout.push_random_lora(runner, rank=4)
+    assert layers == len(runner.rollout_gradients.layers) > 0
+    opts = argparse.Namespace(num_images=4, samples_per_request=2, steps=2, cfg=3.5, height=32, width=32,
+                              rollout_gradient=2)
+    timer = profile_rollout.Timer(runner.device)
+    profile_rollout.one_rollout(runner, opts, timer, profile_step=1)
+
+    kept = runner.rollout_gradients.gradients
+    assert sorted(kept) == [1000, 1001, 1002, 1003]  # request i's sample b under seed 1000 + i + b
+    assert all(g.abs().sum() > 0 for g in kept.values())
+    phases = {name for name, _ in timer.rows}
+    assert {"step 0", "step 1", "start (encode, initial latents)", "finish (decode + pack)"} <= phases
+    out = capsys.readouterr().out
+    shares = [float(line.split("|")[3].strip().rstrip("%")) for line in out.splitlines()
+              if line.startswith("| ") and line.rstrip().endswith("% |")]
+    assert shares and abs(sum(shares) - 100.0) < 0.5
+    assert "slowest kernels" in out
+
+    profile_rollout.one_rollout(runner, opts, profile_rollout.Timer(runner.device))  # the same seeds again: fine
+    assert sorted(runner.rollout_gradients.gradients) == [1000, 1001, 1002, 1003]
