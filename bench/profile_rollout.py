@@ -9,9 +9,9 @@ shows up in whatever waits for it first (the decode). This script drives the sam
 scheduler calls (start, step, finish) plus the wire encoding, with a device synchronise around each, and times
 the VAE decode of the rollout's latents in a few layouts, so every second of the engine side is attributed.
 
-`--rollout-gradient TILE` runs the requests as `--diffusion-rollout-gradient` does (each SDE step's forward with
-autograd through per-sample LoRA rows, then its backward, a tile of samples at a time; miles/engine/rollout_gradients.py),
-with random rank-`--lora-rank` factors pushed on the family's LoRA targets. `--profile-step` puts one denoising step
+`--rollout-gradient TILE` runs the requests as `--diffusion-rollout-gradient` does (each SDE step's forward
+with autograd through per-sample LoRA rows, then its backward, a tile of samples at a time;
+miles/engine/rollout_gradients.py), with random rank-`--lora-rank` factors pushed on the family's LoRA targets. `--profile-step` puts one denoising step
 of the timed rollout under torch.profiler and prints its kernels by class (matmul, attention, compiled elementwise,
 other) and the slowest ones; on CUDA each phase's peak allocated memory is printed too.
 """
@@ -67,8 +67,10 @@ def requests_for(opts) -> list[GenerateRequest]:
     return [
         GenerateRequest(prompt=f"benchmark prompt number {i}", num_samples=m, seed=1000 + i, num_steps=opts.steps,
                         guidance=GuidanceConfig(opts.cfg), height=opts.height, width=opts.width,
-                        sde_step_indices=list(range(opts.steps)), return_latent_indices=list(range(opts.steps + 1)),
-                        request_id=str(i), rollout_gradient=bool(opts.rollout_gradient))
+                        sde_step_indices=list(range(opts.steps)), request_id=str(i),
+                        # as the rollout asks: no latents when nothing is replayed
+                        return_latent_indices=[] if opts.rollout_gradient else list(range(opts.steps + 1)),
+                        rollout_gradient=bool(opts.rollout_gradient))
         for i in range(0, opts.num_images, m)
     ]
 

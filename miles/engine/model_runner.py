@@ -84,6 +84,7 @@ class Trajectory:
     debug_velocities: dict[int, torch.Tensor] = field(default_factory=dict)
     weight_version_at_start: int = 0
     started_at: float = field(default_factory=time.perf_counter)
+    start_seconds: float = 0.0  # `ModelRunner.start`: the prompt's encoding and the initial latents
     denoise_seconds: float = 0.0
     compile_seconds: float = 0.0  # of denoise and decode: compiling graphs (a first forward, a new batch size)
     # rollout_gradient requests: each sample's Σ_k ∇ℓ_{b,k} over the LoRA factors, [M, P] (rollout_gradients.py)
@@ -312,6 +313,7 @@ class ModelRunner:
     @torch.no_grad()
     def start(self, request: GenerateRequest) -> Trajectory:
         """Encode the prompt, build the generators and the initial latents (x_0)."""
+        began = time.perf_counter()
         request.validate()
         backend = self._backend(request)
         shape = GenerationShape(request.height, request.width, request.num_frames, request.fps)
@@ -360,6 +362,7 @@ class ModelRunner:
             gradient_sums=sums,
         )
         self.record_latents(trajectory)
+        trajectory.start_seconds = time.perf_counter() - began
         return trajectory
 
     def batch_key(self, trajectory: Trajectory) -> tuple:
@@ -519,8 +522,10 @@ class ModelRunner:
             if request.sde_step_indices
             else torch.zeros(t.num_samples, 0)
         )
-        # One prompt per request: every sample's conditioning is the same row, sent (and kept) once.
-        conditioning = {key: value[0].to("cpu", copy=True) for key, value in t.conditioning.items()} if training else {}
+        # One prompt per request: every sample's conditioning is the same row, sent (and kept) once. A
+        # rollout_gradient request's trainer replays nothing, so it gets none (5.5 MB a request at SD3.5-M, bf16).
+        replayed = training and not request.rollout_gradient
+        conditioning = {key: value[0].to("cpu", copy=True) for key, value in t.conditioning.items()} if replayed else {}
         final = final_latents.cpu()
         debug = {k: v.cpu() for k, v in t.debug_velocities.items()} if request.debug else None
         samples = []
@@ -549,7 +554,8 @@ class ModelRunner:
             request_id=request.request_id,
             weight_version=self.weight_version,
             samples=samples,
-            timings={"denoise": t.denoise_seconds, "decode": decode_seconds, "compile": t.compile_seconds,
+            timings={"start": t.start_seconds, "denoise": t.denoise_seconds, "decode": decode_seconds,
+                     "pack": time.perf_counter() - began - decode_seconds, "compile": t.compile_seconds,
                      "total": time.perf_counter() - t.started_at},
         )
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -305,7 +306,11 @@ class TrainActorGroup:
     def train(self, rollout_id: int, samples, ask=None) -> dict[str, float]:
         """Every rank expands all samples and trains on its DP share; returns rank 0's (global) metrics. With
         `ask` (`--diffusion-rollout-gradient`: what to ask the engines for) every rank steps on the engines'
-        policy gradient instead, which rank 0 fetches."""
+        policy gradient instead, which rank 0 fetches: that step reads each sample's advantage, SDE steps and filter
+        flag only (rollout_gradient_step.py), so the samples travel without their images and tensors."""
+        if ask is not None:
+            samples = [replace(s, image=None, latents={}, conditioning={}, clean_latents=None,
+                               debug_model_outputs=None, rollout_log_probs=None) for s in samples]
         samples_ref = ray.put(samples)
         return self._all("train", rollout_id, samples_ref, ask)[0]
 

@@ -145,7 +145,7 @@ class _Rollout:
         self.num_steps = config.sampling.diffusion_num_steps
         self.group_rm = config.reward.group_rm
         # engine-side seconds of this rollout's requests: where a rollout's time goes (bench/RESULTS.md)
-        self.engine_seconds = {"denoise": 0.0, "decode": 0.0, "request": 0.0, "compile": 0.0}
+        self.engine_seconds = {"start": 0.0, "denoise": 0.0, "decode": 0.0, "pack": 0.0, "request": 0.0, "compile": 0.0}
         self.engine_step_clocks: dict[str, tuple[float, float]] = {}  # engine url -> its step clock's span
 
     async def generate_group(self, group: list[Sample], group_index: int, group_size: int) -> list[Sample]:
@@ -211,17 +211,18 @@ class _Rollout:
 
 def add_engine_timings(seconds: dict[str, float], step_clocks: dict[str, tuple[float, float]],
                        timings: dict[str, float], engine_url: str) -> None:
-    """Add one response's engine timings to a rollout's `seconds`. An engine's requests decode one after another
-    (they add); its denoising time is the span of its step clock over the rollout's requests (`step_clocks`:
-    requests that share steps count them once, waves one after another add up), the slowest engine's. The request
-    time is the longest request's, queue included."""
+    """Add one response's engine timings to a rollout's `seconds`. An engine's requests start (encode the prompt),
+    decode and pack their results one after another on its worker (they add); its denoising time is the span of
+    its step clock over the rollout's requests (`step_clocks`: requests that share steps count them once, waves
+    one after another add up), the slowest engine's. The request time is the longest request's, queue included."""
     if "step_clock_end" in timings:  # every engine's scheduler gives it
         start, end = float(timings["step_clock_start"]), float(timings["step_clock_end"])
         first, last = step_clocks.get(engine_url, (start, end))
         step_clocks[engine_url] = span = (min(first, start), max(last, end))
         seconds["denoise"] = max(seconds["denoise"], span[1] - span[0])
     seconds["compile"] = max(seconds["compile"], float(timings.get("compile", 0.0)))  # in denoise and decode
-    seconds["decode"] += float(timings.get("decode", 0.0))
+    for part in ("start", "decode", "pack"):
+        seconds[part] += float(timings.get(part, 0.0))
     seconds["request"] = max(seconds["request"], float(timings.get("total", 0.0)) + float(timings.get("queue", 0.0)))
 
 

@@ -81,6 +81,8 @@ def test_the_engines_gradient_is_the_trainers_replay_gradient(tiny_checkpoint, o
     samples = samples_through_the_engine(runner, _request(rollout_gradient=True))
     for a, b in zip(plain, samples):  # the gradient forward samples exactly what the plain one does
         assert torch.equal(a.image, b.image) and torch.equal(a.rollout_log_probs, b.rollout_log_probs)
+        assert a.advantage == b.advantage
+        assert a.conditioning and not b.conditioning  # nothing replays a rollout_gradient sample: no prompt sent
 
     pairs = SAMPLES * STEPS  # c_b = −clip(A_b)/P written out: the test does not borrow the code it checks
     coefficients = {s.seed: -min(max(s.advantage, -5.0), 5.0) / pairs for s in samples}
@@ -98,7 +100,7 @@ def test_the_engines_gradient_is_the_trainers_replay_gradient(tiny_checkpoint, o
     for name in gradient:
         torch.testing.assert_close(together[name], gradient[name], rtol=1e-4, atol=1e-6)
 
-    trainer.train(0, samples)  # the replay: the clipped loss at ratio 1, one optimizer step
+    trainer.train(0, plain)  # the replay of the same samples: the clipped loss at ratio 1, one optimizer step
     params = adapter_params_by_pushed_name(trainer)
     assert set(params) == set(gradient) and any("lora_A" in n for n in params)
     replays = {name: param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
