@@ -98,6 +98,10 @@ def test_the_engines_denoising_time_is_its_step_clock_over_the_rollout(stack, pr
     # its one engine ran only this rollout's steps, whichever requests shared them
     assert denoise == pytest.approx(stack.engine.scheduler.counters.step_seconds - clock_before, abs=1e-9)
     assert 0 < denoise < groups.metrics["rollout/engine_request_seconds"]
+    # the worker's parts of the requests, one after another, within the longest request's span (all came at once)
+    parts = {part: groups.metrics[f"rollout/engine_{part}_seconds"] for part in ("start", "denoise", "decode", "pack")}
+    assert all(seconds > 0 for seconds in parts.values()), parts
+    assert sum(parts.values()) <= groups.metrics["rollout/engine_request_seconds"] + 0.05, parts
 
 
 def test_engine_timings_count_shared_steps_once_and_waves_one_after_another():
