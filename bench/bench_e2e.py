@@ -257,7 +257,9 @@ def launch_row(iterations: list[dict], peak_gib: float | None, wall: float, out:
                    "trainer step": mean("perf/train_time_s"),
                    "of which fetching the engines' gradient": mean("perf/policy_gradient_fetch_s"),
                    "trainer staging + micro-batching": mean("perf/train_prepare_s"),
-                   "trainer cudaMalloc calls (count)": mean("perf/train_cuda_mallocs")},
+                   "trainer cudaMalloc calls (count)": mean("perf/train_cuda_mallocs"),
+                   "train phase outside the trainer's step (samples to the trainer's ranks, the answer back)":
+                       mean("perf/train_time") - mean("perf/train_time_s")},
         "log_prob_diff": mean("train/rollout_train_log_prob_abs_diff"),
         "memory": {f"{side} {kind}": max(r.get(f"perf/{side}_peak_{kind}_gib", 0.0) for r in iterations)
                    for side in ("engine", "train") for kind in ("reserved", "allocated")
