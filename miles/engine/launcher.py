@@ -17,6 +17,13 @@ logger = logging.getLogger(__name__)
 
 URL_PREFIX = "MILES_ENGINE_URL="
 
+# An engine's CUDA allocator grows its segments in place unless the run's environment sets
+# PYTORCH_CUDA_ALLOC_CONF: its work alternates denoising tiles and VAE decodes of other sizes, whose freed blocks
+# fixed segments strand (2.3 GiB reserved beyond the allocated peak at SD3.5-Medium, bench/RESULTS.md). The engine
+# may, where the trainer may not (docs/training.md): an engine exports no CUDA memory, it only opens the handles
+# the trainer exports, and it is exporting growing segments that containers without ptrace rights refuse.
+ENGINE_CUDA_ALLOC_CONF = "expandable_segments:True"
+
 
 @dataclass
 class EngineProcess:
@@ -50,6 +57,20 @@ class EngineProcess:
             self.process.stdout.close()
 
 
+def engine_environment(inherited: dict[str, str], env: dict[str, str] | None = None,
+                       api_key: str | None = None) -> dict[str, str]:
+    """The engine process's environment: this process's (`inherited`), offline hub defaults, the engine's
+    allocator default (`ENGINE_CUDA_ALLOC_CONF`), then `env`'s entries and the key."""
+    child_env = mark_parent(dict(inherited))
+    child_env.setdefault("HF_HUB_OFFLINE", "1")
+    child_env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    child_env.setdefault("PYTORCH_CUDA_ALLOC_CONF", ENGINE_CUDA_ALLOC_CONF)
+    child_env.update(env or {})
+    if api_key is not None:
+        child_env[API_KEY_ENV] = api_key
+    return child_env
+
+
 def spawn_engine(server_args: ServerArgs, env: dict[str, str] | None = None, log_path: str | None = None,
                  api_key: str | None = None):
     """Start `python -m miles.engine` with these args without waiting (see `wait_engine`).
@@ -58,12 +79,7 @@ def spawn_engine(server_args: ServerArgs, env: dict[str, str] | None = None, log
     never on its command line. The engine dies with this process (`miles.utils.parent_death`)."""
     from miles.engine.__main__ import server_args_to_argv
 
-    child_env = mark_parent(dict(os.environ))
-    child_env.setdefault("HF_HUB_OFFLINE", "1")
-    child_env.setdefault("TRANSFORMERS_OFFLINE", "1")
-    child_env.update(env or {})
-    if api_key is not None:
-        child_env[API_KEY_ENV] = api_key
+    child_env = engine_environment(dict(os.environ), env, api_key)
     stderr = open(log_path, "a") if log_path else None
     process = subprocess.Popen(
         [sys.executable, "-m", "miles.engine", *server_args_to_argv(server_args)],
