@@ -72,6 +72,7 @@ class Trajectory:
     shape: GenerationShape
     conditioning: dict[str, torch.Tensor]  # batched [M, ...] on the device
     sigmas: torch.Tensor  # [n + 1] fp32 on the device
+    sigma_values: tuple[float, ...]  # the same on the host: the scheduler reads them between steps (no device sync)
     timesteps: torch.Tensor  # [n]
     latents: torch.Tensor  # [M, ...] fp32, x_k
     generators: list[torch.Generator]
@@ -330,7 +331,9 @@ class ModelRunner:
         m = request.num_samples
         conditioning = {key: value.expand(m, *value.shape[1:]).contiguous() for key, value in encoded.items()}
         sigmas = self.family.sigmas(self.pipe, request.num_steps, shape, request.flow_shift)
-        sigmas = sigmas.to(device=self.device, dtype=torch.float32)
+        sigmas = sigmas.to(dtype=torch.float32)
+        sigma_values = tuple(sigmas.tolist())  # before the move: reading them later would wait for the device
+        sigmas = sigmas.to(device=self.device)
         timesteps = self.family.timesteps_from_sigmas(sigmas[:-1])
         seeds = [request.seed + b for b in range(m)]
         generators = generators_from_seeds(seeds, device=self.generator_device)
@@ -352,6 +355,7 @@ class ModelRunner:
             shape=shape,
             conditioning=conditioning,
             sigmas=sigmas,
+            sigma_values=sigma_values,
             timesteps=timesteps,
             latents=latents,
             generators=generators,
@@ -368,7 +372,7 @@ class ModelRunner:
     def batch_key(self, trajectory: Trajectory) -> tuple:
         """Trajectories with equal keys may share one DiT forward at their current steps."""
         request = trajectory.request
-        expert = self.family.expert_for(float(trajectory.sigmas[trajectory.step]))
+        expert = self.family.expert_for(trajectory.sigma_values[trajectory.step])
         return (
             expert,
             trajectory.shape,
@@ -434,7 +438,7 @@ class ModelRunner:
             self.sequence_parallel.send_forward(latents, sigmas, conditioning, guidance, shape)
             return self.predict(latents, sigmas, conditioning, guidance, shape)
         # every sample of a forward is in one expert phase (expert_for), so its first sigma says the scale
-        scale = None if self.cfg_parallel is None else self.family.cfg_scale_at(guidance, float(sigmas[0]))
+        scale = None if self.cfg_parallel is None else self.family.cfg_scale_at(guidance, first.sigma_values[first.step])
         if scale is None:
             return self.predict(latents, sigmas, conditioning, guidance, shape)
         positive, negative = split_conditioning(conditioning, self.cfg_parallel.keys)

@@ -223,6 +223,16 @@ def test_a_client_that_disconnects_cancels_its_request(engine, through_router):
     assert len(_post(engine.url, _request(num_samples=1)).samples) == 1  # and the engine serves on
 
 
+def test_the_batch_key_reads_no_device_tensor(local_runner):
+    """The scheduler computes batch keys on its event loop between steps: a read of a device tensor there would
+    wait for the queued steps every time, so the sigmas it needs are kept on the host as well."""
+    trajectory = local_runner.start(_request(num_samples=1))
+    assert trajectory.sigma_values == tuple(trajectory.sigmas.tolist())
+    key = local_runner.batch_key(trajectory)
+    trajectory.sigmas = torch.empty_like(trajectory.sigmas, device="meta")  # reading its values would raise
+    assert local_runner.batch_key(trajectory) == key
+
+
 def test_wan_video_runner_two_experts_and_score_mode(tiny_checkpoint, make_server_args):
     """The video path in-process: frames out, experts switch, log-probs equal score mode."""
     path = tiny_checkpoint("wan2_2")
