@@ -31,6 +31,7 @@ from miles.engine.cfg_parallel import (
     engine_parallel_mode,
     split_conditioning,
 )
+from miles.engine.host_transfer import DeviceTimer, HostCopies, PendingResponse
 from miles.engine.patches import apply_patch_groups
 from miles.engine.protocol import GenerateRequest, GenerateResponse, ProtocolError, SampleResult
 from miles.engine.rollout_gradients import RolloutGradients, step_with_gradients
@@ -496,57 +497,50 @@ class ModelRunner:
         t.step = k + 1
         self.record_latents(t)
 
-    @torch.no_grad()
     def finish(self, t: Trajectory) -> GenerateResponse:
-        """Decode the final latents and pack every sample's result (tensors moved to the host)."""
+        """Decode the final latents and pack every sample's result on the host (`finish_async`, waited for)."""
+        return self.finish_async(t).result()
+
+    @torch.no_grad()
+    def finish_async(self, t: Trajectory) -> PendingResponse:
+        """Queue the decode of the final latents and the copies of every result to the host; the returned
+        `PendingResponse` packs them once they landed (miles/engine/host_transfer.py), off this thread."""
         request = t.request
-        began, compiled_before = time.perf_counter(), compile_seconds()
+        compiled_before = compile_seconds()
+        to_host, decode = HostCopies(self.device), DeviceTimer(self.device)
+        decode.start()
         final_latents = self.family.final_latents(t.latents, t.conditioning)
         images: torch.Tensor | None = None
         if request.return_images:
             chunk = max(1, self.server_args.vae_decode_batch_size)
-            images = torch.cat(
+            images = to_host(torch.cat(
                 [self.family.decode(self.pipe, final_latents[lo : lo + chunk], t.shape)
                  for lo in range(0, t.num_samples, chunk)]
-            ).cpu()
-        decode_seconds = time.perf_counter() - began
+            ))
+        decode.stop()
         t.compile_seconds += compile_seconds() - compiled_before  # the VAE decoder's graph, on a first decode
         if t.compile_seconds > 0.5:  # the log says how much a first request (or a new shape) compiled
             logger.info("request %s compiled for %.1f s; %d graphs compiled in this engine so far",
                         request.request_id, t.compile_seconds, compiled_graphs())
         if t.gradient_sums is not None:  # kept under each sample's seed until POST /policy_gradient
-            self.rollout_gradients.keep((request.seed + b for b in range(t.num_samples)), t.gradient_sums)
+            self.rollout_gradients.keep((request.seed + b for b in range(t.num_samples)), to_host(t.gradient_sums))
             t.gradient_sums = None
         training = not request.evaluation
-        sigmas_cpu = t.sigmas.cpu()
-        timesteps_cpu = t.timesteps.float().cpu()
-        recorded = {k: v.cpu() for k, v in t.recorded.items()} if training else {}
+        sigmas = torch.tensor(t.sigma_values, dtype=torch.float32)
+        timesteps = to_host(t.timesteps.float())
+        recorded = {k: to_host(v) for k, v in t.recorded.items()} if training else {}
         log_probs = (
-            torch.stack([t.log_probs[k] for k in request.sde_step_indices], dim=1).cpu()
+            to_host(torch.stack([t.log_probs[k] for k in request.sde_step_indices], dim=1))
             if request.sde_step_indices
             else torch.zeros(t.num_samples, 0)
         )
         # One prompt per request: every sample's conditioning is the same row, sent (and kept) once. A
         # rollout_gradient request's trainer replays nothing, so it gets none (5.5 MB a request at SD3.5-M, bf16).
         replayed = training and not request.rollout_gradient
-        conditioning = {key: value[0].to("cpu", copy=True) for key, value in t.conditioning.items()} if replayed else {}
-        final = final_latents.cpu()
-        debug = {k: v.cpu() for k, v in t.debug_velocities.items()} if request.debug else None
-        samples = []
-        for b in range(t.num_samples):
-            samples.append(
-                SampleResult(
-                    seed=request.seed + b,
-                    image=None if images is None else images[b].clone(),
-                    latents={k: v[b].clone() for k, v in recorded.items()},
-                    timesteps=timesteps_cpu,
-                    sigmas=sigmas_cpu,
-                    rollout_log_probs=log_probs[b].clone(),
-                    conditioning=conditioning,
-                    clean_latents=final[b].clone() if training else None,
-                    debug_model_outputs=None if debug is None else {k: v[b].clone() for k, v in debug.items()},
-                )
-            )
+        conditioning = {key: to_host(value[0].clone()) for key, value in t.conditioning.items()} if replayed else {}
+        final = to_host(final_latents)
+        debug = {k: to_host(v) for k, v in t.debug_velocities.items()} if request.debug else None
+        to_host.mark()
         if self.weight_version != t.weight_version_at_start:
             logger.warning(
                 "request %s spanned a weight update (version %d -> %d)",
@@ -554,14 +548,28 @@ class ModelRunner:
                 t.weight_version_at_start,
                 self.weight_version,
             )
-        return GenerateResponse(
-            request_id=request.request_id,
-            weight_version=self.weight_version,
-            samples=samples,
-            timings={"start": t.start_seconds, "denoise": t.denoise_seconds, "decode": decode_seconds,
-                     "pack": time.perf_counter() - began - decode_seconds, "compile": t.compile_seconds,
-                     "total": time.perf_counter() - t.started_at},
-        )
+        weight_version, num_samples = self.weight_version, t.num_samples
+
+        def pack() -> GenerateResponse:  # on the host tensors only, once they landed
+            samples = [
+                SampleResult(
+                    seed=request.seed + b,
+                    image=None if images is None else images[b].clone(),
+                    latents={k: v[b].clone() for k, v in recorded.items()},
+                    timesteps=timesteps,
+                    sigmas=sigmas,
+                    rollout_log_probs=log_probs[b].clone(),
+                    conditioning=conditioning,
+                    clean_latents=final[b].clone() if training else None,
+                    debug_model_outputs=None if debug is None else {k: v[b].clone() for k, v in debug.items()},
+                )
+                for b in range(num_samples)
+            ]
+            return GenerateResponse(request_id=request.request_id, weight_version=weight_version, samples=samples)
+
+        return PendingResponse(pack, to_host, decode, t.started_at,
+                               timings={"start": t.start_seconds, "denoise": t.denoise_seconds,
+                                        "compile": t.compile_seconds})
 
     def weights_updated(self) -> None:
         """After a weight update's flush: the followers (CFG- or sequence-parallel) receive the new values; per-sample

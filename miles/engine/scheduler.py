@@ -9,7 +9,9 @@ single stream of work), so HTTP stays responsive while the GPU is busy. Each loo
    expert phase; the step index may differ, the family takes one sigma per sample), picks the group holding
    the oldest trajectory, and runs ONE `ModelRunner.step` on it (the runner chunks at `max_batch_size`
    samples, CFG doubling happens inside the family's forward);
-3. decodes and answers the trajectories that reached step n.
+3. queues the decode of the trajectories that reached step n and their copies to the host
+   (`ModelRunner.finish_async`); their responses are packed on a second thread once the copies landed, while the
+   worker goes on with the next steps (miles/engine/host_transfer.py).
 
 Exclusive work (weight updates, memory release) goes through `run_exclusive`, which runs on the same worker
 thread between two steps.
@@ -30,7 +32,7 @@ from miles.engine.protocol import GenerateRequest, GenerateResponse
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself, not its fields: jobs key `_answering`
 class _Job:
     request: GenerateRequest
     future: asyncio.Future
@@ -49,7 +51,7 @@ class SchedulerCounters:
     forward_samples: int = 0
     max_forward_samples: int = 0
     step_seconds: float = 0.0  # worker time inside ModelRunner.step (DiT forwards + step kernels)
-    decode_seconds: float = 0.0  # worker time inside ModelRunner.finish (VAE decode + packing)
+    decode_seconds: float = 0.0  # worker time inside ModelRunner.finish_async (queueing the VAE decode and copies)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -73,9 +75,12 @@ class StepScheduler:
         # the worker compiles and runs the model: it takes the runner's compiler settings (they are per thread)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-engine-worker",
                                            initializer=runner.prepare_thread)
+        # packs finished requests' responses once their results reached the host (no device work on it)
+        self.packer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-engine-packer")
         self.counters = SchedulerCounters()
         self._pending: list[_Job] = []
         self._active: list[_Job] = []
+        self._answering: dict[_Job, asyncio.Task] = {}  # finished on the device, their responses being packed
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
 
@@ -91,14 +96,17 @@ class StepScheduler:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        for job in self._pending + self._active:
+        for task in list(self._answering.values()):
+            task.cancel()
+        for job in self._pending + self._active + list(self._answering):
             if not job.future.done():
                 job.future.set_exception(RuntimeError("engine shutting down"))
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.packer.shutdown(wait=False, cancel_futures=True)
 
     @property
     def num_running(self) -> int:
-        return len(self._pending) + len(self._active)
+        return len(self._pending) + len(self._active) + len(self._answering)
 
     # ---- public API -----------------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> GenerateResponse:
@@ -206,24 +214,36 @@ class StepScheduler:
         return batch
 
     async def _finish(self, loop: asyncio.AbstractEventLoop, job: _Job) -> None:
+        """Queue the job's decode and copies on the worker, then answer it from the packer, not waiting here."""
         self._active.remove(job)
         began = time.perf_counter()
         try:
-            response = await loop.run_in_executor(self.executor, self.runner.finish, job.trajectory)
+            pending = await loop.run_in_executor(self.executor, self.runner.finish_async, job.trajectory)
         except Exception as err:
             logger.exception("decoding failed for request %s", job.request.request_id)
             self._fail(job, err)
             return
         self.counters.decode_seconds += time.perf_counter() - began
-        response.timings["queue"] = job.trajectory.started_at - job.admitted_at
+        pending.timings["queue"] = job.trajectory.started_at - job.admitted_at
         # the engine's step time from this request's start to its end, whoever's steps ran (waves, other requests):
         # the rollout side takes each engine's span over its requests as that engine's denoising time
-        response.timings["step_clock_start"] = job.step_clock_at_start
-        response.timings["step_clock_end"] = self.counters.step_seconds
-        self.counters.samples_total += job.trajectory.num_samples
+        pending.timings["step_clock_start"] = job.step_clock_at_start
+        pending.timings["step_clock_end"] = self.counters.step_seconds
+        num_samples, job.trajectory = job.trajectory.num_samples, None
+        self._answering[job] = loop.create_task(self._answer(loop, job, pending, num_samples))
+
+    async def _answer(self, loop: asyncio.AbstractEventLoop, job: _Job, pending, num_samples: int) -> None:
+        try:
+            response = await loop.run_in_executor(self.packer, pending.result)
+        except Exception as err:
+            logger.exception("packing the results of request %s failed", job.request.request_id)
+            self._fail(job, err)
+            return
+        finally:
+            self._answering.pop(job, None)
+        self.counters.samples_total += num_samples
         if not job.future.done():
             job.future.set_result(response)
-        job.trajectory = None
 
     def _fail(self, job: _Job, err: BaseException) -> None:
         self.counters.requests_failed += 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -347,6 +348,59 @@ def test_a_burst_arriving_over_several_waits_is_admitted_together(local_runner):
     counters = asyncio.run(burst())
     assert counters.max_forward_samples == 6
     assert counters.forward_batches == 4  # one forward per step for all three
+
+
+def test_the_worker_denoises_the_next_request_while_a_finished_one_is_packed(local_runner, monkeypatch):
+    """A finished request's response is packed on the scheduler's packer thread, not on the worker: with the first
+    request's packing held, a second request is still denoised to its end; both are answered once released."""
+    from miles.engine.scheduler import StepScheduler
+
+    packing, second_denoised, release = threading.Event(), threading.Event(), threading.Event()
+    queue_decode = local_runner.finish_async
+
+    def held(trajectory):
+        pending = queue_decode(trajectory)
+        if trajectory.request.request_id == "second":
+            second_denoised.set()
+        if trajectory.request.request_id == "first":
+            pack = pending.pack
+
+            def pack_when_released():
+                packing.set()
+                assert release.wait(60), "never released"
+                return pack()
+
+            pending.pack = pack_when_released
+        return pending
+
+    monkeypatch.setattr(local_runner, "finish_async", held)
+
+    async def until(event: threading.Event) -> None:
+        for _ in range(6000):
+            if event.is_set():
+                return
+            await asyncio.sleep(0.01)
+        raise TimeoutError("the worker did not get there")
+
+    async def two_requests():
+        scheduler = StepScheduler(local_runner, max_batch_size=32, batch_wait_ms=0.0)
+        scheduler.start()
+        try:
+            first = asyncio.ensure_future(scheduler.generate(_request(request_id="first", seed=1)))
+            await until(packing)
+            second = asyncio.ensure_future(scheduler.generate(_request(request_id="second", seed=2)))
+            await until(second_denoised)  # every step of the second ran while the first was being packed
+            assert not first.done()
+            release.set()
+            return await first, await second
+        finally:
+            release.set()
+            await scheduler.stop()
+
+    first, second = asyncio.run(two_requests())
+    assert (first.request_id, second.request_id) == ("first", "second")
+    assert len(first.samples) == len(second.samples) == 2
+    assert first.timings["decode"] >= 0 and first.timings["pack"] > 0 and first.timings["total"] > first.timings["pack"]
 
 
 def test_a_compiled_engine_on_its_worker_thread_gives_the_eager_bf16_velocities():
