@@ -248,7 +248,9 @@ def launch_row(iterations: list[dict], peak_gib: float | None, wall: float, out:
                                   "of which the trainer compiling": iterations[0].get("perf/train_compile_s", 0.0)},
         "clipfrac": mean("train/clipfrac"),
         "inside": {"engine request": mean("rollout/engine_request_seconds"),
-                   "of which prompt encoding": mean("rollout/engine_start_seconds"),
+                   # the engine's timers do not synchronise: device work its worker queued shows up where it
+                   # next waits for the device, the prompt encoding of the next wave's requests
+                   "of which prompt encoding (and waits for queued steps)": mean("rollout/engine_start_seconds"),
                    "denoise": mean("rollout/engine_denoise_seconds"),
                    "decode": mean("rollout/engine_decode_seconds"),
                    "packing the results": mean("rollout/engine_pack_seconds"),
