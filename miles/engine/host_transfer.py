@@ -1,6 +1,6 @@
 """A finished request's results on their way to the host, without holding the engine's worker thread.
 
-`ModelRunner.finish` queues the VAE decode and a copy to the host of everything the response carries, then
+`ModelRunner.finish_async` queues the VAE decode and a copy to the host of everything the response carries, then
 returns a `PendingResponse` at once; the scheduler builds the response (`PendingResponse.result`) on a thread of
 its own once the copies have landed. The worker meanwhile admits the next requests and queues their steps, so the
 device is not left idle while the host packs a finished request's results, as it was at the end of every wave of a
