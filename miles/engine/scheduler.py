@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from miles.engine.host_transfer import PendingResponse
 from miles.engine.model_runner import ModelRunner, Trajectory
 from miles.engine.protocol import GenerateRequest, GenerateResponse
 
@@ -232,7 +233,8 @@ class StepScheduler:
         num_samples, job.trajectory = job.trajectory.num_samples, None
         self._answering[job] = loop.create_task(self._answer(loop, job, pending, num_samples))
 
-    async def _answer(self, loop: asyncio.AbstractEventLoop, job: _Job, pending, num_samples: int) -> None:
+    async def _answer(self, loop: asyncio.AbstractEventLoop, job: _Job, pending: PendingResponse,
+                      num_samples: int) -> None:
         try:
             response = await loop.run_in_executor(self.packer, pending.result)
         except Exception as err:
