@@ -254,7 +254,7 @@ def launch_row(iterations: list[dict], peak_gib: float | None, wall: float, out:
                    "denoise": mean("rollout/engine_denoise_seconds"),
                    "decode": mean("rollout/engine_decode_seconds"),
                    "packing the results": mean("rollout/engine_pack_seconds"),
-                   "the rest (admission waits, scheduling)": mean("rollout/engine_request_seconds") - sum(
+                   "the rest (admission waits, scheduling, device work no timer waited for)": mean("rollout/engine_request_seconds") - sum(
                        mean(f"rollout/engine_{part}_seconds") for part in ("start", "denoise", "decode", "pack")),
                    "trainer step": mean("perf/train_time_s"),
                    "of which fetching the engines' gradient": mean("perf/policy_gradient_fetch_s"),

@@ -53,9 +53,8 @@ class DeviceTimer:
     `seconds`), the wall clock on a CPU, where the work has run when `stop` returns."""
 
     def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.cuda \
-            else None
+        cuda = device.type == "cuda"
+        self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
         self._began = self._ended = 0.0
 
     def start(self) -> None:

@@ -30,7 +30,6 @@ from torch import nn
 
 from miles.engine.protocol import ProtocolError
 from miles.utils.compile import compile_seconds
-from miles.utils.device_memory import host_copy
 
 if TYPE_CHECKING:
     from miles.engine.model_runner import ModelRunner, Trajectory
@@ -124,15 +123,16 @@ class RolloutGradients:
                                    self.factors[key].scaling)
 
     def keep(self, seeds: Iterable[int], sums: torch.Tensor) -> None:
-        """A finished request: sample b's accumulated gradient, kept under its seed until asked for, in (pinned)
-        host memory: with the scheduler's waves the GPU then holds only the running wave's sums, however many
+        """A finished request: sample b's accumulated gradient, kept under its seed until asked for. `sums` is on
+        the host (`ModelRunner.finish_async` copies a GPU engine's into pinned memory, in stream order before any
+        later use): with the scheduler's waves the GPU then holds only the running wave's sums, however many
         samples the rollout has (72 MiB each at SD3.5-Medium, LoRA rank 32)."""
         seeds = list(seeds)
         for seed in seeds:
             if seed in self.gradients:
                 raise ProtocolError(f"a second rollout_gradient sample with seed {seed} before the first was taken")
         if sums.is_cuda:
-            sums = host_copy(sums)  # final: the request's last backward has run
+            raise ValueError("RolloutGradients.keep takes the sums on the host")
         for b, seed in enumerate(seeds):
             self.gradients[seed] = sums[b]
 

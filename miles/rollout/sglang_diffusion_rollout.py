@@ -211,8 +211,9 @@ class _Rollout:
 
 def add_engine_timings(seconds: dict[str, float], step_clocks: dict[str, tuple[float, float]],
                        timings: dict[str, float], engine_url: str) -> None:
-    """Add one response's engine timings to a rollout's `seconds`. An engine's requests start (encode the prompt),
-    decode and pack their results one after another on its worker (they add); its denoising time is the span of
+    """Add one response's engine timings to a rollout's `seconds`. An engine's requests start (encode the prompt) on
+    its worker, decode on its device and pack their results on its packer thread, one after another (they add);
+    its denoising time is the span of
     its step clock over the rollout's requests (`step_clocks`: requests that share steps count them once, waves
     one after another add up), the slowest engine's. The request time is the longest request's, queue included."""
     if "step_clock_end" in timings:  # every engine's scheduler gives it
