@@ -19,9 +19,9 @@ URL_PREFIX = "MILES_ENGINE_URL="
 
 # An engine's CUDA allocator grows its segments in place unless the run's environment sets
 # PYTORCH_CUDA_ALLOC_CONF: its work alternates denoising tiles and VAE decodes of other sizes, whose freed blocks
-# fixed segments strand (2.3 GiB reserved beyond the allocated peak at SD3.5-Medium, bench/RESULTS.md). The engine
-# may, where the trainer may not (docs/training.md): an engine exports no CUDA memory, it only opens the handles
-# the trainer exports, and it is exporting growing segments that containers without ptrace rights refuse.
+# fixed segments strand (2.3 GiB reserved beyond the allocated peak at SD3.5-Medium, bench/RESULTS.md). Set for
+# the whole process at launch: an engine exports no CUDA memory, it only opens the handles the trainer exports
+# (the trainer, which does export, keeps its shared buffers in fixed segments: miles/utils/cuda_allocator.py).
 ENGINE_CUDA_ALLOC_CONF = "expandable_segments:True"
 
 

@@ -67,6 +67,7 @@ from miles.engine.weight_sync_wire import (
 )
 from miles.utils.async_utils import run_sync
 from miles.utils.auth import auth_headers
+from miles.utils.cuda_allocator import fixed_segments
 from miles.utils.device_memory import host_copy
 
 if TYPE_CHECKING:
@@ -158,7 +159,8 @@ class SharedBuffer:
         self._mapping: mmap.mmap | None = None
         nbytes = max(1, nbytes)
         if device.type == "cuda" or not shared:
-            self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            with fixed_segments():  # engines open it by CUDA IPC (miles/utils/cuda_allocator.py)
+                self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
             return
         self.shm_name = f"miles_{secrets.token_hex(16)}"
         # O_EXCL: never adopt a file someone else planted under that name; 0600: only this user's engines read it

@@ -76,6 +76,7 @@ class TrainRayActor:
 
         from miles.backends.fsdp_utils.actor import DiffusionTrainer
         from miles.models.common import build_train_pipeline_config
+        from miles.utils.cuda_allocator import grow_segments_unless_set
 
         os.environ.update(
             MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank), WORLD_SIZE=str(self.world_size)
@@ -83,6 +84,7 @@ class TrainRayActor:
         on_gpu = torch.cuda.is_available()
         if on_gpu:
             torch.cuda.set_device(0)  # Ray exposes this actor's GPU as device 0
+            grow_segments_unless_set()
         backend = process_group_backend(self.config, on_gpu, log=self.rank == 0)
         timeout = timedelta(minutes=self.config.placement.distributed_timeout_minutes)
         if master_addr == "127.0.0.1":
