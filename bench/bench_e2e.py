@@ -68,12 +68,16 @@ ROLLOUT_GRADIENT = "-rollout-gradient"  # a --miles-modes suffix: the mode plus 
 
 
 # ---------------------------------------------------------------------------------------------------------
-# peak device memory, polled from this process (covers every process on the GPU)
+# peak device memory, polled from this process (covers every process on the GPU but this one)
 # ---------------------------------------------------------------------------------------------------------
 class PeakMemory:
+    """The device's peak use while a launched run lives, less what this process holds when it starts (its own
+    CUDA context and cache: the bench's, not the run's)."""
+
     def __init__(self, device: str):
         self.enabled = device == "cuda"
         self.peak = 0
+        self.own = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
@@ -84,6 +88,9 @@ class PeakMemory:
 
     def __enter__(self):
         if self.enabled:
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info()
+            self.own = total - free
             self._thread.start()
         return self
 
@@ -94,7 +101,7 @@ class PeakMemory:
 
     @property
     def gib(self) -> float | None:
-        return self.peak / (1 << 30) if self.enabled else None
+        return (self.peak - self.own) / (1 << 30) if self.enabled else None
 
 
 # ---------------------------------------------------------------------------------------------------------

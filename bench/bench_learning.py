@@ -194,7 +194,9 @@ def target_of(opts, evals) -> float:
 def summarise(opts, method: str, evals: list[tuple[int, float, float, float]]) -> dict:
     """evals: (rollout, score, seconds since launch at the end of that eval, eval seconds so far)."""
     row = {"method": method, "start": evals[0][1], "best": max(e[1] for e in evals), "target": target_of(opts, evals),
-           "rollouts": None, "wall_s": None, "train_s": None}
+           "rollouts": None, "wall_s": None, "train_s": None,
+           # the held-out curve, so a run stopped by --max-seconds still shows how far it got
+           "curve": [(rollout, round(score, 3), round(wall, 1)) for rollout, score, wall, _ in evals]}
     for rollout, score, wall, eval_seconds in evals:
         if score >= target_of(opts, evals):
             row.update(rollouts=rollout, wall_s=wall, train_s=wall - eval_seconds)
@@ -370,12 +372,14 @@ def main() -> None:
     goal = f"{opts.target}" if opts.target_gain is None else f"its first eval + {opts.target_gain}"
     print(f"\ntime to held-out shapes_correct >= {goal} ({opts.size}, {opts.device}, "
           f"{opts.prompts}x{opts.group} samples per rollout, {opts.steps} steps)")
-    print("| method | start | target | best | rollouts to target | wall s (with start-up) | train s (no eval) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| method | start | target | best | rollouts to target | wall s (with start-up) | train s (no eval) "
+          "| last eval (rollout, s) |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         reached = row["rollouts"] is not None
         cells = [f"{row['rollouts']}" if reached else "not reached",
-                 f"{row['wall_s']:.1f}" if reached else "–", f"{row['train_s']:.1f}" if reached else "–"]
+                 f"{row['wall_s']:.1f}" if reached else "–", f"{row['train_s']:.1f}" if reached else "–",
+                 f"{row['curve'][-1][0]}, {row['curve'][-1][2]:.1f}"]
         print(f"| {row['method']} | {row['start']:.3f} | {row['target']:.3f} | {row['best']:.3f} | "
               + " | ".join(cells) + " |")
 

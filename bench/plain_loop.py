@@ -314,9 +314,19 @@ def fused_gradients(loop: PlainLoop, inputs: RolloutInputs, samples: int, chunk:
 # ---------------------------------------------------------------------------------------------------------
 # a measured run
 # ---------------------------------------------------------------------------------------------------------
+def outside_allocator_bytes() -> int:
+    """This process's device memory the caching allocator does not hold (its CUDA context and loaded kernel
+    modules): the device's used bytes less the allocator's reserve, read while no other process uses the device."""
+    free, total = torch.cuda.mem_get_info()
+    return total - free - torch.cuda.memory_reserved()
+
+
 def run(opts, checkpoint: str, prompts: list[str], lora: bool, mode: str) -> dict:
     """`mode`: eager, compiled (two-pass) or fused (compiled on CUDA, LoRA only). Returns bench_e2e's row."""
     started = time.perf_counter()
+    if opts.device == "cuda":  # an earlier row's peak is not this one's
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     fused = mode == "fused"
     loop = build(opts, checkpoint, lora, compiled=mode == "compiled" or (fused and opts.device == "cuda"),
                  fused=fused)
@@ -340,7 +350,9 @@ def run(opts, checkpoint: str, prompts: list[str], lora: bool, mode: str) -> dic
         timings.append({**phases, "iteration": time.perf_counter() - t0})
         print(f"  plain {mode} {'lora' if lora else 'full'} iteration {iteration}: " +
               " ".join(f"{k}={v:.2f}" for k, v in timings[-1].items()), flush=True)
-    peak = torch.cuda.max_memory_reserved() / (1 << 30) if opts.device == "cuda" else None
+    # the job's device memory as a user's one process holds it: the allocator's peak and the CUDA context (read
+    # now, with every kernel module the run loaded), as bench_e2e's device-wide poll counts the framework's processes
+    peak = (torch.cuda.max_memory_reserved() + outside_allocator_bytes()) / (1 << 30) if opts.device == "cuda" else None
     first_iteration = timings[0]["iteration"]
     del loop
     if opts.device == "cuda":
