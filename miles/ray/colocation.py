@@ -24,17 +24,21 @@ GIB = 1 << 30
 
 
 def fits_resident(trainers: list[DeviceMemory], engines: list[DeviceMemory], margin_bytes: int) -> bool:
-    """True when, on each shared GPU, the engine's peak fits beside the resident trainer with margin to spare.
+    """True when, on each shared GPU, the trainer's and the engine's peaks fit together with margin to spare.
 
-    Measured with the trainer resident (holding its peak) and the engine resumed but idle (weights only):
-    what the engine will add while generating is its peak minus what it holds now. Ranks and engines pair up
-    by position (one engine per trainer GPU under --colocate); with fewer engines the largest need is used.
+    Measured with the trainer resident and the engine resumed but idle (weights only): each side will grow by
+    its peak minus what it holds now. The trainer's cache is often below its peak by then (an allocation that
+    failed beside the resuming engine empties it; growing segments give pages back), and counting only the
+    engine's growth once kept a full fine-tune's trainer resident beside an engine with no room left for its
+    activations (an H100, bench/RESULTS.md, nineteenth session). Ranks and engines pair up by position (one engine
+    per trainer GPU under --colocate); with fewer engines the largest need is used.
     """
     if not trainers or not engines:
         return False
     worst_engine_growth = max(e.peak_reserved - e.reserved for e in engines)
     for trainer in trainers:
-        if trainer.free - worst_engine_growth < margin_bytes:
+        trainer_growth = max(0, trainer.peak_reserved - trainer.reserved)
+        if trainer.free - trainer_growth - worst_engine_growth < margin_bytes:
             return False
     return True
 
@@ -69,18 +73,18 @@ class ColocationPolicy:
         if not trainers:  # a CPU run: no device memory to measure, so the turns stay (they cost little there)
             logger.debug("colocation: no GPU memory readings; trainer and engines keep taking turns")
             return
-        trainer_gib = max(t.reserved for t in trainers) / GIB if trainers else 0.0
+        trainer_gib = max(max(t.reserved, t.peak_reserved) for t in trainers) / GIB if trainers else 0.0
         engine_gib = max(e.peak_reserved for e in engines) / GIB if engines else 0.0
         total_gib = min(t.total for t in trainers) / GIB if trainers else 0.0
         if self.resident:
             logger.info(
-                "colocation: trainer %.1f GiB + engine peak %.1f GiB fit on %.0f GiB with %.1f GiB to spare: "
+                "colocation: trainer peak %.1f GiB + engine peak %.1f GiB fit on %.0f GiB with %.1f GiB to spare: "
                 "both stay resident (no offload from now on; --colocate-offload-policy always to force it)",
                 trainer_gib, engine_gib, total_gib, self.margin_bytes / GIB,
             )
         else:
             logger.info(
-                "colocation: trainer %.1f GiB + engine peak %.1f GiB do not fit on %.0f GiB with %.1f GiB to "
+                "colocation: trainer peak %.1f GiB + engine peak %.1f GiB do not fit on %.0f GiB with %.1f GiB to "
                 "spare: trainer and engines keep taking turns",
                 trainer_gib, engine_gib, total_gib, self.margin_bytes / GIB,
             )

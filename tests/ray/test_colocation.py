@@ -20,6 +20,14 @@ def test_engine_growth_must_fit_beside_the_resident_trainer():
     assert not fits_resident([trainer], [memory(60, 20, 45)], margin_bytes=40 * GIB)  # 60 - 25 < 40
 
 
+def test_the_trainer_growing_back_to_its_peak_counts_too():
+    engine = memory(60, 20, 25)  # grows by 5 while generating
+    assert fits_resident([memory(free_gib=30, reserved_gib=50, peak_gib=50)], [engine], margin_bytes=8 * GIB)
+    # the same device, but the trainer's cache was emptied below its training peak: it will take 30 GiB back
+    assert not fits_resident([memory(free_gib=30, reserved_gib=40, peak_gib=70)], [engine], margin_bytes=8 * GIB)
+    assert fits_resident([memory(free_gib=30, reserved_gib=40, peak_gib=45)], [engine], margin_bytes=8 * GIB)
+
+
 def test_every_gpu_must_fit_and_no_measurement_means_no():
     engines = [memory(60, 20, 30), memory(60, 20, 45)]
     assert fits_resident([memory(60, 50, 50), memory(40, 50, 50)], engines, margin_bytes=10 * GIB)
