@@ -43,6 +43,31 @@ def process_group_backend(config: RunConfig, on_gpu: bool, log: bool = True) -> 
     return requested
 
 
+def _out_of_memory_cause(err: BaseException) -> BaseException | None:
+    """The CUDA out-of-memory error behind `err` (itself, or the cause Ray wrapped), else None."""
+    import torch
+
+    for candidate in (getattr(err, "cause", None), err):  # Ray's wrapper is an instance too, its text the traceback
+        if isinstance(candidate, torch.OutOfMemoryError):
+            return candidate
+    return None
+
+
+def out_of_memory(err: BaseException) -> bool:
+    return _out_of_memory_cause(err) is not None
+
+
+def out_of_memory_detail(err: BaseException) -> str:
+    """torch's first sentences (what it tried to allocate, the device's capacity and what was free), without the
+    per-process list and the allocator advice that follow."""
+    cause = _out_of_memory_cause(err)
+    text = str(cause if cause is not None else err).strip()
+    text = text.splitlines()[0] if text else "CUDA out of memory"
+    for tail in (" Including non-PyTorch memory", " Process ", " Of the allocated memory"):
+        text = text.split(tail)[0]
+    return text.rstrip(". ")
+
+
 class TrainRayActor:
     """One trainer rank. Methods mirror `DiffusionTrainer`; see `TrainActorGroup` for their meaning."""
 
@@ -267,9 +292,11 @@ class TrainActorGroup:
                 raise PartDiedError(self._death_message(rank, method)) from err
             except Exception as err:
                 dead = self._dead_rank(refs, pending)
-                if dead is None:
-                    raise
-                raise PartDiedError(self._death_message(dead, method)) from err
+                if dead is not None:
+                    raise PartDiedError(self._death_message(dead, method)) from err
+                if out_of_memory(err):
+                    raise PartDiedError(self._out_of_memory_message(rank, method, err)) from err
+                raise
         return [results[rank] for rank in range(len(refs))]
 
     def _dead_rank(self, refs: list, pending: list) -> int | None:
@@ -284,12 +311,24 @@ class TrainActorGroup:
                 logger.debug("rank %d failed too: %s", refs.index(ref), type(err).__name__)
         return None
 
-    def _death_message(self, rank: int, method: str) -> str:
+    def _resume_hint(self) -> str:
         save = self.config.checkpoint.save
-        resume = (f"; rerun with --load {save} to resume from its last checkpoint" if save
-                  else "; without --save there is no checkpoint to resume from")
+        return (f"; rerun with --load {save} to resume from its last checkpoint" if save
+                else "; without --save there is no checkpoint to resume from")
+
+    def _death_message(self, rank: int, method: str) -> str:
         return (f"trainer rank {rank} of {len(self.actors)} died during {method}() (its process was killed, ran out "
-                f"of memory or crashed); the run is stopped{resume}")
+                f"of memory or crashed); the run is stopped{self._resume_hint()}")
+
+    def _out_of_memory_message(self, rank: int, method: str, err: BaseException) -> str:
+        """One line for a rank's CUDA out-of-memory error: where, torch's own numbers, and the flags that lower
+        the trainer's memory."""
+        ways = "lower --micro-batch-size, or add --gradient-checkpointing or --fsdp-cpu-offload"
+        if self.config.placement.colocate:
+            ways += (", or keep the trainer and the engines taking turns on the GPU "
+                     "(--colocate-offload-policy always)")
+        return (f"trainer rank {rank} of {len(self.actors)} ran out of GPU memory during {method}() "
+                f"({out_of_memory_detail(err)}): {ways}; the run is stopped{self._resume_hint()}")
 
     def init(self) -> int:
         """Start the process group, load and shard the model, resume from `--load`; returns the first rollout id.

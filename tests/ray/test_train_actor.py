@@ -179,6 +179,30 @@ def test_train_env_vars_reach_the_ranks_and_bad_json_is_refused(setup):
         build_parser().parse_args(["--train-env-vars", "[1, 2]"])
 
 
+OOM_TEXT = ("CUDA out of memory. Tried to allocate 48.00 MiB. GPU 0 has a total capacity of 79.18 GiB of which "
+            "44.94 MiB is free. Process 584 has 518.00 MiB memory in use. Of the allocated memory 69.55 GiB is "
+            "allocated by PyTorch, and 596.39 MiB is reserved by PyTorch but unallocated.")
+
+
+def test_a_rank_out_of_gpu_memory_is_one_line_with_the_flags_that_help(setup):
+    """torch's error as Ray delivers it from the ranks (wrapped, with the remote traceback) becomes one line:
+    torch's numbers, the flags that lower the trainer's memory, how to resume. The ranks live on."""
+    args, _, _, group = setup
+
+    def run_out_of_memory(actor):  # a closure: Ray ships it by value (this test module is not importable there)
+        raise torch.OutOfMemoryError(OOM_TEXT)
+
+    with pytest.raises(PartDiedError) as info:
+        group._gather("train", [actor.__ray_call__.remote(run_out_of_memory) for actor in group.actors])
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("trainer rank ") and "ran out of GPU memory during train() (CUDA out of memory. " \
+        "Tried to allocate 48.00 MiB. GPU 0 has a total capacity of 79.18 GiB of which 44.94 MiB is free)" in message
+    assert "--micro-batch-size" in message and "--gradient-checkpointing" in message
+    assert message.endswith(f"rerun with --load {args.checkpoint.save} to resume from its last checkpoint")
+    assert ray.get([actor.__ray_call__.remote(lambda actor: actor.rank) for actor in group.actors]) == [0, 1]
+
+
 def test_a_dead_rank_ends_the_group_call_at_once_in_one_line(setup):
     """Last in the file: the group is broken afterwards. Rank 0 would wait for the dead rank 1 in a collective
     until --distributed-timeout-minutes; the call fails as soon as Ray reports rank 1's death instead."""
