@@ -128,6 +128,8 @@ def train(args, resume: ResumePoint) -> None:
                         rollout_manager.wait_ahead()  # the engines finish it before their weights change
                 if turns.engines_release:
                     with run_logger.phase("resume"):
+                        if turns.trainer_empties_cache:
+                            actor.empty_cache()  # its training activations' cache: the engines generate beside it
                         rollout_manager.resume_memory()
                 with run_logger.phase("weight_sync"):  # an engine that died while the trainer trained is found here
                     rollout_manager.survive_engine_death("the weight sync", lambda: actor.update_weights(
@@ -135,7 +137,8 @@ def train(args, resume: ResumePoint) -> None:
                 run_logger.log(rollout_id, actor.weight_sync_metrics)  # weight_sync/*: transports, bytes, checks
                 rollout_manager.weight_version = rollout_id + 1
             if not turns.decided:
-                with run_logger.phase("offload"):  # measured once, with the trainer resident and the engines resumed
+                with run_logger.phase("offload"):  # measured once: the trainer at rest, the engines resumed
+                    actor.empty_cache()
                     turns.decide(actor.memory_stats(), rollout_manager.engine_memory())
             if turns.trainer_offloads:
                 with run_logger.phase("offload"):

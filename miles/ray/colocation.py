@@ -5,11 +5,16 @@ the trainer trains (`--offload-train`, `--offload-rollout`). Each turn moves eve
 text encoder over PCIe: ~7 s per iteration at SD3.5-Medium size on an H200, for memory that is often not
 needed, since both sides together fit on a 141 GB device.
 
-`--colocate-offload-policy auto` (the default) keeps the turns only while they are needed: the first
-iteration always takes turns (the safe order), and measures on every GPU the trainer's reserved memory at its
-peak and the engine's peak reserved memory during generation. When the engine's peak fits in the memory left
-free with the trainer resident, with `--colocate-memory-margin-gb` to spare, both stay resident from then on
-and the turns cost nothing. `always` takes turns at every iteration (the reference's behaviour).
+`--colocate-offload-policy auto` (the default) keeps the turns only while they are needed. The first iteration
+always takes turns (the safe order) and measures on every GPU what each side holds at rest and at its peak (the
+trainer's in training, the engine's in generation). Then, from cheapest to dearest:
+- both stay resident when both peaks fit together, with `--colocate-memory-margin-gb` to spare;
+- else the trainer stays and only the engines release (their weights, a few GB) while it trains, when the
+  engine's peak fits beside the trainer at rest: the trainer empties its allocator cache (its activations)
+  before the engines resume, and never moves its weights and optimizer state over PCIe. A full fine-tune whose
+  training peak fills the GPU is this case (one H100 at SD3.5-Medium size, bench/RESULTS.md, nineteenth session);
+- else both keep taking turns.
+`always` takes turns at every iteration (the reference's behaviour).
 """
 
 from __future__ import annotations
@@ -26,12 +31,11 @@ GIB = 1 << 30
 def fits_resident(trainers: list[DeviceMemory], engines: list[DeviceMemory], margin_bytes: int) -> bool:
     """True when, on each shared GPU, the trainer's and the engine's peaks fit together with margin to spare.
 
-    Measured with the trainer resident and the engine resumed but idle (weights only): each side will grow by
-    its peak minus what it holds now. The trainer's cache is often below its peak by then (an allocation that
-    failed beside the resuming engine empties it; growing segments give pages back), and counting only the
-    engine's growth once kept a full fine-tune's trainer resident beside an engine with no room left for its
-    activations (an H100, bench/RESULTS.md, nineteenth session). Ranks and engines pair up by position (one engine
-    per trainer GPU under --colocate); with fewer engines the largest need is used.
+    Measured with the trainer at rest (its cache emptied) and the engine resumed but idle (weights only): each
+    side will grow by its peak minus what it holds now. Counting only the engine's growth kept a full fine-tune's
+    trainer resident beside an engine with no room left for its activations (an H100, bench/RESULTS.md,
+    nineteenth session). Ranks and engines pair up by position (one engine per trainer GPU under --colocate);
+    with fewer engines the largest need is used.
     """
     if not trainers or not engines:
         return False
@@ -43,8 +47,20 @@ def fits_resident(trainers: list[DeviceMemory], engines: list[DeviceMemory], mar
     return True
 
 
+def engine_fits_beside_resting_trainer(trainers: list[DeviceMemory], engines: list[DeviceMemory],
+                                       margin_bytes: int) -> bool:
+    """True when, on each shared GPU, the engine's generation peak fits beside the trainer at rest (measured with
+    its cache emptied), margin to spare. The trainer's own peak, with the engines released, fit in the first
+    iteration, which took turns."""
+    if not trainers or not engines:
+        return False
+    worst_engine_growth = max(e.peak_reserved - e.reserved for e in engines)
+    return all(trainer.free - worst_engine_growth >= margin_bytes for trainer in trainers)
+
+
 class ColocationPolicy:
-    """Answers, each iteration, whether the trainer offloads and the engines release their memory."""
+    """Answers, each iteration, whether the trainer offloads, whether the engines release their memory, and
+    whether the trainer empties its cache before the engines resume."""
 
     def __init__(self, policy: str, offload_train: bool, offload_rollout: bool, margin_gb: float):
         if policy not in ("auto", "always"):
@@ -53,38 +69,51 @@ class ColocationPolicy:
         self.offload_train = offload_train
         self.offload_rollout = offload_rollout
         self.margin_bytes = int(margin_gb * GIB)
-        self.resident = False  # set once measurements show both sides fit
+        self.trainer_stays = False  # set once measurements show the engines' peak fits beside the resting trainer
+        self.engines_stay = False  # set once measurements show both peaks fit together
         self.decided = policy == "always" or not (offload_train or offload_rollout)
 
     @property
+    def resident(self) -> bool:
+        """Both sides stay: no turns at all."""
+        return self.trainer_stays and self.engines_stay
+
+    @property
     def trainer_offloads(self) -> bool:
-        return self.offload_train and not self.resident
+        return self.offload_train and not self.trainer_stays
 
     @property
     def engines_release(self) -> bool:
-        return self.offload_rollout and not self.resident
+        return self.offload_rollout and not self.engines_stay
+
+    @property
+    def trainer_empties_cache(self) -> bool:
+        """The trainer stays but the engines release: it gives back its training cache before they resume."""
+        return self.trainer_stays and self.engines_release
 
     def decide(self, trainers: list[DeviceMemory], engines: list[DeviceMemory]) -> None:
-        """After the first iteration's weight sync (trainer resident, engines resumed): keep both resident?"""
+        """After the first iteration's weight sync, the trainer at rest (cache emptied), the engines resumed."""
         if self.decided:
             return
         self.decided = True
-        self.resident = fits_resident(trainers, engines, self.margin_bytes)
+        if fits_resident(trainers, engines, self.margin_bytes):
+            self.trainer_stays = self.engines_stay = True
+        elif self.offload_rollout and engine_fits_beside_resting_trainer(trainers, engines, self.margin_bytes):
+            self.trainer_stays = True
         if not trainers:  # a CPU run: no device memory to measure, so the turns stay (they cost little there)
             logger.debug("colocation: no GPU memory readings; trainer and engines keep taking turns")
             return
-        trainer_gib = max(max(t.reserved, t.peak_reserved) for t in trainers) / GIB if trainers else 0.0
+        trainer_gib = max(t.peak_reserved for t in trainers) / GIB
+        resting_gib = max(t.reserved for t in trainers) / GIB
         engine_gib = max(e.peak_reserved for e in engines) / GIB if engines else 0.0
-        total_gib = min(t.total for t in trainers) / GIB if trainers else 0.0
+        total_gib = min(t.total for t in trainers) / GIB
+        sizes = (f"trainer peak {trainer_gib:.1f} GiB (at rest {resting_gib:.1f}) + engine peak {engine_gib:.1f} GiB "
+                 f"on {total_gib:.0f} GiB with {self.margin_bytes / GIB:.1f} GiB to spare")
         if self.resident:
-            logger.info(
-                "colocation: trainer peak %.1f GiB + engine peak %.1f GiB fit on %.0f GiB with %.1f GiB to spare: "
-                "both stay resident (no offload from now on; --colocate-offload-policy always to force it)",
-                trainer_gib, engine_gib, total_gib, self.margin_bytes / GIB,
-            )
+            logger.info("colocation: %s: both stay resident (no offload from now on; --colocate-offload-policy "
+                        "always to force it)", sizes)
+        elif self.trainer_stays:
+            logger.info("colocation: %s: the trainer stays resident and empties its cache after training; the "
+                        "engines release their memory while it trains", sizes)
         else:
-            logger.info(
-                "colocation: trainer peak %.1f GiB + engine peak %.1f GiB do not fit on %.0f GiB with %.1f GiB to "
-                "spare: trainer and engines keep taking turns",
-                trainer_gib, engine_gib, total_gib, self.margin_bytes / GIB,
-            )
+            logger.info("colocation: %s: trainer and engines keep taking turns", sizes)

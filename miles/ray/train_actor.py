@@ -215,6 +215,13 @@ class TrainRayActor:
     def onload(self) -> None:
         self.trainer.onload()
 
+    def empty_cache(self) -> None:
+        """Give the allocator's cached blocks (a train step's freed activations) back to the device."""
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     def memory_stats(self) -> dict | None:
         """This rank's GPU memory (`DeviceMemory` fields), None on a CPU run."""
         from miles.utils.device_memory import current_device_memory
@@ -403,6 +410,9 @@ class TrainActorGroup:
 
     def onload(self) -> None:
         self._all("onload")
+
+    def empty_cache(self) -> None:
+        self._all("empty_cache")
 
     def memory_stats(self) -> list:
         """Every rank's GPU memory as `DeviceMemory` (empty on a CPU run)."""

@@ -41,7 +41,7 @@ def test_auto_policy_takes_turns_until_it_has_measured():
     assert turns.trainer_offloads and turns.engines_release and not turns.decided
     turns.decide([memory(60, 50, 50)], [memory(60, 20, 45)])
     assert turns.decided and turns.resident
-    assert not turns.trainer_offloads and not turns.engines_release
+    assert not turns.trainer_offloads and not turns.engines_release and not turns.trainer_empties_cache
     turns.decide([memory(0, 50, 50)], [memory(0, 20, 45)])  # decided once, for the whole run
     assert turns.resident
 
@@ -50,6 +50,26 @@ def test_auto_policy_keeps_turns_when_memory_is_short():
     turns = ColocationPolicy("auto", offload_train=True, offload_rollout=True, margin_gb=8)
     turns.decide([memory(10, 120, 120)], [memory(10, 20, 45)])
     assert turns.decided and not turns.resident and turns.trainer_offloads and turns.engines_release
+    assert not turns.trainer_empties_cache
+
+
+def test_a_trainer_whose_peak_fills_the_gpu_stays_while_only_the_engines_release():
+    """The H100 full fine-tune: at rest the trainer holds 46 GiB of weights, gradients and optimizer state, in
+    training 70; the engine 7 idle, 10 generating, on 79 GiB. Both peaks do not fit; the engine's beside the
+    resting trainer does, so only the engine's few GB move each iteration."""
+    trainer, engine = memory(free_gib=25, reserved_gib=46, peak_gib=70, total_gib=79), memory(25, 7, 10, 79)
+    turns = ColocationPolicy("auto", offload_train=True, offload_rollout=True, margin_gb=8)
+    turns.decide([trainer], [engine])
+    assert not turns.resident and not turns.trainer_offloads
+    assert turns.engines_release and turns.trainer_empties_cache
+    # without the engines' release the trainer could not train beside them: the middle way is not open
+    no_release = ColocationPolicy("auto", offload_train=True, offload_rollout=False, margin_gb=8)
+    no_release.decide([trainer], [engine])
+    assert no_release.trainer_offloads and not no_release.trainer_empties_cache
+    # an engine that grows past what the resting trainer leaves keeps the full turns
+    short = ColocationPolicy("auto", offload_train=True, offload_rollout=True, margin_gb=8)
+    short.decide([trainer], [memory(25, 7, 30, 79)])
+    assert short.trainer_offloads and short.engines_release and not short.trainer_empties_cache
 
 
 def test_always_policy_and_no_offload_need_no_decision():
