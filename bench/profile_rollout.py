@@ -19,6 +19,7 @@ other) and the slowest ones; on CUDA each phase's peak allocated memory is print
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -216,6 +217,31 @@ def time_attention_backends(family, pipe, opts, device, dtype) -> list[tuple[str
     return rows
 
 
+def inductor_settings(items: list[str]) -> dict:
+    """`--inductor KEY=VALUE` entries as a `torch._inductor.config.patch` dict, each value read as the type the
+    setting has now (so a compiler knob is measured on the engine's step in one call, against a run without)."""
+    import torch._inductor.config as inductor_config
+
+    settings = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--inductor {item!r}: expected KEY=VALUE, e.g. coordinate_descent_tuning=True")
+        try:
+            current = functools.reduce(getattr, key.split("."), inductor_config)
+        except AttributeError:
+            raise SystemExit(f"--inductor {item!r}: torch._inductor.config has no {key!r}") from None
+        if isinstance(current, bool):
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise SystemExit(f"--inductor {item!r}: {key} takes True or False")
+            settings[key] = raw.lower() in ("true", "1")
+        elif isinstance(current, (int, float)):
+            settings[key] = type(current)(raw)
+        else:
+            settings[key] = raw
+    return settings
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -235,8 +261,21 @@ def main() -> None:
     parser.add_argument("--profile-step", action="store_true", help="torch.profiler over one step of the timed rollout")
     parser.add_argument("--attention-backends", default="",
                         help="comma list of diffusers attention backends to time eagerly first (e.g. native,_native_cudnn)")
+    parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                        help="a torch._inductor.config setting for the compiled blocks (repeatable), e.g. "
+                             "coordinate_descent_tuning=True or max_autotune_pointwise=True")
     opts = parser.parse_args()
     opts.width = opts.width or opts.height
+    import torch._inductor.config as inductor_config
+
+    settings = inductor_settings(opts.inductor)
+    if settings:
+        print(f"inductor settings: {settings}")
+    with inductor_config.patch(settings):
+        profile(opts)
+
+
+def profile(opts: argparse.Namespace) -> None:
     device = torch.device(opts.device)
     dtype = parse_dtype(opts.dtype or ("bf16" if device.type == "cuda" else "fp32"))
     family, pipe = build_sd35_medium(opts.device, dtype, num_layers=opts.arch_layers)

@@ -49,3 +49,14 @@ def test_a_rollout_gradient_rollout_keeps_each_samples_gradient_and_profiles_a_s
 
     profile_rollout.one_rollout(runner, opts, profile_rollout.Timer(runner.device))  # the same seeds again: fine
     assert sorted(runner.rollout_gradients.gradients) == [1000, 1001, 1002, 1003]
+
+
+def test_inductor_settings_take_the_type_of_the_setting_and_refuse_unknown_keys(profile_rollout):
+    settings = profile_rollout.inductor_settings(["coordinate_descent_tuning=True", "triton.cudagraphs=false",
+                                                  "max_autotune_gemm_backends=ATEN"])
+    assert settings == {"coordinate_descent_tuning": True, "triton.cudagraphs": False,
+                        "max_autotune_gemm_backends": "ATEN"}
+    for bad, said in (("no_such_knob=1", "has no 'no_such_knob'"), ("coordinate_descent_tuning", "KEY=VALUE"),
+                      ("coordinate_descent_tuning=yes", "True or False")):
+        with pytest.raises(SystemExit, match=said):
+            profile_rollout.inductor_settings([bad])
