@@ -218,6 +218,10 @@ def run_miles(opts, checkpoint: str, prompt_file: str, lora: bool, mode: str, wo
         with PeakMemory(opts.device) as memory:
             result = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
         wall = time.perf_counter() - began
+        for line in (result.stdout + result.stderr).splitlines():  # what a colocated run chose (miles/ray/colocation.py)
+            if "colocation: " in line:
+                print(f"  miles {'lora' if lora else 'full'} {mode} launch {launch}: {line.rsplit('colocation: ', 1)[1]}",
+                      flush=True)
         if result.returncode != 0:
             raise RuntimeError(f"train_diffusion.py failed ({result.returncode}):\n{result.stderr[-4000:]}")
         with open(os.path.join(out, "metrics.jsonl")) as handle:
