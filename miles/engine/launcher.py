@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from miles.engine.server_args import ServerArgs
 from miles.utils.auth import API_KEY_ENV
+from miles.utils.cuda_allocator import ALLOC_CONF_VARIABLE, GROWING_SEGMENTS
 from miles.utils.parent_death import mark_parent
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ URL_PREFIX = "MILES_ENGINE_URL="
 # fixed segments strand (2.3 GiB reserved beyond the allocated peak at SD3.5-Medium, bench/RESULTS.md). Set for
 # the whole process at launch: an engine exports no CUDA memory, it only opens the handles the trainer exports
 # (the trainer, which does export, keeps its shared buffers in fixed segments: miles/utils/cuda_allocator.py).
-ENGINE_CUDA_ALLOC_CONF = "expandable_segments:True"
+ENGINE_CUDA_ALLOC_CONF = GROWING_SEGMENTS
 
 
 @dataclass
@@ -64,7 +65,7 @@ def engine_environment(inherited: dict[str, str], env: dict[str, str] | None = N
     child_env = mark_parent(dict(inherited))
     child_env.setdefault("HF_HUB_OFFLINE", "1")
     child_env.setdefault("TRANSFORMERS_OFFLINE", "1")
-    child_env.setdefault("PYTORCH_CUDA_ALLOC_CONF", ENGINE_CUDA_ALLOC_CONF)
+    child_env.setdefault(ALLOC_CONF_VARIABLE, ENGINE_CUDA_ALLOC_CONF)
     child_env.update(env or {})
     if api_key is not None:
         child_env[API_KEY_ENV] = api_key

@@ -28,34 +28,32 @@ logger = logging.getLogger(__name__)
 GIB = 1 << 30
 
 
-def fits_resident(trainers: list[DeviceMemory], engines: list[DeviceMemory], margin_bytes: int) -> bool:
-    """True when, on each shared GPU, the trainer's and the engine's peaks fit together with margin to spare.
-
-    Measured with the trainer at rest (its cache emptied) and the engine resumed but idle (weights only): each
-    side will grow by its peak minus what it holds now. Counting only the engine's growth kept a full fine-tune's
-    trainer resident beside an engine with no room left for its activations (an H100, bench/RESULTS.md,
-    nineteenth session). Ranks and engines pair up by position (one engine per trainer GPU under --colocate);
-    with fewer engines the largest need is used.
-    """
+def _fits(trainers: list[DeviceMemory], engines: list[DeviceMemory], margin_bytes: int, trainer_at_peak: bool) -> bool:
+    """On each shared GPU, the memory free now less the engine's growth to its generation peak (and, with
+    `trainer_at_peak`, the trainer's growth back to its training peak) leaves `margin_bytes`. Measured with the
+    trainer at rest (its cache emptied) and the engine resumed but idle (weights only). Ranks and engines pair up
+    by position (one engine per trainer GPU under --colocate); with fewer engines the largest need is used."""
     if not trainers or not engines:
         return False
-    worst_engine_growth = max(e.peak_reserved - e.reserved for e in engines)
+    engine_growth = max(e.peak_reserved - e.reserved for e in engines)
     for trainer in trainers:
-        trainer_growth = max(0, trainer.peak_reserved - trainer.reserved)
-        if trainer.free - trainer_growth - worst_engine_growth < margin_bytes:
+        trainer_growth = max(0, trainer.peak_reserved - trainer.reserved) if trainer_at_peak else 0
+        if trainer.free - trainer_growth - engine_growth < margin_bytes:
             return False
     return True
 
 
+def fits_resident(trainers: list[DeviceMemory], engines: list[DeviceMemory], margin_bytes: int) -> bool:
+    """Both peaks fit together. Counting only the engine's growth kept a full fine-tune's trainer resident beside
+    an engine with no room left for its activations (an H100, bench/RESULTS.md, nineteenth session)."""
+    return _fits(trainers, engines, margin_bytes, trainer_at_peak=True)
+
+
 def engine_fits_beside_resting_trainer(trainers: list[DeviceMemory], engines: list[DeviceMemory],
                                        margin_bytes: int) -> bool:
-    """True when, on each shared GPU, the engine's generation peak fits beside the trainer at rest (measured with
-    its cache emptied), margin to spare. The trainer's own peak, with the engines released, fit in the first
-    iteration, which took turns."""
-    if not trainers or not engines:
-        return False
-    worst_engine_growth = max(e.peak_reserved - e.reserved for e in engines)
-    return all(trainer.free - worst_engine_growth >= margin_bytes for trainer in trainers)
+    """The engine's generation peak fits beside the trainer at rest. The trainer's own peak, with the engines
+    released, fit in the first iteration, which took turns."""
+    return _fits(trainers, engines, margin_bytes, trainer_at_peak=False)
 
 
 class ColocationPolicy:

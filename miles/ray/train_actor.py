@@ -43,8 +43,8 @@ def process_group_backend(config: RunConfig, on_gpu: bool, log: bool = True) -> 
     return requested
 
 
-def _out_of_memory_cause(err: BaseException) -> BaseException | None:
-    """The CUDA out-of-memory error behind `err` (itself, or the cause Ray wrapped), else None."""
+def out_of_memory_cause(err: BaseException) -> BaseException | None:
+    """The CUDA out-of-memory error behind `err` (the cause Ray wrapped, or itself), else None."""
     import torch
 
     for candidate in (getattr(err, "cause", None), err):  # Ray's wrapper is an instance too, its text the traceback
@@ -53,15 +53,10 @@ def _out_of_memory_cause(err: BaseException) -> BaseException | None:
     return None
 
 
-def out_of_memory(err: BaseException) -> bool:
-    return _out_of_memory_cause(err) is not None
-
-
-def out_of_memory_detail(err: BaseException) -> str:
+def out_of_memory_detail(oom: BaseException) -> str:
     """torch's first sentences (what it tried to allocate, the device's capacity and what was free), without the
     per-process list and the allocator advice that follow."""
-    cause = _out_of_memory_cause(err)
-    text = str(cause if cause is not None else err).strip()
+    text = str(oom).strip()
     text = text.splitlines()[0] if text else "CUDA out of memory"
     for tail in (" Including non-PyTorch memory", " Process ", " Of the allocated memory"):
         text = text.split(tail)[0]
@@ -301,8 +296,9 @@ class TrainActorGroup:
                 dead = self._dead_rank(refs, pending)
                 if dead is not None:
                     raise PartDiedError(self._death_message(dead, method)) from err
-                if out_of_memory(err):
-                    raise PartDiedError(self._out_of_memory_message(rank, method, err)) from err
+                oom = out_of_memory_cause(err)
+                if oom is not None:
+                    raise PartDiedError(self._out_of_memory_message(rank, method, oom)) from err
                 raise
         return [results[rank] for rank in range(len(refs))]
 
@@ -327,7 +323,7 @@ class TrainActorGroup:
         return (f"trainer rank {rank} of {len(self.actors)} died during {method}() (its process was killed, ran out "
                 f"of memory or crashed); the run is stopped{self._resume_hint()}")
 
-    def _out_of_memory_message(self, rank: int, method: str, err: BaseException) -> str:
+    def _out_of_memory_message(self, rank: int, method: str, oom: BaseException) -> str:
         """One line for a rank's CUDA out-of-memory error: where, torch's own numbers, and the flags that lower
         the trainer's memory."""
         ways = "lower --micro-batch-size, or add --gradient-checkpointing or --fsdp-cpu-offload"
@@ -335,7 +331,7 @@ class TrainActorGroup:
             ways += (", or keep the trainer and the engines taking turns on the GPU "
                      "(--colocate-offload-policy always)")
         return (f"trainer rank {rank} of {len(self.actors)} ran out of GPU memory during {method}() "
-                f"({out_of_memory_detail(err)}): {ways}; the run is stopped{self._resume_hint()}")
+                f"({out_of_memory_detail(oom)}): {ways}; the run is stopped{self._resume_hint()}")
 
     def init(self) -> int:
         """Start the process group, load and shard the model, resume from `--load`; returns the first rollout id.

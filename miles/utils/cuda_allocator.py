@@ -16,9 +16,8 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-import torch
-
 ALLOC_CONF_VARIABLE = "PYTORCH_CUDA_ALLOC_CONF"
+GROWING_SEGMENTS = "expandable_segments:True"  # the engines' launch default, the trainer's setting at start
 
 _grows = False  # this process turned growing segments on (grow_segments_unless_set)
 
@@ -35,6 +34,8 @@ def conf_sets_growing(conf: str | None) -> bool:
 def grow_segments_unless_set(environ: dict[str, str] | None = None) -> bool:
     """Turn growing segments on for this process unless the run's environment configures the allocator (a value
     the user set wins, as it does for the engines). Returns whether segments now grow. No-op without CUDA."""
+    import torch
+
     global _grows
     environ = os.environ if environ is None else environ
     if not torch.cuda.is_available():
@@ -42,7 +43,7 @@ def grow_segments_unless_set(environ: dict[str, str] | None = None) -> bool:
     if ALLOC_CONF_VARIABLE in environ:
         _grows = conf_sets_growing(environ[ALLOC_CONF_VARIABLE])
         return _grows
-    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    torch.cuda.memory._set_allocator_settings(GROWING_SEGMENTS)
     _grows = True
     return True
 
@@ -53,8 +54,10 @@ def fixed_segments() -> Iterator[None]:
     if not _grows:
         yield
         return
+    import torch
+
     torch.cuda.memory._set_allocator_settings("expandable_segments:False")
     try:
         yield
     finally:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        torch.cuda.memory._set_allocator_settings(GROWING_SEGMENTS)
