@@ -3,6 +3,7 @@
     python bench/profile_rollout.py --device cuda --compile        # SD3.5-Medium size, random weights
     python bench/profile_rollout.py --device cpu --arch-layers 1 --height 64 --num-images 4 --steps 2
     python bench/profile_rollout.py --device cuda --compile --rollout-gradient 8 --profile-step  # the no-replay step
+    python bench/profile_rollout.py ... --patch-group batch_invariant [--attention-backend _native_cudnn]  # as documented
 
 The engine's own timers (`rollout/engine_*_seconds`) do not synchronise the device, so queued denoising work
 shows up in whatever waits for it first (the decode). This script drives the same `ModelRunner` methods the
@@ -261,6 +262,13 @@ def main() -> None:
     parser.add_argument("--profile-step", action="store_true", help="torch.profiler over one step of the timed rollout")
     parser.add_argument("--attention-backends", default="",
                         help="comma list of diffusers attention backends to time eagerly first (e.g. native,_native_cudnn)")
+    parser.add_argument("--patch-group", default=None,
+                        help="the engine's --rollout-patch-group (e.g. batch_invariant, the documented default: fixed "
+                             "forward tiles of the rollout-gradient tile or 8, one pinned attention kernel, opaque "
+                             "matmuls and norms in the compiled blocks)")
+    parser.add_argument("--attention-backend", default=None,
+                        help="a diffusers attention backend for the engine's DiT, set after the patch group's pin "
+                             "(--sglang-attention-backend), e.g. _native_cudnn")
     parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                         help="a torch._inductor.config setting for the compiled blocks (repeatable), e.g. "
                              "coordinate_descent_tuning=True or max_autotune_pointwise=True")
@@ -287,7 +295,9 @@ def profile(opts: argparse.Namespace) -> None:
     server_args = ServerArgs(model_path="arch:sd3.5-medium", model_family="sd3", device=opts.device,
                              dtype="bf16" if dtype == torch.bfloat16 else "fp32", generator_device=opts.device,
                              max_batch_size=opts.max_batch_size, enable_torch_compile=opts.compile,
-                             rollout_gradient_tile=opts.rollout_gradient)
+                             rollout_gradient_tile=opts.rollout_gradient, rollout_patch_group=opts.patch_group,
+                             forward_tile=(opts.rollout_gradient or 8) if opts.patch_group else 0,
+                             attention_backend=opts.attention_backend)
     runner = ModelRunner(server_args, loaded=(family, pipe))
     if opts.rollout_gradient:
         layers = push_random_lora(runner, opts.lora_rank)
@@ -302,7 +312,8 @@ def profile(opts: argparse.Namespace) -> None:
     total = time.perf_counter() - began
     print(f"\none rollout, {opts.num_images} images of {opts.height}x{opts.width}, {opts.steps} steps, CFG {opts.cfg}, "
           f"requests of {opts.samples_per_request}, compile={opts.compile}, rollout gradient tile "
-          f"{opts.rollout_gradient or 'off'}, device {device}, {dtype}: {total:.3f} s")
+          f"{opts.rollout_gradient or 'off'}, patch group {opts.patch_group or 'none'}, attention "
+          f"{opts.attention_backend or 'as the group or diffusers chooses'}, device {device}, {dtype}: {total:.3f} s")
     if device.type == "cuda":
         print(f"memory: {resident / (1 << 30):.2f} GiB allocated between rollouts, "
               f"{torch.cuda.max_memory_reserved(device) / (1 << 30):.2f} GiB reserved at most")
