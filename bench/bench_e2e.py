@@ -30,7 +30,9 @@ at the dense matmul peak measured in the same call; each row's MFU is the floor 
 Growth: `--sweep-images 16,32,64,128` and `--sweep-trained-steps 2,0` measure each point the same way (one table
 each) and end with one growth table per setup (seconds per iteration, rollout images/s, train pairs/s).
 `--rows-jsonl FILE` appends every row the moment it is measured, so a long sweep cut short keeps what it measured.
-`--miles-modes ''` measures the plain loop alone (at each sweep point too).
+`--miles-modes ''` measures the plain loop alone (at each sweep point too). A mode may carry flags of its own,
+`MODE:--FLAG=VALUE` (`compiled-rollout-gradient:--sglang-attention-backend=_native_cudnn`): a variant measured
+beside its mode in the same call.
 
 Prints one table per setup: steady-state seconds per iteration (mean over the iterations after the first), the
 phase split (from the run's `perf/*_time` metrics), unaccounted time, peak GPU memory (device-wide, polled),
@@ -182,6 +184,7 @@ def miles_flags(opts, checkpoint: str, prompt_file: str, out: str, lora: bool, m
         flags += ["--diffusion-num-sde-steps", str(opts.trained_steps)]
     if lora:
         flags += ["--use-lora", "--lora-rank", "32", "--lora-alpha", "64"]
+    mode, variant = split_mode(mode)
     no_replay = mode.endswith(ROLLOUT_GRADIENT)
     if no_replay:  # the engines take each sample's gradient, nothing is replayed (LoRA)
         flags += ["--diffusion-rollout-gradient"]
@@ -192,7 +195,21 @@ def miles_flags(opts, checkpoint: str, prompt_file: str, out: str, lora: bool, m
         flags += ["--fsdp-torch-compile", "--sglang-enable-torch-compile", "--rollout-patch-group", "none"]
         if not no_replay:  # without a replay there is no old log-prob to recompute: exact by construction
             flags += ["--diffusion-recompute-old-log-prob"]
-    return flags + list(opts.extra_flags)
+    return flags + variant + list(opts.extra_flags)
+
+
+def split_mode(mode: str) -> tuple[str, list[str]]:
+    """`MODE[:--FLAG=VALUE...]`: a --miles-modes entry is a mode, then any train_diffusion.py flags of its own
+    (a variant measured beside the mode in one call, e.g. `compiled-rollout-gradient:--sglang-attention-backend=
+    _native_cudnn`). Returns the mode and its flags as argv items."""
+    mode, *extras = mode.split(":")
+    variant = []
+    for extra in extras:
+        flag, sep, value = extra.partition("=")
+        if not flag.startswith("--"):
+            raise SystemExit(f"--miles-modes: {extra!r} in {mode!r}: expected --FLAG or --FLAG=VALUE")
+        variant += [flag, value] if sep else [flag]
+    return mode, variant
 
 
 def engine_graphs(out: str) -> int | None:
@@ -208,8 +225,9 @@ def run_miles(opts, checkpoint: str, prompt_file: str, lora: bool, mode: str, wo
     """The last launch's row; a compiled mode's earlier launches fill the compile caches, and --rows-jsonl gets
     each of their rows too (a call cut short in the last launch keeps the first's)."""
     launches = opts.compiled_launches if mode.startswith("compiled") else 1
+    folder = re.sub(r"[^A-Za-z0-9_.=-]+", "_", mode)  # a variant's flags in a folder name
     for launch in range(launches):
-        out = os.path.join(workdir, f"miles-{'lora' if lora else 'full'}-{mode}-{launch}")
+        out = os.path.join(workdir, f"miles-{'lora' if lora else 'full'}-{folder}-{launch}")
         shutil.rmtree(out, ignore_errors=True)  # a reused --workdir: this launch's metrics only
         argv = [sys.executable, os.path.join(REPO_ROOT, "train_diffusion.py"),
                 *miles_flags(opts, checkpoint, prompt_file, out, lora, mode)]
@@ -350,7 +368,7 @@ def measure_setup(opts, checkpoint: str, prompt_file: str, lora: bool, workdir: 
             torch.cuda.empty_cache()
         torch._dynamo.reset()  # the next loop compiles its own graphs
     for mode in filter(None, opts.miles_modes.split(",")):  # --miles-modes '': the plain loop alone
-        if mode.endswith(ROLLOUT_GRADIENT) and not lora:
+        if split_mode(mode)[0].endswith(ROLLOUT_GRADIENT) and not lora:
             continue  # per-sample adapter copies: LoRA only
         rows[f"miles {mode}"] = run_miles(opts, checkpoint, prompt_file, lora, mode, workdir)
         record_row(opts, lora, f"miles {mode}", rows[f"miles {mode}"])
