@@ -43,7 +43,7 @@ from miles.engine.sequence_parallel import (
 )
 from miles.engine.server_args import ServerArgs
 from miles.models.base import GenerationShape, SequenceParallelLayout, TrainPipelineConfig, condition_image_mismatch
-from miles.models.batch_invariant import predict_velocity_in_tiles
+from miles.models.batch_invariant import gradient_engine_attention_backend, predict_velocity_in_tiles, route_attention
 from miles.models.opaque_kernels import enable_eager_rounding, install_in_blocks, wanted as opaque_kernels_wanted
 from miles.models.common import build_train_pipeline_config, combine_cfg, generators_from_seeds, parse_dtype
 from miles.utils.compile import compile_blocks, compile_seconds, compiled_graphs, raise_recompile_limits
@@ -170,9 +170,14 @@ class ModelRunner:
             module.eval().requires_grad_(False)
             self.modules[name] = module
         self.patch_groups = apply_patch_groups(self.modules, server_args.rollout_patch_group, self.family)
-        if server_args.attention_backend:
-            for module in self.modules.values():
-                module.set_attention_backend(server_args.attention_backend)
+        attention = server_args.attention_backend
+        if attention is None and server_args.rollout_gradient_tile:
+            attention = gradient_engine_attention_backend(self.dtype, self.family, self.device)
+            if attention is not None:
+                logger.info("attention through %s: under --diffusion-rollout-gradient no trainer forward reproduces "
+                            "this engine's, and on this GPU it is the fastest kernel", attention)
+        if attention:
+            route_attention(self.modules, attention)
         self.forward_modules: dict[str, nn.Module] = dict(self.modules)
         self.eager_rounding = opaque_kernels_wanted(bool(server_args.forward_tile), server_args.enable_torch_compile,
                                                     self.device.type)

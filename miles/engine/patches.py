@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from miles.models.batch_invariant import cast_parameters_like_fsdp, pin_attention
+from miles.models.batch_invariant import MATH_ATTENTION_BACKEND, cast_parameters_like_fsdp, pin_attention, route_attention
 from miles.utils.errors import MilesUserError
 
 logger = logging.getLogger(__name__)
@@ -74,12 +74,11 @@ def _patch_fp32_norms(modules: Mapping[str, nn.Module]) -> None:
 
 def _patch_math_attention(modules: Mapping[str, nn.Module]) -> None:
     for module in modules.values():
-        setter = getattr(module, "set_attention_backend", None)
-        if setter is None:
+        if getattr(module, "set_attention_backend", None) is None:
             raise MilesUserError(
                 f"--rollout-patch-group math_attention: {type(module).__name__} has no set_attention_backend"
             )
-        setter("_native_math")
+    route_attention(modules, MATH_ATTENTION_BACKEND)  # SD3's processors too, through the SDPA priority
 
 
 def _forward_dtype(modules: Mapping[str, nn.Module]) -> torch.dtype:

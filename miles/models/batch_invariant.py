@@ -46,6 +46,7 @@ GROUP = "batch_invariant"
 FLASH_ATTENTION_BACKEND = "_native_flash"  # diffusers' name for PyTorch's flash SDPA kernel (fp16/bf16 only)
 EFFICIENT_ATTENTION_BACKEND = "_native_efficient"  # the memory-efficient kernel, which also takes fp32
 MATH_ATTENTION_BACKEND = "_native_math"  # the composite kernel: everything, slowly
+CUDNN_ATTENTION_BACKEND = "_native_cudnn"  # cuDNN's fused attention (16-bit; the fastest on Hopper)
 
 
 def predict_velocity_in_tiles(
@@ -106,6 +107,75 @@ def parity_attention_backend(dtype: torch.dtype, family: Any = None) -> str:
     if dtype == torch.float32 and uses_gqa:
         return MATH_ATTENTION_BACKEND
     return EFFICIENT_ATTENTION_BACKEND
+
+
+# diffusers' native SDPA backends and the PyTorch kernel each restricts SDPA to
+_SDPA_KERNEL_OF_BACKEND = {
+    FLASH_ATTENTION_BACKEND: "FLASH_ATTENTION",
+    CUDNN_ATTENTION_BACKEND: "CUDNN_ATTENTION",
+    EFFICIENT_ATTENTION_BACKEND: "EFFICIENT_ATTENTION",
+    MATH_ATTENTION_BACKEND: "MATH",
+}
+
+
+def route_attention(modules: Mapping[str, nn.Module], backend: str) -> None:
+    """Every attention of `modules` through `backend`. Diffusers' newer processors take a backend
+    (`set_attention_backend`); older ones call PyTorch's SDPA themselves and ignore it (SD3's joint attention,
+    `JointAttnProcessor2_0`), so a native SDPA backend's kernel also goes first in this process's SDPA priority,
+    which they follow. A priority, not a restriction: inputs that kernel does not take fall back as before.
+    Diffusers also makes the backend its process-wide default; that default is put back, as `pin_attention` does."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    previous = _AttentionBackendRegistry.get_active_backend()[0]
+    for module in modules.values():
+        module.set_attention_backend(backend)
+    _AttentionBackendRegistry.set_active_backend(previous)
+    kernel = _SDPA_KERNEL_OF_BACKEND.get(backend)
+    if kernel is not None:
+        prefer_sdpa_kernel(kernel)
+
+
+def prefer_sdpa_kernel(kernel: str) -> None:
+    """PyTorch's SDPA kernel `kernel` (an `SDPBackend` name) first in the process-wide priority (flash, efficient,
+    math, cuDNN by default), the others in their order after it."""
+    from torch.nn.attention import SDPBackend
+
+    first = int(getattr(SDPBackend, kernel))
+    order = [first] + [int(k) for k in torch._C._get_sdp_priority_order() if int(k) != first]
+    torch._C._set_sdp_priority_order(order)
+
+
+def gradient_engine_attention_backend(dtype: torch.dtype, family: Any, device: torch.device) -> str | None:
+    """The attention kernel of an engine whose forward no other side reproduces (`--diffusion-rollout-gradient`:
+    the trainer runs no forward, the gradient is the engine's own): cuDNN's on Hopper, where it runs a DiT's
+    attention forward and backward faster than flash (bench/RESULTS.md, bench/attention_parity.py), where it runs
+    at all. The pin's first reason (the same kernel with and without autograd) does not bind such an engine; the
+    second (each sample's bits whatever its tile position) holds for cuDNN too, as for every SDPA kernel: it treats
+    each (sample, head) on its own. None where the pin stays: not CUDA, not Hopper, fp32, a mask, grouped-query
+    attention, or a cuDNN build that refuses the probe."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if getattr(family, "attention_uses_mask", False) or getattr(family, "attention_uses_gqa", False):
+        return None
+    if torch.cuda.get_device_capability(device)[0] != 9:  # faster on Hopper only (slower on Ampere and Blackwell)
+        return None
+    return CUDNN_ATTENTION_BACKEND if cudnn_attention_runs(device, dtype) else None
+
+
+def cudnn_attention_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether cuDNN's attention takes a small 16-bit forward and backward here (its availability depends on the
+    cuDNN build and the driver, which nothing cheaper than trying tells)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (torch.randn(1, 2, 128, 64, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    try:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            F.scaled_dot_product_attention(q, k, v).sum().backward()
+    except RuntimeError as err:  # "No available kernel", a cuDNN graph that fails to build
+        logger.info("cuDNN attention does not run here (%s); the engine keeps the pinned kernel",
+                    str(err).splitlines()[0][:200])
+        return False
+    return True
 
 
 def cast_parameters_like_fsdp(modules: Mapping[str, nn.Module], dtype: torch.dtype) -> int:

@@ -318,3 +318,98 @@ def test_opaque_kernels_leave_the_lora_factors_to_the_compiler():
         outputs.append((out.detach(), [p.grad for p in net.parameters() if p.requires_grad]))
     assert torch.equal(outputs[0][0], outputs[1][0])
     assert all(torch.equal(a, b) for a, b in zip(outputs[0][1], outputs[1][1]))
+
+
+def test_a_rollout_gradient_engine_takes_cudnn_attention_on_hopper_only(monkeypatch):
+    """Under --diffusion-rollout-gradient no trainer forward reproduces the engine's, so the engine may leave the
+    parity pin for the fastest kernel: cuDNN's on Hopper where it runs, the pin everywhere else."""
+    from types import SimpleNamespace
+
+    from miles.models import batch_invariant
+
+    plain, masked, gqa = (SimpleNamespace(attention_uses_mask=m, attention_uses_gqa=g)
+                          for m, g in ((False, False), (True, False), (False, True)))
+    gpu = torch.device("cuda", 0)
+    capability = {"major": 9}
+    runs = {"ok": True}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (capability["major"], 0))
+    monkeypatch.setattr(batch_invariant, "cudnn_attention_runs", lambda device, dtype: runs["ok"])
+    choose = batch_invariant.gradient_engine_attention_backend
+
+    assert choose(torch.bfloat16, plain, gpu) == "_native_cudnn"
+    assert choose(torch.float16, plain, gpu) == "_native_cudnn"
+    assert choose(torch.float32, plain, gpu) is None  # cuDNN's attention is 16-bit
+    assert choose(torch.bfloat16, masked, gpu) is None and choose(torch.bfloat16, gqa, gpu) is None
+    assert choose(torch.bfloat16, plain, torch.device("cpu")) is None
+    for other in (8, 10, 12):  # Ampere, Blackwell: flash is as fast or faster there
+        capability["major"] = other
+        assert choose(torch.bfloat16, plain, gpu) is None
+    capability["major"], runs["ok"] = 9, False  # a cuDNN build that refuses the probe: the pin stays
+    assert choose(torch.bfloat16, plain, gpu) is None
+
+
+@pytest.fixture
+def sdpa_priority():
+    """The process-wide SDPA priority as it was before the test (an engine built in the test process sets it)."""
+    before = torch._C._get_sdp_priority_order()
+    yield before
+    torch._C._set_sdp_priority_order(before)
+
+
+def test_route_attention_puts_the_kernel_first_in_the_sdpa_priority(tiny_checkpoint, sdpa_priority):
+    """SD3's joint-attention processors call PyTorch's SDPA themselves and ignore diffusers' backend setting, so
+    a native backend's kernel goes first in the process's SDPA priority, which PyTorch's CUDA dispatcher follows
+    (its CPU dispatcher takes flash where it can, whatever the order: the GPU case below shows the choice)."""
+    from diffusers import DiffusionPipeline
+    from torch.nn.attention import SDPBackend
+
+    from miles.models.batch_invariant import route_attention
+
+    transformer = DiffusionPipeline.from_pretrained(tiny_checkpoint("sd3")).transformer.eval()
+    assert SDPBackend(sdpa_priority[0]).name == "FLASH_ATTENTION"  # PyTorch's default: cuDNN comes last
+    route_attention({"transformer": transformer}, "_native_math")
+    order = torch._C._get_sdp_priority_order()
+    assert order[0] == int(SDPBackend.MATH) and sorted(order) == sorted(sdpa_priority)
+    route_attention({"transformer": transformer}, "native")  # diffusers' default backend: no kernel of its own
+    assert torch._C._get_sdp_priority_order() == order
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_hopper_sd3s_attention_runs_cudnn_once_routed(sdpa_priority):
+    from torch.nn.attention import SDPBackend
+
+    from miles.models.batch_invariant import gradient_engine_attention_backend, prefer_sdpa_kernel
+
+    device = torch.device("cuda", 0)
+    q = k = v = torch.randn(2, 24, 1357, 64, device=device, dtype=torch.bfloat16)  # SD3.5-Medium at 512²
+    assert torch._fused_sdp_choice(q, k, v) == int(SDPBackend.FLASH_ATTENTION)
+    chosen = gradient_engine_attention_backend(torch.bfloat16, None, device)
+    if chosen is None:
+        pytest.skip(f"not a Hopper GPU with cuDNN attention ({torch.cuda.get_device_name(device)})")
+    prefer_sdpa_kernel("CUDNN_ATTENTION")
+    assert torch._fused_sdp_choice(q, k, v) == int(SDPBackend.CUDNN_ATTENTION)
+
+
+def test_a_rollout_gradient_engine_sets_the_chosen_kernel_unless_told_one(tiny_checkpoint, monkeypatch, sdpa_priority):
+    """The wiring: an engine started for --diffusion-rollout-gradient asks for its kernel (here as if on a Hopper
+    GPU, where the answer is cuDNN's) and sets it on every attention; an engine without the flag does not ask, and
+    --sglang-attention-backend wins over the choice."""
+    from torch.nn.attention import SDPBackend
+
+    from miles.engine import model_runner
+    from miles.engine.server_args import ServerArgs
+
+    asked = []
+    monkeypatch.setattr(model_runner, "gradient_engine_attention_backend",
+                        lambda dtype, family, device: asked.append(device) or "_native_cudnn")
+
+    def first_kernel(**extra) -> str:
+        torch._C._set_sdp_priority_order(sdpa_priority)
+        ModelRunner(ServerArgs(model_path=tiny_checkpoint("sd3"), model_family="sd3", device="cpu", dtype="fp32",
+                               generator_device="cpu", **extra))
+        return SDPBackend(torch._C._get_sdp_priority_order()[0]).name  # what SD3's processors follow
+
+    assert first_kernel(rollout_gradient_tile=2) == "CUDNN_ATTENTION" and len(asked) == 1
+    assert first_kernel() == "FLASH_ATTENTION" and len(asked) == 1  # PyTorch's default, untouched
+    assert first_kernel(rollout_gradient_tile=2, attention_backend="_native_math") == "MATH" and len(asked) == 1

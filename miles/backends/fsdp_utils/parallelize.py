@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from miles.backends.fsdp_utils.parallel_dims import ParallelDims
-from miles.models.batch_invariant import engine_holds_in_forward_dtype
+from miles.models.batch_invariant import engine_holds_in_forward_dtype, route_attention
 from miles.models.opaque_kernels import install_in_blocks, wanted as opaque_kernels_wanted
 from miles.utils.compile import compile_blocks
 from miles.utils.errors import MilesUserError
@@ -247,7 +247,7 @@ def parallelize_module(
         if not hasattr(module, "set_attention_backend"):
             raise MilesUserError(f"--fsdp-attention-backend {backend!r}: module {name!r} has no set_attention_backend")
         try:
-            module.set_attention_backend(backend)
+            route_attention({name: module}, backend)
         except Exception as err:  # diffusers raises ValueError/RuntimeError for an unknown or unavailable backend
             raise MilesUserError(f"--fsdp-attention-backend {backend!r}: {err}") from err
     if dims.sp_enabled:
