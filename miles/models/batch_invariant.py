@@ -81,14 +81,20 @@ def predict_velocity_in_tiles(
 
 def pin_attention(modules: Mapping[str, nn.Module], dtype: torch.dtype, device_type: str | None = None,
                   family: Any = None) -> None:
-    """On CUDA, route attention through one SDPA kernel on every module that can choose (`parity_attention_backend`,
-    through `route_attention`, so SD3's processors too). Each kernel treats every (sample, head) on its own.
+    """On CUDA, route attention through one SDPA kernel on every module that can choose (`parity_attention_backend`).
+    Each of them treats every (sample, head) on its own.
 
-    `device_type`: where the modules will run (default: where their parameters are now)."""
-    on_cuda = {name: module for name, module in modules.items() if hasattr(module, "set_attention_backend") and (
-        device_type == "cuda" if device_type else any(p.is_cuda for p in module.parameters()))}
-    if on_cuda:
-        route_attention(on_cuda, parity_attention_backend(dtype, family))
+    `device_type`: where the modules will run (default: where their parameters are now). Diffusers also makes the
+    backend the process-wide default; that default is put back, so other models in the process are unaffected."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    backend = parity_attention_backend(dtype, family)
+    previous = _AttentionBackendRegistry.get_active_backend()[0]
+    for module in modules.values():
+        on_cuda = device_type == "cuda" if device_type else any(p.is_cuda for p in module.parameters())
+        if on_cuda and hasattr(module, "set_attention_backend"):
+            module.set_attention_backend(backend)
+    _AttentionBackendRegistry.set_active_backend(previous)
 
 
 def parity_attention_backend(dtype: torch.dtype, family: Any = None) -> str:
