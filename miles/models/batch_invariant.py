@@ -147,12 +147,14 @@ def prefer_sdpa_kernel(kernel: str) -> None:
 
 def gradient_engine_attention_backend(dtype: torch.dtype, family: Any, device: torch.device) -> str | None:
     """The attention kernel of an engine whose forward no other side reproduces (`--diffusion-rollout-gradient`:
-    the trainer runs no forward, the gradient is the engine's own): cuDNN's on Hopper, where it runs a DiT's
-    attention forward and backward faster than flash (bench/RESULTS.md, bench/attention_parity.py), where it runs
-    at all. The pin's first reason (the same kernel with and without autograd) does not bind such an engine; the
-    second (each sample's bits whatever its tile position) holds for cuDNN too, as for every SDPA kernel: it treats
-    each (sample, head) on its own. None where the pin stays: not CUDA, not Hopper, fp32, a mask, grouped-query
-    attention, or a cuDNN build that refuses the probe."""
+    the trainer runs no forward, the gradient is the engine's own): cuDNN's on Hopper, where it runs. Measured on
+    an H100 (torch 2.11, cuDNN 9.19; bench/attention_parity.py, bench/RESULTS.md): its forward and backward are
+    2.0× flash's at SD3.5-Medium's 64-wide heads and 1.7× at a 128-wide head's shapes, with a sample's bits the same
+    with and without autograd and at any tile position. PyTorch's dispatcher already picks cuDNN for the 64-wide
+    heads (SD3, whose processors ignore diffusers' backend and so the pin), flash for the 128-wide ones, which the
+    pin also holds for the families whose processors take a backend (FLUX, Wan, Qwen-Image, ...): those gain.
+    None where nothing changes: not CUDA, not Hopper (flash is as fast or faster on Ampere and Blackwell), fp32,
+    a mask, grouped-query attention, or a cuDNN build that refuses the probe."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return None
     if getattr(family, "attention_uses_mask", False) or getattr(family, "attention_uses_gqa", False):
