@@ -1,25 +1,14 @@
 """bench/bench_e2e.py's --miles-modes entries: a mode, then flags of its own (a variant measured beside it)."""
 
 import argparse
-import importlib.util
-import os
-import sys
 
 import pytest
 
-BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "bench_e2e.py")
-
 
 @pytest.fixture(scope="module")
-def bench_e2e():
-    sys.path.insert(0, os.path.dirname(BENCH))  # as a script it imports bench/plain_loop.py from its own folder
-    spec = importlib.util.spec_from_file_location("bench_e2e", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_e2e"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("bench_e2e", None)
-    sys.path.remove(os.path.dirname(BENCH))
+def bench_e2e(bench_script):
+    with bench_script("bench_e2e") as module:
+        yield module
 
 
 def test_a_mode_variant_adds_its_flags_after_the_modes_own(bench_e2e):

@@ -2,24 +2,15 @@
 policy gradient, on a tiny SD3 in fp32 with a trained-looking adapter (B ≠ 0, so A's gradient is not 0)."""
 
 import argparse
-import importlib.util
-import os
-import sys
 
 import pytest
 import torch
 
-BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "plain_loop.py")
-
 
 @pytest.fixture(scope="module")
-def plain_loop():
-    spec = importlib.util.spec_from_file_location("plain_loop", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["plain_loop"] = module  # dataclasses resolve their annotations through sys.modules
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("plain_loop", None)
+def plain_loop(bench_script):
+    with bench_script("plain_loop") as module:
+        yield module
 
 
 def _gradients(plain_loop, checkpoint: str, fused: bool, trained_steps: int) -> list[torch.Tensor]:

@@ -2,26 +2,17 @@
 sample's gradient during a synchronised rollout, and the profiled step's kernel table accounts for its time."""
 
 import argparse
-import importlib.util
-import os
-import sys
 
 import pytest
 
 from miles.engine.model_runner import ModelRunner
 from miles.engine.server_args import ServerArgs
 
-BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "profile_rollout.py")
-
 
 @pytest.fixture(scope="module")
-def profile_rollout():
-    spec = importlib.util.spec_from_file_location("profile_rollout", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["profile_rollout"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("profile_rollout", None)
+def profile_rollout(bench_script):
+    with bench_script("profile_rollout") as module:
+        yield module
 
 
 def test_a_rollout_gradient_rollout_keeps_each_samples_gradient_and_profiles_a_step(profile_rollout, tiny_checkpoint,
