@@ -11,7 +11,9 @@ sources of difference (docs/sde-backends.md):
    the same shapes on both sides, and no kernel mixes rows, so a sample's output ignores its neighbours.
 2. **One attention kernel**: on CUDA both sides use one PyTorch SDPA kernel (flash; memory-efficient in fp32 or
    for families that mask attention; math for fp32 grouped-query attention), since without a pin the dispatcher
-   may choose differently with and without autograd.
+   may choose differently with and without autograd. SD3's processors call PyTorch's SDPA themselves and take no
+   pin: both sides get PyTorch's choice, cuDNN for its heads on Hopper, which keeps a sample's bits with and
+   without autograd (measured at SD3.5-Medium's shapes, bench/attention_parity.py).
 3. **Every tensor in the same dtype on both sides**: FSDP's mixed precision casts every parameter of the trainer
    to the forward dtype, including those diffusers keeps in fp32 at load time (`_keep_in_fp32_modules`: Wan's
    norms and modulation tables, Cosmos 3's time embedder), so the engine casts those too
@@ -32,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import types
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -82,18 +84,23 @@ def predict_velocity_in_tiles(
 def pin_attention(modules: Mapping[str, nn.Module], dtype: torch.dtype, device_type: str | None = None,
                   family: Any = None) -> None:
     """On CUDA, route attention through one SDPA kernel on every module that can choose (`parity_attention_backend`).
-    Each of them treats every (sample, head) on its own.
+    Each of them treats every (sample, head) on its own. Processors that ignore diffusers' backend (SD3's) are not
+    pinned: they take PyTorch's own choice on both sides (cuDNN for SD3's heads on Hopper, bench/RESULTS.md).
 
-    `device_type`: where the modules will run (default: where their parameters are now). Diffusers also makes the
-    backend the process-wide default; that default is put back, so other models in the process are unaffected."""
+    `device_type`: where the modules will run (default: where their parameters are now)."""
+    on_cuda = [module for module in modules.values() if hasattr(module, "set_attention_backend") and (
+        device_type == "cuda" if device_type else any(p.is_cuda for p in module.parameters()))]
+    set_diffusers_backend(on_cuda, parity_attention_backend(dtype, family))
+
+
+def set_diffusers_backend(modules: Iterable[nn.Module], backend: str) -> None:
+    """`set_attention_backend(backend)` on each module. Diffusers also makes the backend its process-wide default;
+    that default is put back, so other models in the process are unaffected."""
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
-    backend = parity_attention_backend(dtype, family)
     previous = _AttentionBackendRegistry.get_active_backend()[0]
-    for module in modules.values():
-        on_cuda = device_type == "cuda" if device_type else any(p.is_cuda for p in module.parameters())
-        if on_cuda and hasattr(module, "set_attention_backend"):
-            module.set_attention_backend(backend)
+    for module in modules:
+        module.set_attention_backend(backend)
     _AttentionBackendRegistry.set_active_backend(previous)
 
 
@@ -122,14 +129,8 @@ def route_attention(modules: Mapping[str, nn.Module], backend: str) -> None:
     """Every attention of `modules` through `backend`. Diffusers' newer processors take a backend
     (`set_attention_backend`); older ones call PyTorch's SDPA themselves and ignore it (SD3's joint attention,
     `JointAttnProcessor2_0`), so a native SDPA backend's kernel also goes first in this process's SDPA priority,
-    which they follow. A priority, not a restriction: inputs that kernel does not take fall back as before.
-    Diffusers also makes the backend its process-wide default; that default is put back, as `pin_attention` does."""
-    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
-
-    previous = _AttentionBackendRegistry.get_active_backend()[0]
-    for module in modules.values():
-        module.set_attention_backend(backend)
-    _AttentionBackendRegistry.set_active_backend(previous)
+    which they follow. A priority, not a restriction: inputs that kernel does not take fall back as before."""
+    set_diffusers_backend(modules.values(), backend)
     kernel = _SDPA_KERNEL_OF_BACKEND.get(backend)
     if kernel is not None:
         prefer_sdpa_kernel(kernel)
