@@ -306,6 +306,15 @@ def test_gradient_checkpointing_attention_backend_and_offload_keep_the_gradients
         make_trainer(tiny, fsdp_attention_backend="no_such_backend")
 
 
+def test_optimizer_state_is_counted_once_the_first_step_creates_it(tiny):
+    """What the colocation policy adds to the first iteration's measured peak (TrainRayActor.memory_stats)."""
+    trainer = make_trainer(tiny, use_lora=True, micro_batch_size=4)
+    assert trainer.optimizer_state_bytes() == 0  # AdamW creates its moments in the first step
+    trainer.train(0, tiny[3])
+    moments = sum(2 * p.to_local().numel() * p.to_local().element_size() for _, p in trainer.trainable)
+    assert trainer.optimizer_state_bytes() == moments
+
+
 def test_fp16_forward_uses_the_grad_scaler(tiny):
     trainer = make_trainer(tiny, diffusion_forward_dtype="fp16", use_lora=True, micro_batch_size=4)
     assert trainer.scaler.is_enabled()

@@ -605,6 +605,17 @@ class DiffusionTrainer:
     # ------------------------------------------------------------------------------------------------
     # colocated runs
     # ------------------------------------------------------------------------------------------------
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds on its GPU (its shard; none before the first step: AdamW
+        creates its moments lazily)."""
+        total = 0
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step" and value.device.type == self.device.type:
+                    local = value.to_local() if hasattr(value, "to_local") else value
+                    total += local.numel() * local.element_size()
+        return total
+
     def offload(self) -> None:
         """Move parameters, optimizer state and EMA to the CPU (the engines take the GPU)."""
         self._move("cpu")
