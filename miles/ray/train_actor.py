@@ -234,7 +234,8 @@ class TrainRayActor:
         if memory is None:
             return None
         created = self.trainer.optimizer_state_bytes() - (self._state_bytes_before_training or 0)
-        if self._state_bytes_before_training is not None and created > 0:
+        parked = self.trainer.optimizer_parking.enabled  # its moments leave the GPU during training
+        if self._state_bytes_before_training is not None and created > 0 and not parked:
             memory = dataclasses.replace(memory, peak_reserved=memory.peak_reserved + created)
         return memory.as_dict()
 

@@ -21,6 +21,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from miles.backends.fsdp_utils import deterministic
+from miles.backends.fsdp_utils.optimizer_parking import (
+    GIB,
+    OptimizerParking,
+    move_optimizer_state,
+    optimizer_state_bytes,
+)
 from miles.backends.fsdp_utils.parallel_dims import ParallelDims
 from miles.backends.fsdp_utils.parallelize import (
     adapters_created_in, base_load_dtype, base_stays_on_host, holds_weights_whole, parallelize_module, set_aside,
@@ -224,6 +230,9 @@ class DiffusionTrainer:
             weight_decay=config.trainer.weight_decay,
             fused=self.device.type == "cuda" and not config.trainer.fsdp_cpu_offload,
         )
+        # where the moments would not fit beside the next training's peak, they wait on the host through it
+        self.optimizer_parking = OptimizerParking(
+            self.optimizer, self.device, int(config.placement.colocate_memory_margin_gb * GIB))
         from miles.diffusion.lr_scheduler import build_lr_scheduler
         from miles.diffusion.sde import build_sde_backend
 
@@ -494,9 +503,13 @@ class DiffusionTrainer:
         metrics = _MetricSums()
         grad_norms: list[torch.Tensor] = []
         skipped_steps = 0
+        parked_bytes = 0
         lr = self.lr_scheduler.get_lr()
+        if not skip_step:
+            self.optimizer_parking.before_first_training()
         for window_index, window in enumerate(plan.windows):
             self.optimizer.zero_grad(set_to_none=True)
+            parked_bytes += self.optimizer_parking.park()
             loss_is_finite = torch.ones((), dtype=torch.bool, device=self.device)  # on the device: no sync per batch
             lr = self.optimizer.param_groups[0]["lr"]
             with self._weights_fixed():  # the window's micro-batches: no optimizer step between them
@@ -514,6 +527,7 @@ class DiffusionTrainer:
                             self.scaler.scale(loss).backward()
                     for name, values in pair_metrics.items():
                         metrics.add(name, values)
+            self.optimizer_parking.unpark()
             if not skip_step:
                 where = f"rollout {rollout_id}, step {window_index + 1}/{len(plan.windows)}"
                 grad_norm = self.optimizer_step(where, loss_is_finite)
@@ -521,6 +535,8 @@ class DiffusionTrainer:
                     skipped_steps += 1
                 else:
                     grad_norms.append(grad_norm)
+        if not skip_step:
+            self.optimizer_parking.after_first_training()
         if self.ema is not None and not skip_step:
             self.ema.update()  # once per rollout, after its optimizer steps (§8)
         result = {f"train/{k}": v for k, v in metrics.reduce(self.device).items()}
@@ -534,6 +550,8 @@ class DiffusionTrainer:
             result["train/ema_num_updates"] = float(self.ema.num_updates)
         result.update(self._perf_metrics(plan, time.perf_counter() - started))
         result["perf/train_prepare_s"] = staged
+        if parked_bytes:
+            result["perf/train_optimizer_parked_gib"] = parked_bytes / GIB  # sent to the host, each back for its step
         result["perf/train_compile_s"] = compile_seconds() - compiled_before  # a first step's or a new shape's
         for key, value in allocator_counts(self.device).items():
             result[f"perf/train_{key}"] = float(value - allocator_before[key])
@@ -606,15 +624,9 @@ class DiffusionTrainer:
     # colocated runs
     # ------------------------------------------------------------------------------------------------
     def optimizer_state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds on its GPU (its shard; none before the first step: AdamW
+        """Bytes of optimizer state this rank holds on its device (its shard; none before the first step: AdamW
         creates its moments lazily)."""
-        total = 0
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and key != "step" and value.device.type == self.device.type:
-                    local = value.to_local() if hasattr(value, "to_local") else value
-                    total += local.numel() * local.element_size()
-        return total
+        return optimizer_state_bytes(self.optimizer, self.device.type)
 
     def offload(self) -> None:
         """Move parameters, optimizer state and EMA to the CPU (the engines take the GPU)."""
@@ -628,10 +640,7 @@ class DiffusionTrainer:
             return
         with set_aside(self.model, self.host_params):
             self.model.to(device)
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and key != "step":
-                    state[key] = value.to(device, non_blocking=True)
+        move_optimizer_state(self.optimizer, device)
         if self.ema is not None:
             for name, shadow in self.ema._shadow.items():
                 self.ema._shadow[name] = shadow.to(device, non_blocking=True)
