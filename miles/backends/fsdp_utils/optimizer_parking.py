@@ -73,7 +73,7 @@ class OptimizerParking:
         self.room: RoomAtStart | None = None
 
     def before_first_training(self) -> None:
-        if self.device.type != "cuda" or self.decided or self.room is not None:  # only a GPU runs short so
+        if self.device.type != "cuda" or self.decided or self.room is not None:  # measured on GPUs only
             return
         free, _ = torch.cuda.mem_get_info(self.device)
         self.room = RoomAtStart(free=int(free), reserved=int(torch.cuda.memory_reserved(self.device)))
