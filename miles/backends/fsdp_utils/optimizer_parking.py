@@ -49,15 +49,16 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, device_type: str) ->
 @dataclass(frozen=True)
 class RoomAtStart:
     """What this process could use when its first training began: the device's free memory and what its own
-    caching allocator held (bytes)."""
+    caching allocator held; and the optimizer state it held then (a resumed run's moments), all in bytes."""
 
     free: int
     reserved: int
+    state: int = 0
 
 
-def next_peak_leaves(room: RoomAtStart, first_peak: int, state_bytes: int) -> int:
+def next_peak_leaves(room: RoomAtStart, first_peak: int, created_bytes: int) -> int:
     """Bytes left free at the next training's peak, which carries the moments the first one created."""
-    return room.free + room.reserved - (first_peak + state_bytes)
+    return room.free + room.reserved - (first_peak + created_bytes)
 
 
 class OptimizerParking:
@@ -76,7 +77,8 @@ class OptimizerParking:
         if self.device.type != "cuda" or self.decided or self.room is not None:  # measured on GPUs only
             return
         free, _ = torch.cuda.mem_get_info(self.device)
-        self.room = RoomAtStart(free=int(free), reserved=int(torch.cuda.memory_reserved(self.device)))
+        self.room = RoomAtStart(free=int(free), reserved=int(torch.cuda.memory_reserved(self.device)),
+                                state=optimizer_state_bytes(self.optimizer, self.device.type))
 
     def after_first_training(self) -> None:
         """Decide from the first training's peak and the moments its step created."""
@@ -86,19 +88,21 @@ class OptimizerParking:
                     optimizer_state_bytes(self.optimizer, self.device.type))
 
     def decide(self, room: RoomAtStart, first_peak: int, state_bytes: int) -> None:
-        """Park from now on when the next peak would leave less than the margin of `room`."""
+        """Park from now on when the next peak would leave less than the margin of `room`. `state_bytes`: the
+        optimizer state held now, after the first training."""
         if state_bytes == 0:  # no step was taken (skipped, or nothing to train on): decide after the next
             self.room = None
             return
         self.decided = True
-        left = next_peak_leaves(room, first_peak, state_bytes)
+        created = state_bytes - room.state
+        left = next_peak_leaves(room, first_peak, created)
         self.enabled = left < self.margin_bytes
         if self.enabled:
             logger.info(
                 "trainer: the next training's peak (the first's %.1f GiB + %.1f GiB of optimizer state) would leave "
                 "%.1f GiB free (--colocate-memory-margin-gb %.1f): the optimizer state waits on the host through "
                 "each window's forwards and backwards and comes back for its step",
-                first_peak / GIB, state_bytes / GIB, left / GIB, self.margin_bytes / GIB)
+                first_peak / GIB, created / GIB, left / GIB, self.margin_bytes / GIB)
 
     def park(self) -> int:
         """Moments to the host; returns the bytes moved (0 when parking is off or there is no state yet)."""
