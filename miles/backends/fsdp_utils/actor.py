@@ -640,7 +640,8 @@ class DiffusionTrainer:
             return
         with set_aside(self.model, self.host_params):
             self.model.to(device)
-        move_optimizer_state(self.optimizer, device)
+        if str(device) == "cpu" or not self.optimizer_parking.enabled:  # parked moments return only for the step
+            move_optimizer_state(self.optimizer, device)
         if self.ema is not None:
             for name, shadow in self.ema._shadow.items():
                 self.ema._shadow[name] = shadow.to(device, non_blocking=True)
