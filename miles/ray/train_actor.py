@@ -73,7 +73,6 @@ class TrainRayActor:
         self.trainer = None
         self.weight_pusher = None  # rank 0: transports and the broadcast group of weight sync (weight_push.py)
         self._store_socket = None  # rank 0: the rendezvous store's listening socket, until the store takes it
-        self._state_bytes_before_training: int | None = None  # the optimizer state when the first train began
         os.environ.update(config.trainer.train_env_vars)
 
     def node_id(self) -> str:
@@ -133,8 +132,6 @@ class TrainRayActor:
         every rank steps on it."""
         from miles.utils.device_memory import current_device_memory, peak_memory_metrics
 
-        if self._state_bytes_before_training is None:
-            self._state_bytes_before_training = self.trainer.optimizer_state_bytes()
         gradient = None
         if ask is not None:
             from miles.backends.fsdp_utils.gradient_fetch import FetchedGradient, fetch_policy_gradient
@@ -222,10 +219,8 @@ class TrainRayActor:
 
     def memory_stats(self) -> dict | None:
         """This rank's GPU memory (`DeviceMemory` fields), None on a CPU run. Its peak is the one the next
-        training will reach: the optimizer state that the first optimizer step created is added to the measured
-        peak, since that step came after the forwards' and backwards' peak, and every later one carries the state
-        through it (an H100 full fine-tune was judged to fit beside the engine from its first iteration, then ran
-        out of memory in its second, bench/RESULTS.md, twenty-first session)."""
+        training will reach: with the optimizer state the first step created, unless that state is parked during
+        trainings (miles/backends/fsdp_utils/optimizer_parking.py)."""
         import dataclasses
 
         from miles.utils.device_memory import current_device_memory
@@ -233,11 +228,8 @@ class TrainRayActor:
         memory = current_device_memory()
         if memory is None:
             return None
-        created = self.trainer.optimizer_state_bytes() - (self._state_bytes_before_training or 0)
-        parked = self.trainer.optimizer_parking.enabled  # its moments leave the GPU during training
-        if self._state_bytes_before_training is not None and created > 0 and not parked:
-            memory = dataclasses.replace(memory, peak_reserved=memory.peak_reserved + created)
-        return memory.as_dict()
+        extra = self.trainer.optimizer_parking.next_peak_extra
+        return dataclasses.replace(memory, peak_reserved=memory.peak_reserved + extra).as_dict()
 
     def shutdown(self) -> None:
         import torch.distributed as dist

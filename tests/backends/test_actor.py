@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from miles.backends.fsdp_utils.actor import DiffusionTrainer
+from miles.backends.fsdp_utils.optimizer_parking import optimizer_state_bytes
 from miles.backends.fsdp_utils.parallel_dims import ParallelDims
 from miles.backends.fsdp_utils.spawn import free_port, init_distributed
 from miles.backends.fsdp_utils.train_data import TrainBatch
@@ -307,12 +308,13 @@ def test_gradient_checkpointing_attention_backend_and_offload_keep_the_gradients
 
 
 def test_optimizer_state_is_counted_once_the_first_step_creates_it(tiny):
-    """What the colocation policy adds to the first iteration's measured peak (TrainRayActor.memory_stats)."""
+    """What optimizer parking reads after the first training (each rank's shard of the sharded moments)."""
     trainer = make_trainer(tiny, use_lora=True, micro_batch_size=4)
-    assert trainer.optimizer_state_bytes() == 0  # AdamW creates its moments in the first step
+    assert optimizer_state_bytes(trainer.optimizer, "cpu") == 0  # AdamW creates its moments in the first step
     trainer.train(0, tiny[3])
     moments = sum(2 * p.to_local().numel() * p.to_local().element_size() for _, p in trainer.trainable)
-    assert trainer.optimizer_state_bytes() == moments
+    assert optimizer_state_bytes(trainer.optimizer, "cpu") == moments
+    assert trainer.optimizer_parking.next_peak_extra == 0  # measured on GPUs only
 
 
 def test_fp16_forward_uses_the_grad_scaler(tiny):

@@ -29,15 +29,17 @@ def test_parking_is_decided_once_from_the_first_step_and_only_where_the_peak_run
     assert not short.decided and not short.enabled
     short.decide(room, first_peak=70 * GIB, state_bytes=35 * GIB)  # 110 - 105 leaves 5 < 8
     assert short.decided and short.enabled
+    assert short.next_peak_extra == 0  # parked: the next peak is the first one
     roomy = OptimizerParking(optimizer, torch.device("cpu"), margin_bytes=8 * GIB)
     roomy.decide(room, first_peak=70 * GIB, state_bytes=20 * GIB)  # leaves 20
     assert roomy.decided and not roomy.enabled
+    assert roomy.next_peak_extra == 20 * GIB  # what the colocation policy adds to the trainer's measured peak
     assert roomy.park() == 0  # off: nothing moves
     # a resumed run loaded its moments before the first training: its peak already carried them
     resumed = OptimizerParking(optimizer, torch.device("cpu"), margin_bytes=8 * GIB)
     resumed.decide(RoomAtStart(free=65 * GIB, reserved=45 * GIB, state=35 * GIB), first_peak=100 * GIB,
                    state_bytes=35 * GIB)  # leaves 10
-    assert resumed.decided and not resumed.enabled
+    assert resumed.decided and not resumed.enabled and resumed.next_peak_extra == 0
 
 
 def _steps(parked: bool) -> tuple[torch.Tensor, int]:

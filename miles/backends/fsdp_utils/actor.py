@@ -25,7 +25,6 @@ from miles.backends.fsdp_utils.optimizer_parking import (
     GIB,
     OptimizerParking,
     move_optimizer_state,
-    optimizer_state_bytes,
 )
 from miles.backends.fsdp_utils.parallel_dims import ParallelDims
 from miles.backends.fsdp_utils.parallelize import (
@@ -623,11 +622,6 @@ class DiffusionTrainer:
     # ------------------------------------------------------------------------------------------------
     # colocated runs
     # ------------------------------------------------------------------------------------------------
-    def optimizer_state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds on its device (its shard; none before the first step: AdamW
-        creates its moments lazily)."""
-        return optimizer_state_bytes(self.optimizer, self.device.type)
-
     def offload(self) -> None:
         """Move parameters, optimizer state and EMA to the CPU (the engines take the GPU)."""
         self._move("cpu")

@@ -72,6 +72,13 @@ class OptimizerParking:
         self.enabled = False
         self.decided = False
         self.room: RoomAtStart | None = None
+        self.created = 0  # bytes of optimizer state the first training created
+
+    @property
+    def next_peak_extra(self) -> int:
+        """Bytes the next training's peak adds to the first one's: the moments it carries through it, unless
+        they are parked (0 before the decision: nothing measured yet)."""
+        return self.created if self.decided and not self.enabled else 0
 
     def before_first_training(self) -> None:
         if self.device.type != "cuda" or self.decided or self.room is not None:  # measured on GPUs only
@@ -94,7 +101,7 @@ class OptimizerParking:
             self.room = None
             return
         self.decided = True
-        created = state_bytes - room.state
+        created = self.created = max(0, state_bytes - room.state)
         left = next_peak_leaves(room, first_peak, created)
         self.enabled = left < self.margin_bytes
         if self.enabled:
