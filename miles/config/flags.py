@@ -261,7 +261,9 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
           "off-policy; the ratio is taken against the engines' log-probs, `rollout/staleness` logs the lag). Needs "
           "engines of their own (not --colocate).", extension=True),
         F("--colocate-memory-margin-gb", float, 8.0, "GiB that must stay free on each GPU for "
-          "--colocate-offload-policy auto to keep trainer and engines resident.", ge=0, extension=True),
+          "--colocate-offload-policy auto to keep trainer and engines resident, and beside the trainer's projected "
+          "training peak, else its optimizer state waits on the host during forwards and backwards "
+          "(docs/training.md).", ge=0, extension=True),
         F("--ray-address", str, None, "The Ray cluster to join (the address `ray start --head` printed, or `auto` "
           "on a node of it; docs/cluster.md). Unset: $RAY_ADDRESS when set, else the run starts a Ray instance of "
           "its own that ends with it, so several runs (and other Ray users) share a machine without meeting. "

@@ -333,7 +333,8 @@ class TrainActorGroup:
     def _out_of_memory_message(self, rank: int, method: str, oom: BaseException) -> str:
         """One line for a rank's CUDA out-of-memory error: where, torch's own numbers, and the flags that lower
         the trainer's memory."""
-        ways = "lower --micro-batch-size, or add --gradient-checkpointing or --fsdp-cpu-offload"
+        ways = ("lower --micro-batch-size, or add --gradient-checkpointing or --fsdp-cpu-offload, or raise "
+                "--colocate-memory-margin-gb (the optimizer state then waits on the host while the trainer forwards)")
         if self.config.placement.colocate:
             ways += (", or keep the trainer and the engines taking turns on the GPU "
                      "(--colocate-offload-policy always)")

@@ -199,6 +199,7 @@ def test_a_rank_out_of_gpu_memory_is_one_line_with_the_flags_that_help(setup):
     assert message.startswith("trainer rank ") and "ran out of GPU memory during train() (CUDA out of memory. " \
         "Tried to allocate 48.00 MiB. GPU 0 has a total capacity of 79.18 GiB of which 44.94 MiB is free)" in message
     assert "--micro-batch-size" in message and "--gradient-checkpointing" in message
+    assert "--colocate-memory-margin-gb" in message  # a larger margin parks the optimizer state sooner
     assert message.endswith(f"rerun with --load {args.checkpoint.save} to resume from its last checkpoint")
     assert ray.get([actor.__ray_call__.remote(lambda actor: actor.rank) for actor in group.actors]) == [0, 1]
 
