@@ -18,6 +18,7 @@ checkpoints, exports and the colocation turns see them where they always were.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -27,22 +28,28 @@ logger = logging.getLogger(__name__)
 GIB = 1 << 30
 
 
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
-    """Every state tensor but the step counters to `device`, asynchronously where the copy allows it."""
+def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[tuple[dict, str, torch.Tensor]]:
+    """(state, key, tensor) for every state tensor but the step counters (AdamW's moments)."""
     for state in optimizer.state.values():
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and key != "step":
-                state[key] = value.to(device, non_blocking=True)
+                yield state, key, value
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
+    """Every state tensor but the step counters to `device`, asynchronously where the copy allows it (a copy to
+    the host lands in pinned memory)."""
+    for state, key, value in list(_state_tensors(optimizer)):
+        state[key] = value.to(device, non_blocking=True)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer, device_type: str) -> int:
     """Bytes of optimizer state this rank holds on devices of `device_type` (its shard of each DTensor)."""
     total = 0
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and key != "step" and value.device.type == device_type:
-                local = value.to_local() if hasattr(value, "to_local") else value
-                total += local.numel() * local.element_size()
+    for _, _, value in _state_tensors(optimizer):
+        if value.device.type == device_type:
+            local = value.to_local() if hasattr(value, "to_local") else value
+            total += local.numel() * local.element_size()
     return total
 
 
