@@ -140,6 +140,7 @@ def train(args, resume: ResumePoint) -> None:
                 with run_logger.phase("offload"):  # measured once: the trainer at rest, the engines resumed
                     actor.empty_cache()
                     turns.decide(actor.memory_stats(), rollout_manager.engine_memory())
+                    actor.park_optimizer_state(turns.trainer_parks)  # where that keeps both sides resident
             if turns.trainer_offloads:
                 with run_logger.phase("offload"):
                     actor.offload()

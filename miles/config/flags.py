@@ -254,9 +254,12 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
         F("--offload-rollout", None, None, "Engines release their memory while the trainer trains. Always on under "
           "--colocate.", kind="tri"),
         F("--colocate-offload-policy", str, "auto", "Under --colocate: 'always' takes turns (offload/release) every "
-          "iteration; 'auto' takes turns in the first iteration, measures both sides' GPU memory, and keeps both "
-          "resident from then on when the engine's peak fits beside the trainer (docs/training.md).",
-          choices=("auto", "always"), extension=True),
+          "iteration; 'auto' takes turns in the first iteration, measures both sides' GPU memory, and from then on "
+          "keeps both resident when both peaks fit, else only the engines release while the trainer trains when "
+          "the engine's peak fits beside the resting trainer, else keeps both resident when the trainer parks its "
+          "optimizer state on the host while it trains; 'park' tries that parking before the engines' release "
+          "(docs/training.md).",
+          choices=("auto", "park", "always"), extension=True),
         S("--overlap-rollout", "Generate rollout k+1 on the engines while the trainer trains on rollout k (one step "
           "off-policy; the ratio is taken against the engines' log-probs, `rollout/staleness` logs the lag). Needs "
           "engines of their own (not --colocate).", extension=True),

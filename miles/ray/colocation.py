@@ -13,7 +13,13 @@ trainer's in training, the engine's in generation). Then, from cheapest to deare
   engine's peak fits beside the trainer at rest: the trainer empties its allocator cache (its activations)
   before the engines resume, and never moves its weights and optimizer state over PCIe. A full fine-tune whose
   training peak fills the GPU is this case (one H100 at SD3.5-Medium size, bench/RESULTS.md, nineteenth session);
+- else both stay resident when they fit once the trainer parks more of its optimizer state on the host during
+  trainings (miles/backends/fsdp_utils/optimizer_parking.py): one copy of the parked bytes each way per optimizer
+  step (≈ 0.3 s per 16 GiB each way on an H100);
 - else both keep taking turns.
+`park` puts the parking before the engines' release: cheaper on paper (the release and resume cost ≈ 1.6 s per
+iteration and the trainer refills its emptied cache), not yet measured against it (bench/RESULTS.md, twenty-second
+session), hence not the default.
 `always` takes turns at every iteration (the reference's behaviour).
 """
 
@@ -28,32 +34,42 @@ logger = logging.getLogger(__name__)
 GIB = 1 << 30
 
 
-def _fits(trainers: list[DeviceMemory], engines: list[DeviceMemory], margin_bytes: int, trainer_at_peak: bool) -> bool:
-    """On each shared GPU, the memory free now less the engine's growth to its generation peak (and, with
-    `trainer_at_peak`, the trainer's growth back to its training peak) leaves `margin_bytes`. Measured with the
-    trainer at rest (its cache emptied) and the engine resumed but idle (weights only). Ranks and engines pair up
-    by position (one engine per trainer GPU under --colocate); with fewer engines the largest need is used."""
+def _shortfalls(trainers: list[DeviceMemory], engines: list[DeviceMemory], margin_bytes: int,
+                trainer_at_peak: bool) -> list[int]:
+    """Per shared GPU, by how many bytes the memory free now, less the engine's growth to its generation peak
+    (and, with `trainer_at_peak`, the trainer's growth back to its training peak), falls short of `margin_bytes`
+    (≤ 0: it fits). Measured with the trainer at rest (its cache emptied) and the engine resumed but idle (weights
+    only). Ranks and engines pair up by position (one engine per trainer GPU under --colocate); with fewer engines
+    the largest need is used. Empty without readings (a CPU run)."""
     if not trainers or not engines:
-        return False
+        return []
     engine_growth = max(e.peak_reserved - e.reserved for e in engines)
-    for trainer in trainers:
-        trainer_growth = max(0, trainer.peak_reserved - trainer.reserved) if trainer_at_peak else 0
-        if trainer.free - trainer_growth - engine_growth < margin_bytes:
-            return False
-    return True
+    return [margin_bytes - (t.free - engine_growth - (max(0, t.peak_reserved - t.reserved) if trainer_at_peak else 0))
+            for t in trainers]
 
 
 def fits_resident(trainers: list[DeviceMemory], engines: list[DeviceMemory], margin_bytes: int) -> bool:
     """Both peaks fit together. Counting only the engine's growth kept a full fine-tune's trainer resident beside
     an engine with no room left for its activations (an H100, bench/RESULTS.md, nineteenth session)."""
-    return _fits(trainers, engines, margin_bytes, trainer_at_peak=True)
+    shorts = _shortfalls(trainers, engines, margin_bytes, trainer_at_peak=True)
+    return bool(shorts) and max(shorts) <= 0
+
+
+def parking_to_fit_resident(trainers: list[DeviceMemory], engines: list[DeviceMemory], margin_bytes: int) -> int | None:
+    """Bytes of optimizer state each trainer parks during trainings for both peaks to fit together (0: they fit
+    as they are), or None when parking all it can (its `parkable`) is not enough on some GPU, or without readings."""
+    shorts = _shortfalls(trainers, engines, margin_bytes, trainer_at_peak=True)
+    if not shorts or any(short > t.parkable for short, t in zip(shorts, trainers)):
+        return None
+    return max(0, max(shorts))
 
 
 def engine_fits_beside_resting_trainer(trainers: list[DeviceMemory], engines: list[DeviceMemory],
                                        margin_bytes: int) -> bool:
     """The engine's generation peak fits beside the trainer at rest. The trainer's own peak, with the engines
     released, fit in the first iteration, which took turns."""
-    return _fits(trainers, engines, margin_bytes, trainer_at_peak=False)
+    shorts = _shortfalls(trainers, engines, margin_bytes, trainer_at_peak=False)
+    return bool(shorts) and max(shorts) <= 0
 
 
 class ColocationPolicy:
@@ -61,14 +77,15 @@ class ColocationPolicy:
     whether the trainer empties its cache before the engines resume."""
 
     def __init__(self, policy: str, offload_train: bool, offload_rollout: bool, margin_gb: float):
-        if policy not in ("auto", "always"):
-            raise ValueError(f"colocate offload policy {policy!r}: expected auto or always")
+        if policy not in ("auto", "park", "always"):
+            raise ValueError(f"colocate offload policy {policy!r}: expected auto, park or always")
         self.policy = policy
         self.offload_train = offload_train
         self.offload_rollout = offload_rollout
         self.margin_bytes = int(margin_gb * GIB)
         self.trainer_stays = False  # set once measurements show the engines' peak fits beside the resting trainer
         self.engines_stay = False  # set once measurements show both peaks fit together
+        self.trainer_parks = 0  # bytes more of optimizer state the trainer parks during trainings for that
         self.decided = policy == "always" or not (offload_train or offload_rollout)
 
     @property
@@ -94,9 +111,12 @@ class ColocationPolicy:
         if self.decided:
             return
         self.decided = True
-        if fits_resident(trainers, engines, self.margin_bytes):
+        parking = parking_to_fit_resident(trainers, engines, self.margin_bytes)
+        middle_way = self.offload_rollout and engine_fits_beside_resting_trainer(trainers, engines, self.margin_bytes)
+        if parking is not None and (parking == 0 or self.policy == "park" or not middle_way):
             self.trainer_stays = self.engines_stay = True
-        elif self.offload_rollout and engine_fits_beside_resting_trainer(trainers, engines, self.margin_bytes):
+            self.trainer_parks = parking
+        elif middle_way:
             self.trainer_stays = True
         if not trainers:  # a CPU run: no device memory to measure, so the turns stay (they cost little there)
             logger.debug("colocation: no GPU memory readings; trainer and engines keep taking turns")
@@ -107,7 +127,11 @@ class ColocationPolicy:
         total_gib = min(t.total for t in trainers) / GIB
         sizes = (f"trainer peak {trainer_gib:.1f} GiB (at rest {resting_gib:.1f}) + engine peak {engine_gib:.1f} GiB "
                  f"on {total_gib:.0f} GiB with {self.margin_bytes / GIB:.1f} GiB to spare")
-        if self.resident:
+        if self.resident and self.trainer_parks:
+            logger.info("colocation: %s: both stay resident, the trainer parking %.1f GiB more of its optimizer "
+                        "state on the host while it trains (no offload from now on; --colocate-offload-policy "
+                        "always to force it)", sizes, self.trainer_parks / GIB)
+        elif self.resident:
             logger.info("colocation: %s: both stay resident (no offload from now on; --colocate-offload-policy "
                         "always to force it)", sizes)
         elif self.trainer_stays:

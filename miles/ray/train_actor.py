@@ -219,8 +219,8 @@ class TrainRayActor:
 
     def memory_stats(self) -> dict | None:
         """This rank's GPU memory (`DeviceMemory` fields), None on a CPU run. Its peak is the one the next
-        training will reach: with the optimizer state the first step created, unless that state is parked during
-        trainings (miles/backends/fsdp_utils/optimizer_parking.py)."""
+        training will reach: with the optimizer state the first step created, less what is parked on the host
+        during trainings; `parkable` is the rest of that state (miles/backends/fsdp_utils/optimizer_parking.py)."""
         import dataclasses
 
         from miles.utils.device_memory import current_device_memory
@@ -228,8 +228,14 @@ class TrainRayActor:
         memory = current_device_memory()
         if memory is None:
             return None
-        extra = self.trainer.optimizer_parking.next_peak_extra
-        return dataclasses.replace(memory, peak_reserved=memory.peak_reserved + extra).as_dict()
+        parking = self.trainer.optimizer_parking
+        return dataclasses.replace(memory, peak_reserved=memory.peak_reserved + parking.next_peak_extra,
+                                   parkable=parking.parkable).as_dict()
+
+    def park_optimizer_state(self, more_bytes: int) -> None:
+        """Park at least `more_bytes` more of the optimizer state during trainings (the colocation policy's ask,
+        so that trainer and engines stay resident together)."""
+        self.trainer.optimizer_parking.park_more(more_bytes)
 
     def shutdown(self) -> None:
         import torch.distributed as dist
@@ -423,6 +429,10 @@ class TrainActorGroup:
         from miles.utils.device_memory import DeviceMemory
 
         return [DeviceMemory(**stats) for stats in self._all("memory_stats") if stats]
+
+    def park_optimizer_state(self, more_bytes: int) -> None:
+        if more_bytes > 0:
+            self._all("park_optimizer_state", more_bytes)
 
     def shutdown(self) -> None:
         self._all("shutdown")

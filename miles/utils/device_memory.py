@@ -13,13 +13,16 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class DeviceMemory:
     """Bytes: free on the whole device now, its total, and this process's caching allocator now and at peak
-    (reserved: what the allocator holds from the device; allocated: what live tensors use of it)."""
+    (reserved: what the allocator holds from the device; allocated: what live tensors use of it). A trainer's
+    `parkable`: how much of that peak parking more of its optimizer state on the host would shed
+    (miles/backends/fsdp_utils/optimizer_parking.py)."""
 
     free: int
     total: int
     reserved: int
     peak_reserved: int
     peak_allocated: int = 0
+    parkable: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -1,4 +1,4 @@
-"""OptimizerParking: when the moments wait on the host, and that parking changes no step (GPU)."""
+"""OptimizerParking: which moments wait on the host, and that parking changes no step (GPU)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from miles.backends.fsdp_utils.optimizer_parking import (
     GIB,
     OptimizerParking,
     RoomAtStart,
+    choose_parked,
     next_peak_leaves,
     optimizer_state_bytes,
 )
@@ -21,48 +22,88 @@ def test_the_next_peak_carries_the_moments_the_first_step_created():
     assert next_peak_leaves(room, int(61.5 * GIB), 0) == pytest.approx(16.0 * GIB, rel=1e-6)
 
 
-def test_parking_is_decided_once_from_the_first_step_and_only_where_the_peak_runs_short():
-    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4))])
-    room = RoomAtStart(free=100 * GIB, reserved=10 * GIB)
-    short = OptimizerParking(optimizer, torch.device("cpu"), margin_bytes=8 * GIB)
-    short.decide(room, first_peak=70 * GIB, state_bytes=0)  # no step yet: nothing decided
-    assert not short.decided and not short.enabled
-    short.decide(room, first_peak=70 * GIB, state_bytes=35 * GIB)  # 110 - 105 leaves 5 < 8
+def test_the_largest_moments_are_parked_until_the_shortfall_is_met():
+    sizes = {(0, "exp_avg"): 10, (0, "exp_avg_sq"): 10, (1, "exp_avg"): 40, (2, "exp_avg"): 25}
+    assert choose_parked(sizes, 0) == []
+    assert choose_parked(sizes, 40) == [(1, "exp_avg")]
+    assert choose_parked(sizes, 41) == [(1, "exp_avg"), (2, "exp_avg")]
+    assert choose_parked(sizes, 1000) == [(1, "exp_avg"), (2, "exp_avg"), (0, "exp_avg"), (0, "exp_avg_sq")]
+
+
+def _stepped_linear(device: str = "cpu") -> torch.optim.Optimizer:
+    """AdamW over a 64 x 64 layer after one step: two 16 KiB moments for the weight, two 256 B for the bias."""
+    layer = torch.nn.Linear(64, 64, device=device)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    layer(torch.ones(2, 64, device=device)).sum().backward()
+    optimizer.step()
+    return optimizer
+
+
+def test_parking_is_decided_once_from_the_first_step_and_parks_only_the_shortfall():
+    optimizer = _stepped_linear()
+    held = optimizer_state_bytes(optimizer, "cpu")
+    assert held == 2 * (64 * 64 + 64) * 4
+    margin = 1 << 20
+    room = RoomAtStart(free=10 << 20, reserved=0)
+    nothing_yet = OptimizerParking(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4))]), torch.device("cpu"), margin)
+    nothing_yet.decide(room, first_peak=9 << 20, state_bytes=0)  # no step yet: nothing decided
+    assert not nothing_yet.decided and not nothing_yet.enabled
+    # the next peak (first peak + the moments) would leave 20000 bytes less than the margin: one weight moment
+    # (16 KiB) falls short of that, both reach it; the bias moments stay
+    short = OptimizerParking(optimizer, torch.device("cpu"), margin)
+    short.decide(room, first_peak=room.free - held - margin + 20000, state_bytes=held)
     assert short.decided and short.enabled
-    assert short.next_peak_extra == 0  # parked: the next peak is the first one
-    roomy = OptimizerParking(optimizer, torch.device("cpu"), margin_bytes=8 * GIB)
-    roomy.decide(room, first_peak=70 * GIB, state_bytes=20 * GIB)  # leaves 20
+    assert short.chosen == {(0, "exp_avg"), (0, "exp_avg_sq")} and short.chosen_bytes == 2 * 64 * 64 * 4
+    assert short.next_peak_extra == held - short.chosen_bytes  # what the colocation policy adds to the first peak
+    assert short.parkable == held - short.chosen_bytes
+    short.park_more(1)  # the colocation policy's ask: the next largest moment, a bias's
+    assert len(short.chosen) == 3 and short.chosen_bytes == 2 * 64 * 64 * 4 + 64 * 4
+    roomy = OptimizerParking(optimizer, torch.device("cpu"), margin)
+    roomy.decide(room, first_peak=room.free - held - margin, state_bytes=held)  # leaves exactly the margin
     assert roomy.decided and not roomy.enabled
-    assert roomy.next_peak_extra == 20 * GIB  # what the colocation policy adds to the trainer's measured peak
+    assert roomy.next_peak_extra == held
     assert roomy.park() == 0  # off: nothing moves
     # a resumed run loaded its moments before the first training: its peak already carried them
-    resumed = OptimizerParking(optimizer, torch.device("cpu"), margin_bytes=8 * GIB)
-    resumed.decide(RoomAtStart(free=65 * GIB, reserved=45 * GIB, state=35 * GIB), first_peak=100 * GIB,
-                   state_bytes=35 * GIB)  # leaves 10
+    resumed = OptimizerParking(optimizer, torch.device("cpu"), margin)
+    resumed.decide(RoomAtStart(free=room.free, reserved=0, state=held), first_peak=room.free - margin,
+                   state_bytes=held)
     assert resumed.decided and not resumed.enabled and resumed.next_peak_extra == 0
 
 
-def _steps(parked: bool) -> tuple[torch.Tensor, int]:
+def _steps(shortfall: int | None) -> tuple[torch.Tensor, int]:
+    """Four fused AdamW steps of a linear layer, parking `shortfall` bytes of moments from the second (None:
+    none), with an offload and onload of the state (a colocation turn) between the third and the fourth."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 64, device="cuda")
     optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2, fused=True)
-    parking = OptimizerParking(optimizer, torch.device("cuda"), margin_bytes=0)
-    parking.enabled = parked  # as a run whose next peak would not fit decides
+    parking = OptimizerParking(optimizer, torch.device("cuda"), margin_bytes=shortfall or 0)
     on_host = 0
-    for step in range(3):
+    for step in range(4):
+        if step == 3:
+            parking.state_to("cpu")
+            assert optimizer_state_bytes(optimizer, "cuda") == 0
+            parking.state_to("cuda")
+            assert optimizer_state_bytes(optimizer, "cpu") == parking.chosen_bytes  # they return for the step
         optimizer.zero_grad(set_to_none=True)
         parking.park()
         on_host = max(on_host, optimizer_state_bytes(optimizer, "cpu"))
-        layer(torch.randn(8, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(step))).square().sum().backward()
+        x = torch.randn(8, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+        layer(x).square().sum().backward()
         parking.unpark()
+        assert optimizer_state_bytes(optimizer, "cpu") == 0
         optimizer.step()
+        if step == 0 and shortfall is not None:  # as the trainer decides after its first training
+            held = optimizer_state_bytes(optimizer, "cuda")
+            parking.decide(RoomAtStart(free=held, reserved=0), first_peak=0, state_bytes=held)
     return layer.weight.detach().cpu(), on_host
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_parked_moments_give_the_same_steps():
-    weights, on_host = _steps(parked=True)
-    reference, none_on_host = _steps(parked=False)
-    assert on_host == 2 * (64 * 64 + 64) * 4 and none_on_host == 0  # both moments of weight and bias, fp32
-    assert torch.equal(weights, reference)
+    reference, none_on_host = _steps(shortfall=None)
+    assert none_on_host == 0
+    for shortfall, parked in ((1, 64 * 64 * 4), (GIB, 2 * (64 * 64 + 64) * 4)):  # one weight moment; all of them
+        weights, on_host = _steps(shortfall)
+        assert on_host == parked
+        assert torch.equal(weights, reference)

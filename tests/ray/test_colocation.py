@@ -79,3 +79,32 @@ def test_always_policy_and_no_offload_need_no_decision():
     assert apart.decided and not apart.trainer_offloads and not apart.engines_release
     with pytest.raises(ValueError, match="sometimes"):
         ColocationPolicy("sometimes", offload_train=True, offload_rollout=True, margin_gb=8)
+
+
+def test_parking_the_optimizer_state_keeps_both_resident_where_nothing_cheaper_is_known():
+    """The H100 full fine-tune with its moments counted: a 71.2 GiB next peak of which 9.7 could be parked, the
+    engine growing by 2 GiB, 8 to spare: parking 2.2 GiB more keeps both resident."""
+    trainer = DeviceMemory(free=int(45 * GIB), total=int(79 * GIB), reserved=int(34 * GIB),
+                           peak_reserved=int(71.2 * GIB), parkable=int(9.7 * GIB))
+    engine = memory(45, 4.5, 6.5, 79)
+    parks = pytest.approx((8 - (45 - 2 - 37.2)) * GIB, abs=1 << 20)
+    # auto: the engines' release (measured) before the parking (not yet measured against it)
+    auto = ColocationPolicy("auto", offload_train=True, offload_rollout=True, margin_gb=8)
+    auto.decide([trainer], [engine])
+    assert not auto.resident and auto.trainer_empties_cache and auto.trainer_parks == 0
+    # park: the parking first
+    park = ColocationPolicy("park", offload_train=True, offload_rollout=True, margin_gb=8)
+    park.decide([trainer], [engine])
+    assert park.resident and not park.trainer_offloads and not park.engines_release and park.trainer_parks == parks
+    # engines that may not release (no --offload-rollout): auto parks rather than taking full turns
+    no_release = ColocationPolicy("auto", offload_train=True, offload_rollout=False, margin_gb=8)
+    no_release.decide([trainer], [engine])
+    assert no_release.resident and no_release.trainer_parks == parks
+    # more than it can park: the middle way, or the full turns
+    little = DeviceMemory(trainer.free, trainer.total, trainer.reserved, trainer.peak_reserved, parkable=int(1 * GIB))
+    short = ColocationPolicy("park", offload_train=True, offload_rollout=True, margin_gb=8)
+    short.decide([little], [engine])
+    assert not short.resident and short.trainer_parks == 0 and short.trainer_empties_cache
+    short = ColocationPolicy("park", offload_train=True, offload_rollout=False, margin_gb=8)
+    short.decide([little], [engine])
+    assert short.trainer_offloads and short.trainer_parks == 0

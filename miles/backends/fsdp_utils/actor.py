@@ -21,11 +21,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from miles.backends.fsdp_utils import deterministic
-from miles.backends.fsdp_utils.optimizer_parking import (
-    GIB,
-    OptimizerParking,
-    move_optimizer_state,
-)
+from miles.backends.fsdp_utils.optimizer_parking import GIB, OptimizerParking
 from miles.backends.fsdp_utils.parallel_dims import ParallelDims
 from miles.backends.fsdp_utils.parallelize import (
     adapters_created_in, base_load_dtype, base_stays_on_host, holds_weights_whole, parallelize_module, set_aside,
@@ -634,8 +630,7 @@ class DiffusionTrainer:
             return
         with set_aside(self.model, self.host_params):
             self.model.to(device)
-        if str(device) == "cpu" or not self.optimizer_parking.enabled:  # parked moments return only for the step
-            move_optimizer_state(self.optimizer, device)
+        self.optimizer_parking.state_to(device)  # parked moments return only for the step
         if self.ema is not None:
             for name, shadow in self.ema._shadow.items():
                 self.ema._shadow[name] = shadow.to(device, non_blocking=True)

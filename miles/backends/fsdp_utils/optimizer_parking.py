@@ -9,10 +9,10 @@ carries them, just fits in one process.
 
 After its first training the trainer projects its next peak (the first one plus the moments). Where that would
 leave less than `--colocate-memory-margin-gb` of what it could use when the first training began, it parks the
-moments in host memory before each window's forwards and brings them back for the optimizer step. The copies are
-stream-ordered and asynchronous (the host side comes from PyTorch's pinned-memory cache): two copies of the moments
-per optimizer step over PCIe, against not training at all. Between trainings the moments stay on the GPU, so
-checkpoints, exports and the colocation turns see them where they always were.
+largest moments, just enough of them to leave the margin, in host memory through each window's forwards and
+backwards, and brings them back for the optimizer step. Each parked moment has one pinned host buffer, allocated at
+its first parking (pinning is slow: seconds per ten GiB) and reused; both copies run at PCIe speed (≈ 0.3 s each
+way for 16 GiB on an H100). Between trainings the moments stay on the GPU, so checkpoints, exports and the colocation turns see them where they always were.
 """
 
 from __future__ import annotations
@@ -28,25 +28,21 @@ logger = logging.getLogger(__name__)
 GIB = 1 << 30
 
 
-def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[tuple[dict, str, torch.Tensor]]:
-    """(state, key, tensor) for every state tensor but the step counters (AdamW's moments)."""
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and key != "step":
-                yield state, key, value
-
-
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
-    """Every state tensor but the step counters to `device`, asynchronously where the copy allows it (a copy to
-    the host lands in pinned memory)."""
-    for state, key, value in list(_state_tensors(optimizer)):
-        state[key] = value.to(device, non_blocking=True)
+def moments(optimizer: torch.optim.Optimizer) -> Iterator[tuple[tuple[int, str], dict, torch.Tensor]]:
+    """(key, the state dict holding it, tensor) for every state tensor but the step counters (AdamW's moments).
+    The key, (its parameter's index in the optimizer's groups, its state key), is stable across steps."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, param in enumerate(params):
+        state = optimizer.state.get(param, {})
+        for name, value in list(state.items()):
+            if isinstance(value, torch.Tensor) and name != "step":
+                yield (index, name), state, value
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer, device_type: str) -> int:
     """Bytes of optimizer state this rank holds on devices of `device_type` (its shard of each DTensor)."""
     total = 0
-    for _, _, value in _state_tensors(optimizer):
+    for _, _, value in moments(optimizer):
         if value.device.type == device_type:
             local = value.to_local() if hasattr(value, "to_local") else value
             total += local.numel() * local.element_size()
@@ -68,24 +64,49 @@ def next_peak_leaves(room: RoomAtStart, first_peak: int, created_bytes: int) -> 
     return room.free + room.reserved - (first_peak + created_bytes)
 
 
+def choose_parked(sizes: dict[tuple[int, str], int], shortfall: int) -> list[tuple[int, str]]:
+    """The largest state tensors (by `sizes`, bytes keyed by (param index, state key)) whose bytes reach
+    `shortfall`: the fewest copies that leave the margin."""
+    chosen, total = [], 0
+    for key, size in sorted(sizes.items(), key=lambda item: (-item[1], item[0])):
+        if total >= shortfall:
+            break
+        chosen.append(key)
+        total += size
+    return chosen
+
+
 class OptimizerParking:
-    """Decides once, after the first training, whether the moments wait on the host during forwards and backwards;
+    """Decides once, after the first training, which moments wait on the host during forwards and backwards;
     then `park` before a window's forwards and `unpark` before its optimizer step."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, margin_bytes: int):
         self.optimizer = optimizer
         self.device = device
         self.margin_bytes = margin_bytes
-        self.enabled = False
         self.decided = False
         self.room: RoomAtStart | None = None
         self.created = 0  # bytes of optimizer state the first training created
+        self.state_bytes = 0  # bytes of optimizer state on the device after it
+        self.chosen: frozenset[tuple[int, str]] = frozenset()  # (param index, state key) of the parked moments
+        self.chosen_bytes = 0
+        self._host: dict[tuple[int, str], torch.Tensor] = {}  # one pinned buffer per parked moment
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.chosen)
 
     @property
     def next_peak_extra(self) -> int:
-        """Bytes the next training's peak adds to the first one's: the moments it carries through it, unless
-        they are parked (0 before the decision: nothing measured yet)."""
-        return self.created if self.decided and not self.enabled else 0
+        """Bytes the next training's peak adds to the first one's: the moments the first step created, less the
+        parked ones (negative when a resumed run parks moments its first peak carried; 0 before the decision:
+        nothing measured yet)."""
+        return self.created - self.chosen_bytes if self.decided else 0
+
+    @property
+    def parkable(self) -> int:
+        """Bytes of that next peak parking every moment would shed."""
+        return self.state_bytes - self.chosen_bytes if self.decided else 0
 
     def before_first_training(self) -> None:
         if self.device.type != "cuda" or self.decided or self.room is not None:  # measured on GPUs only
@@ -102,30 +123,85 @@ class OptimizerParking:
                     optimizer_state_bytes(self.optimizer, self.device.type))
 
     def decide(self, room: RoomAtStart, first_peak: int, state_bytes: int) -> None:
-        """Park from now on when the next peak would leave less than the margin of `room`. `state_bytes`: the
-        optimizer state held now, after the first training."""
+        """Park from now on the fewest moments that leave the margin of `room` at the next peak. `state_bytes`:
+        the optimizer state held now, after the first training."""
         if state_bytes == 0:  # no step was taken (skipped, or nothing to train on): decide after the next
             self.room = None
             return
         self.decided = True
+        self.state_bytes = state_bytes
         created = self.created = max(0, state_bytes - room.state)
         left = next_peak_leaves(room, first_peak, created)
-        self.enabled = left < self.margin_bytes
-        if self.enabled:
-            logger.info(
-                "trainer: the next training's peak (the first's %.1f GiB + %.1f GiB of optimizer state) would leave "
-                "%.1f GiB free (--colocate-memory-margin-gb %.1f): the optimizer state waits on the host through "
-                "each window's forwards and backwards and comes back for its step",
-                first_peak / GIB, created / GIB, left / GIB, self.margin_bytes / GIB)
+        if left >= self.margin_bytes:
+            return
+        self._choose(self.margin_bytes - left, "the next training's peak (the first's %.1f GiB + %.1f GiB of "
+                     "optimizer state) would leave %.1f GiB free (--colocate-memory-margin-gb %.1f)"
+                     % (first_peak / GIB, created / GIB, left / GIB, self.margin_bytes / GIB))
+
+    def park_more(self, more_bytes: int) -> None:
+        """Park at least `more_bytes` beyond what is parked now (the colocation policy's ask, so that the engines
+        stay resident beside the trainer: cheaper than taking turns)."""
+        if more_bytes > 0 and self.decided:
+            self._choose(self.chosen_bytes + more_bytes, "the engines stay resident beside it")
+
+    def _choose(self, shortfall: int, why: str) -> None:
+        # the largest first: a larger shortfall parks a superset of a smaller one's moments
+        sizes = {key: _local(value).numel() * _local(value).element_size() for key, _, value in moments(self.optimizer)}
+        self.chosen = frozenset(choose_parked(sizes, shortfall))
+        self.chosen_bytes = sum(sizes[key] for key in self.chosen)
+        logger.info("trainer: %s: %.1f GiB of the optimizer state (%d of its %d tensors) waits on the host through "
+                    "each window's forwards and backwards and comes back for its step",
+                    why, self.chosen_bytes / GIB, len(self.chosen), len(sizes))
 
     def park(self) -> int:
-        """Moments to the host; returns the bytes moved (0 when parking is off or there is no state yet)."""
+        """The chosen moments to their host buffers; returns the bytes moved (0 when parking is off).
+
+        The copies run on the current stream, before the forwards: on a side stream beside them, the first
+        micro-batch's activations took fresh memory while the moments still held theirs, and a full fine-tune
+        whose margin this parking had just made ran out of memory on an H100 (bench/RESULTS.md, twenty-second
+        session)."""
         if not self.enabled:
             return 0
-        moved = optimizer_state_bytes(self.optimizer, self.device.type)
-        move_optimizer_state(self.optimizer, "cpu")
+        moved = 0
+        for key, state, value in moments(self.optimizer):
+            local = _local(value)
+            if key not in self.chosen or local.device.type == "cpu":  # an offload left it on the host
+                continue
+            host = self._host.get(key)
+            if host is None:
+                host = self._host[key] = torch.empty(local.shape, dtype=local.dtype,
+                                                     pin_memory=self.device.type == "cuda")
+            host.copy_(local, non_blocking=True)
+            state[key[1]] = _rewrap(value, host)
+            moved += local.numel() * local.element_size()
         return moved
 
     def unpark(self) -> None:
-        if self.enabled:
-            move_optimizer_state(self.optimizer, self.device)
+        """The chosen moments back to the device, before the step (which reads them)."""
+        if not self.enabled:
+            return
+        for key, state, value in moments(self.optimizer):
+            if key in self.chosen:
+                state[key[1]] = _rewrap(value, _local(value).to(self.device, non_blocking=True))
+
+    def state_to(self, device: torch.device | str) -> None:
+        """A colocation turn's move of the optimizer state: all of it to the host, or all of it back to the
+        device but the parked moments (they return only for the step)."""
+        to_host = torch.device(device).type == "cpu"
+        for key, state, value in moments(self.optimizer):
+            if to_host or key not in self.chosen:
+                state[key[1]] = value.to(device, non_blocking=True)
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if hasattr(value, "to_local") else value
+
+
+def _rewrap(value: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` in the place of `value`'s local tensor (a DTensor keeps its mesh, placements and global shape)."""
+    if not hasattr(value, "to_local"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
+                              shape=value.shape, stride=value.stride())
