@@ -437,3 +437,26 @@ def test_a_compiled_engine_on_its_worker_thread_gives_the_eager_bf16_velocities(
     for got, want in zip(compiled, expected):
         for step, velocity in want.debug_model_outputs.items():
             assert torch.equal(got.debug_model_outputs[step], velocity), f"sample {want.seed}, step {step}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_released_engine_holds_its_weights_in_pinned_memory_and_samples_the_same_after_resuming(sd3_path,
+                                                                                                make_server_args):
+    runner = ModelRunner(make_server_args(sd3_path, device="cuda"))
+
+    def sample():
+        trajectory = runner.start(_request(num_samples=2, seed=5))
+        while not trajectory.done:
+            runner.step([trajectory])
+        return runner.finish(trajectory)
+
+    before = sample()
+    weights = {name: p.detach().clone() for name, p in runner.pipe.transformer.named_parameters()}
+    for _ in range(2):  # the second release reuses the buffers of the first
+        runner.release_memory()
+        assert all(p.device.type == "cpu" and p.is_pinned() for p in runner.pipe.transformer.parameters())
+        runner.resume_memory()
+        assert all(p.device.type == "cuda" for p in runner.pipe.transformer.parameters())
+    assert all(torch.equal(p, weights[name]) for name, p in runner.pipe.transformer.named_parameters())
+    _assert_same_samples(before, sample(), exact=True)

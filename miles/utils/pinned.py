@@ -1,0 +1,67 @@
+"""Tensors parked in host memory and brought back at PCIe speed: one pinned buffer per tensor, allocated once.
+
+A copy between the GPU and pageable host memory runs at a few GB/s (the driver stages it through a pinned bounce
+buffer); into pinned memory it runs at the link's speed, 54.5 GB/s on an H100 (bench/bench_optimizer_parking.py).
+Pinning itself is slow, ≈ 2 GB/s, so each buffer is allocated at its tensor's first parking and reused by every
+later one: the trainer's parked optimizer moments (miles/backends/fsdp_utils/optimizer_parking.py) and a colocated
+engine's weights while the trainer trains (miles/engine/model_runner.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+import torch
+from torch import nn
+
+
+class PinnedBuffers:
+    """One host buffer per key (pinned when `pin`), reused while the tensor parked under that key keeps its shape
+    and dtype."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self._buffers: dict[Hashable, torch.Tensor] = {}
+
+    def to_host(self, key: Hashable, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` copied into the buffer of `key`, asynchronously (in stream order: work queued after the copy
+        may reuse `tensor`'s memory, and a copy back queued later reads the landed values)."""
+        host = self._buffers.get(key)
+        if host is None or host.shape != tensor.shape or host.dtype != tensor.dtype:
+            host = self._buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pin)
+        host.copy_(tensor, non_blocking=True)
+        return host
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+def replace_module_tensors(module: nn.Module, replace: Callable[[str, torch.Tensor], torch.Tensor | None]) -> None:
+    """Every parameter (and its gradient) and buffer of `module`, each once, handed to `replace(qualified name,
+    tensor)`; a returned tensor takes its place in place (a parameter keeps its identity, as `Module.to` keeps it),
+    None leaves it."""
+    seen: set[int] = set()  # parameters: one object wherever it is registered, so changed once
+    # a buffer registered twice gets the same replacement (the original kept alive here, so its id stays its own)
+    moved_buffers: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for owner_name, owner in module.named_modules():
+        prefix = f"{owner_name}." if owner_name else ""
+        for attr, param in owner._parameters.items():
+            if param is None or id(param) in seen:
+                continue
+            seen.add(id(param))
+            new = replace(prefix + attr, param.data)
+            if new is not None:
+                param.data = new
+            if param.grad is not None:
+                new = replace(f"{prefix}{attr}.grad", param.grad)
+                if new is not None:
+                    param.grad = new
+        for attr, buffer in owner._buffers.items():
+            if buffer is None:
+                continue
+            if id(buffer) not in moved_buffers:
+                moved_buffers[id(buffer)] = (buffer, replace(prefix + attr, buffer))
+            new = moved_buffers[id(buffer)][1]
+            if new is not None:
+                owner._buffers[attr] = new
