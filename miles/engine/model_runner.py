@@ -49,8 +49,8 @@ from miles.models.common import build_train_pipeline_config, combine_cfg, genera
 from miles.utils.compile import compile_blocks, compile_seconds, compiled_graphs, raise_recompile_limits
 from miles.types import GuidanceConfig
 from miles.utils.errors import MilesUserError
-from miles.utils.pinned import PinnedBuffers, replace_module_tensors
 from miles.utils.imports import load_function
+from miles.utils.pinned import PinnedBuffers, replace_module_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -619,8 +619,7 @@ class ModelRunner:
             self._released.append(name)
             return self._host_copies.to_host(name, tensor)
 
-        for component, module in self.pipeline_modules().items():
-            replace_module_tensors(module, lambda name, tensor: to_host(f"{component}.{name}", tensor))
+        replace_module_tensors(nn.ModuleDict(self.pipeline_modules()), to_host)  # names: "<component>.<tensor>"
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
@@ -635,7 +634,6 @@ class ModelRunner:
         def to_device(name: str, tensor: torch.Tensor) -> torch.Tensor | None:
             return tensor.to(self.device, non_blocking=True) if name in released else None
 
-        for component, module in self.pipeline_modules().items():
-            replace_module_tensors(module, lambda name, tensor: to_device(f"{component}.{name}", tensor))
+        replace_module_tensors(nn.ModuleDict(self.pipeline_modules()), to_device)
         self._released = []
         torch.cuda.synchronize()

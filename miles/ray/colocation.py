@@ -15,7 +15,7 @@ trainer's in training, the engine's in generation). Then, from cheapest to deare
   training peak fills the GPU is this case (one H100 at SD3.5-Medium size, bench/RESULTS.md, nineteenth session);
 - else both stay resident when they fit once the trainer parks more of its optimizer state on the host during
   trainings (miles/backends/fsdp_utils/optimizer_parking.py): one copy of the parked bytes each way per optimizer
-  step (≈ 0.3 s per 16 GiB each way on an H100);
+  step (0.3 s per 15 GiB each way on an H100);
 - else both keep taking turns.
 `park` puts the parking before the engines' release: cheaper on paper (the release and resume cost ≈ 1.6 s per
 iteration and the trainer refills its emptied cache), not yet measured against it (bench/RESULTS.md, twenty-second
@@ -51,8 +51,7 @@ def _shortfalls(trainers: list[DeviceMemory], engines: list[DeviceMemory], margi
 def fits_resident(trainers: list[DeviceMemory], engines: list[DeviceMemory], margin_bytes: int) -> bool:
     """Both peaks fit together. Counting only the engine's growth kept a full fine-tune's trainer resident beside
     an engine with no room left for its activations (an H100, bench/RESULTS.md, nineteenth session)."""
-    shorts = _shortfalls(trainers, engines, margin_bytes, trainer_at_peak=True)
-    return bool(shorts) and max(shorts) <= 0
+    return parking_to_fit_resident(trainers, engines, margin_bytes) == 0
 
 
 def parking_to_fit_resident(trainers: list[DeviceMemory], engines: list[DeviceMemory], margin_bytes: int) -> int | None:

@@ -12,7 +12,8 @@ leave less than `--colocate-memory-margin-gb` of what it could use when the firs
 largest moments, just enough of them to leave the margin, in host memory through each window's forwards and
 backwards, and brings them back for the optimizer step. Each parked moment has one pinned host buffer, allocated at
 its first parking and reused (miles/utils/pinned.py); both copies then run at PCIe speed (0.3 s each way for
-15 GiB on an H100). Between trainings the moments stay on the GPU, so checkpoints, exports and the colocation turns see them where they always were.
+15 GiB on an H100). Between trainings the moments stay on the GPU, so checkpoints, exports and the colocation turns
+see them where they always were.
 """
 
 from __future__ import annotations
@@ -43,12 +44,7 @@ def moments(optimizer: torch.optim.Optimizer) -> Iterator[tuple[tuple[int, str],
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer, device_type: str) -> int:
     """Bytes of optimizer state this rank holds on devices of `device_type` (its shard of each DTensor)."""
-    total = 0
-    for _, _, value in moments(optimizer):
-        if value.device.type == device_type:
-            local = value.to_local() if hasattr(value, "to_local") else value
-            total += local.numel() * local.element_size()
-    return total
+    return sum(_nbytes(value) for _, _, value in moments(optimizer) if value.device.type == device_type)
 
 
 @dataclass(frozen=True)
@@ -142,13 +138,13 @@ class OptimizerParking:
 
     def park_more(self, more_bytes: int) -> None:
         """Park at least `more_bytes` beyond what is parked now (the colocation policy's ask, so that the engines
-        stay resident beside the trainer: cheaper than taking turns)."""
+        stay resident beside the trainer)."""
         if more_bytes > 0 and self.decided:
             self._choose(self.chosen_bytes + more_bytes, "the engines stay resident beside it")
 
     def _choose(self, shortfall: int, why: str) -> None:
         # the largest first: a larger shortfall parks a superset of a smaller one's moments
-        sizes = {key: _local(value).numel() * _local(value).element_size() for key, _, value in moments(self.optimizer)}
+        sizes = {key: _nbytes(value) for key, _, value in moments(self.optimizer)}
         self.chosen = frozenset(choose_parked(sizes, shortfall))
         self.chosen_bytes = sum(sizes[key] for key in self.chosen)
         logger.info("trainer: %s: %.1f GiB of the optimizer state (%d of its %d tensors) waits on the host through "
@@ -170,7 +166,7 @@ class OptimizerParking:
             if key not in self.chosen or local.device.type == "cpu":  # an offload left it on the host
                 continue
             state[key[1]] = _rewrap(value, self._host.to_host(key, local))
-            moved += local.numel() * local.element_size()
+            moved += _nbytes(local)
         return moved
 
     def unpark(self) -> None:
@@ -191,7 +187,13 @@ class OptimizerParking:
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `value` (its shard of a DTensor)."""
     return value.to_local() if hasattr(value, "to_local") else value
+
+
+def _nbytes(value: torch.Tensor) -> int:
+    local = _local(value)
+    return local.numel() * local.element_size()
 
 
 def _rewrap(value: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
