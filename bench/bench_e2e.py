@@ -66,6 +66,8 @@ from miles.config.flags import all_flags  # noqa: E402
 
 PHASES = ("rollout", "release", "onload", "train", "save", "resume", "weight_sync", "offload", "eval", "log")
 LORA_TARGETS = None  # the family's defaults (miles.models.sd3.SD3_LORA_TARGETS)
+# the perf/ metrics printed per iteration: the phases' times and the trainer's allocator counts (miles/utils/device_memory.py)
+PRINTED = ("_time", "_cuda_mallocs", "_alloc_retries", "_parked_gib", "_compile_s")
 ROLLOUT_GRADIENT = "-rollout-gradient"  # a --miles-modes suffix: the mode plus --diffusion-rollout-gradient
 
 
@@ -236,6 +238,9 @@ def run_miles(opts, checkpoint: str, prompt_file: str, lora: bool, mode: str, wo
         with PeakMemory(opts.device) as memory:
             result = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
         wall = time.perf_counter() - began
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "console.log"), "w") as handle:  # the trainer's and engines' lines, kept
+            handle.write(result.stdout + result.stderr)
         for line in (result.stdout + result.stderr).splitlines():  # what a colocated run chose (miles/ray/colocation.py)
             if "colocation: " in line:
                 print(f"  miles {'lora' if lora else 'full'} {mode} launch {launch}: {line.rsplit('colocation: ', 1)[1]}",
@@ -247,7 +252,7 @@ def run_miles(opts, checkpoint: str, prompt_file: str, lora: bool, mode: str, wo
         iterations = [r for r in records if "perf/iteration_time" in r]
         for r in iterations:
             print(f"  miles {'lora' if lora else 'full'} {mode} launch {launch} rollout {r['rollout_id']}: " +
-                  " ".join(f"{k[5:]}={v:.2f}" for k, v in r.items() if k.startswith("perf/") and k.endswith("_time")),
+                  " ".join(f"{k[5:]}={v:.2f}" for k, v in r.items() if k.startswith("perf/") and k.endswith(PRINTED)),
                   flush=True)
         row = launch_row(iterations, memory.gib, wall, out)
         if launch < launches - 1:
