@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from miles.config.sections import RunConfig
 from miles.ray.shutdown import on_run_exit, reinstall_signal_handlers
+from miles.utils.cuda_allocator import ALLOC_CONF_VARIABLE, GROWING_SEGMENTS
 
 logger = logging.getLogger(__name__)
 
@@ -163,8 +164,8 @@ _RAY_JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 
 
 def worker_env_vars(config: RunConfig, api_key: str, environ=os.environ) -> dict[str, str]:
-    """The environment every Ray worker of the run gets: the offline settings (and the allocator's, when set),
-    --train-env-vars and the path of the key file. Joining a cluster (RAY_ADDRESS), whose other nodes may not see
+    """The environment every Ray worker of the run gets: the offline settings, the allocator's (growing segments
+    unless set), --train-env-vars and the path of the key file. Joining a cluster (RAY_ADDRESS), whose other nodes may not see
     this node's files, the key itself goes too (it then lands in that cluster's logs, docs/security.md), unless
     the key file is one the user exported (MILES_API_KEY_FILE outside the run's folder: storage every node
     shares).
@@ -175,6 +176,10 @@ def worker_env_vars(config: RunConfig, api_key: str, environ=os.environ) -> dict
     from miles.utils.auth import API_KEY_ENV, API_KEY_FILE_ENV, RUN_FOLDER_ENV
 
     env = {k: environ[k] for k in _FORWARDED_ENV if k in environ}
+    # Growing segments from each process's start, unless the user configured the allocator: the trainer turning
+    # them on once it runs (miles/utils/cuda_allocator.py) measured 3-4 s slower per full fine-tune iteration on an
+    # H100, with up to 77 allocator retries per step (bench/RESULTS.md, twenty-third session).
+    env.setdefault(ALLOC_CONF_VARIABLE, GROWING_SEGMENTS)
     env.update(config.trainer.train_env_vars)
     key_file = environ.get(API_KEY_FILE_ENV, "")
     run_folder = environ.get(RUN_FOLDER_ENV)

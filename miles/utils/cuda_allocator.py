@@ -8,6 +8,9 @@ segment can only be shared with another process through `pidfd_getfd`, which con
 refuse, and the trainer shares its weight-sync and gradient buffers with the engines by CUDA IPC. The allocator
 takes the setting per new segment, so the trainer runs with growing segments and allocates each shared buffer
 inside `fixed_segments()`, which switches them off for that allocation only.
+
+A run's Ray workers get the setting in their environment (miles/ray/placement.py), so it holds from their start;
+`grow_segments_unless_set` covers a trainer started without it (the benches that build one in-process).
 """
 
 from __future__ import annotations

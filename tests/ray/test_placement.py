@@ -35,10 +35,13 @@ def test_worker_env_leaves_the_submitted_jobs_variables_to_the_job():
     args = _args(train_env_vars={"NCCL_DEBUG": "INFO"})
     # a Ray of the run's own: the key file's path, never the key (Ray logs a runtime_env)
     local = {**environ, "MILES_API_KEY_FILE": "/run/k", "MILES_API_KEY": "k" * 32}
-    assert worker_env_vars(args, "k" * 32, local) == {**environ, "NCCL_DEBUG": "INFO", "MILES_API_KEY_FILE": "/run/k"}
-    # the user's allocator settings reach every worker (a joined cluster's nodes too)
-    own = {**local, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    assert worker_env_vars(args, "k" * 32, own)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert worker_env_vars(args, "k" * 32, local) == {**environ, "NCCL_DEBUG": "INFO", "MILES_API_KEY_FILE": "/run/k",
+                                                      "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    # the user's allocator settings reach every worker (a joined cluster's nodes too), in place of the default
+    own = {**local, "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    assert worker_env_vars(args, "k" * 32, own)["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+    fixed = _args(train_env_vars={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"})
+    assert worker_env_vars(fixed, "k" * 32, local)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"
     joined = {**environ, "RAY_ADDRESS": "10.0.0.1:6379"}  # a cluster joined: its nodes may not share the run's file
     ours = {**joined, "MILES_RUN_FOLDER": "/tmp/miles-x", "MILES_API_KEY_FILE": "/tmp/miles-x/api_key"}
     assert worker_env_vars(args, "k" * 32, ours)["MILES_API_KEY"] == "k" * 32
@@ -49,7 +52,8 @@ def test_worker_env_leaves_the_submitted_jobs_variables_to_the_job():
     inside_job = {**environ, "RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps(job)}
     # Ray refuses a ray.init runtime_env that repeats a variable of the job's, even with the same value
     assert worker_env_vars(args, "k" * 32, inside_job) == {"PYTHONPATH": "/code", "WANDB_MODE": "disabled",
-                                                           "NCCL_DEBUG": "INFO"}
+                                                           "NCCL_DEBUG": "INFO",
+                                                           "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 
 def test_a_run_joins_a_cluster_only_when_one_is_named():
