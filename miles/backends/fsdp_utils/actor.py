@@ -33,6 +33,7 @@ from miles.backends.fsdp_utils.train_data import (
     convert_samples_to_train_data,
     plan_rank_train_data,
 )
+from miles.backends.fsdp_utils.window_gather import WindowGather, applies as gather_once_per_window
 from miles.config.sections import RunConfig
 from miles.models.base import GenerationShape
 from miles.models.batch_invariant import (
@@ -228,6 +229,9 @@ class DiffusionTrainer:
         # where the moments would not fit beside the next training's peak, they wait on the host through it
         self.optimizer_parking = OptimizerParking(
             self.optimizer, self.device, int(config.placement.colocate_memory_margin_gb * GIB))
+        # one rank: a window's micro-batches share one gather of the weights and one gradient reduction
+        self.window_gather = WindowGather(list(self.model.values()), enabled=gather_once_per_window(
+            self.world_size, self.ref_mode, config.trainer.fsdp_cpu_offload, config.trainer.use_lora))
         from miles.diffusion.lr_scheduler import build_lr_scheduler
         from miles.diffusion.sde import build_sde_backend
 
@@ -507,8 +511,9 @@ class DiffusionTrainer:
             parked_bytes += self.optimizer_parking.park()
             loss_is_finite = torch.ones((), dtype=torch.bool, device=self.device)  # on the device: no sync per batch
             lr = self.optimizer.param_groups[0]["lr"]
-            with self._weights_fixed():  # the window's micro-batches: no optimizer step between them
-                for micro_batch in window:
+            with self._weights_fixed(), self.window_gather.window():  # no optimizer step between its micro-batches
+                for index, micro_batch in enumerate(window):
+                    self.window_gather.before(last=index == len(window) - 1)
                     batch = self._batch(micro_batch)
                     # FLOPs are counted once, eagerly; a dispatch mode around compiled blocks would force recompiles
                     measure = self.flops_per_pair is None and not skip_step and not config.trainer.fsdp_torch_compile

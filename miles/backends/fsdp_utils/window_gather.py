@@ -1,0 +1,78 @@
+"""On a one-rank trainer, an optimizer step's micro-batches share one gather of the weights and one reduction of
+the gradients.
+
+FSDP2 gathers each unit's parameters (casting the fp32 master weights to the forward dtype) before every
+micro-batch's forward and again before its backward, and reduce-scatters the unit's gradients after every
+backward. On one rank a gather and a reduce-scatter are copies: the gathered weights do not change until the
+optimizer step, and the reduction only adds each micro-batch's gradient to the sum so far. At SD3.5-Medium size
+those copies and the hooks that issue them were about half of the 0.41 s by which a 64-pair full fine-tune step on
+one H100 trailed the plain loop's (bench/RESULTS.md, twenty-third session).
+
+So, inside one optimizer step's window of micro-batches, the block units stay gathered from their first forward to
+the window's last backward, and the gradients accumulate unreduced in the reduce dtype, as FSDP2 does under
+`set_requires_gradient_sync(False)`: the same fp32 additions in the same order as reducing after each micro-batch
+(one rank sums nothing), so the step's gradients are bitwise those of the default path. The last micro-batch
+reduces them and reshards. The cost: the forward-dtype copy of the whole model held through the window (4.5 GB
+at SD3.5-Medium), which the first training's measured peak counts, and the optimizer parking with it
+(optimizer_parking.py); the plain loop holds the same copy through its forward and backward (autocast's cache).
+
+Only for a full fine-tune where no forward in the window swaps other weights into the shards: the EMA reference
+(`ref_mode` ema) would go unseen by weights kept gathered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from torch import nn
+
+
+def applies(world_size: int, ref_mode: str, cpu_offload: bool, lora: bool) -> bool:
+    """One rank holds every shard, on the device, no forward swaps weights in, and every weight trains (under
+    LoRA on one rank the root is the only unit and the frozen base is held whole already: parallelize.py)."""
+    return world_size == 1 and ref_mode == "none" and not cpu_offload and not lora
+
+
+def _units(roots: list[nn.Module]) -> tuple[list[nn.Module], list[nn.Module]]:
+    """(the FSDP roots, the units below them: the transformer blocks)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    roots = [root for root in roots if isinstance(root, FSDPModule)]
+    below = [unit for root in roots for unit in root.modules() if unit is not root and isinstance(unit, FSDPModule)]
+    return roots, below
+
+
+class WindowGather:
+    """`with gather.window():` around a window's micro-batches; `gather.before(last)` before each one's forward."""
+
+    def __init__(self, roots: list[nn.Module], enabled: bool):
+        self.roots, self.blocks = _units(roots) if enabled else ([], [])
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.roots)
+
+    @contextlib.contextmanager
+    def window(self) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        for root in self.roots:  # every unit was sharded with reshard_after_forward=True (parallelize.py)
+            root.set_reshard_after_forward(False)
+        try:
+            yield
+        finally:
+            for root in self.roots:
+                root.set_reshard_after_forward(True)
+                root.set_reshard_after_backward(True)
+                root.set_requires_gradient_sync(True)
+            for unit in self.roots + self.blocks:  # a window that ended without its last backward (no grad, an error)
+                unit.reshard()
+
+    def before(self, last: bool) -> None:
+        """Before a micro-batch's forward: the last one reduces the window's gradients and reshards after its
+        backward; the others keep both for the next."""
+        for root in self.roots:
+            root.set_reshard_after_backward(last)
+            root.set_requires_gradient_sync(last)
