@@ -3,9 +3,12 @@ bit for bit as gathering and reducing around every micro-batch, with fewer gathe
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
 from miles.backends.fsdp_utils.window_gather import WindowGather, applies
 from miles.testing.tiny_rollout import trained_state
@@ -21,23 +24,29 @@ def test_it_applies_to_a_one_rank_full_fine_tune_without_a_swapped_reference():
 
 
 class Counted:
-    """Counts FSDP2's gathers (a unit's unshard that has work to do) and reductions (one call per unit each)."""
+    """FSDP2's gathers (an unshard with work to do) and reductions, per unit (keyed by its parameter group)."""
 
     def __init__(self, monkeypatch):
-        self.gathers = self.reductions = 0
+        self.gathers, self.reductions = Counter(), Counter()
         group = _fsdp_param_group.FSDPParamGroup
-        unshard, reduce = group.unshard, _fsdp_param_group.foreach_reduce
+        unshard, post_backward = group.unshard, group.post_backward
 
         def counted_unshard(param_group, *args, **kwargs):
-            self.gathers += param_group._all_gather_result is None and not param_group.is_unsharded
+            if param_group._all_gather_result is None and not param_group.is_unsharded:
+                self.gathers[id(param_group)] += 1
             return unshard(param_group, *args, **kwargs)
 
-        def counted_reduce(*args, **kwargs):
-            self.reductions += 1
-            return reduce(*args, **kwargs)
+        def counted_post_backward(param_group, *args, **kwargs):
+            if param_group.reduce_grads and param_group._training_state != TrainingState.POST_BACKWARD:
+                self.reductions[id(param_group)] += 1
+            return post_backward(param_group, *args, **kwargs)
 
         monkeypatch.setattr(group, "unshard", counted_unshard)
-        monkeypatch.setattr(_fsdp_param_group, "foreach_reduce", counted_reduce)
+        monkeypatch.setattr(group, "post_backward", counted_post_backward)
+
+    @staticmethod
+    def key(unit) -> int:
+        return id(unit._get_fsdp_state()._fsdp_param_group)
 
 
 @pytest.mark.parametrize("forward_dtype", ["fp32", "bf16"])
@@ -53,16 +62,20 @@ def test_a_window_gathers_and_reduces_once_and_trains_bitwise_the_same(tiny, mon
         counts = Counted(monkeypatch)
         losses = [trainer.train(rollout_id, tiny[3])["train/loss"] for rollout_id in (0, 1)]
         monkeypatch.undo()
-        units = len(trainer.window_gather.roots) + len(trainer.window_gather.blocks) if once else None
-        runs[once] = losses, trained_state(trainer), counts, units
-    (losses, state, counts, units), (plain_losses, plain_state, plain_counts, _) = runs[True], runs[False]
+        runs[once] = losses, trained_state(trainer), counts, trainer
+    (losses, state, counts, trainer), (plain_losses, plain_state, plain_counts, plain) = runs[True], runs[False]
     assert losses == plain_losses
     assert all(torch.equal(state[name], plain_state[name]) for name in state)
     windows, micro_batches = 2 * 2, 2  # two rollouts of two windows, each of 4 pairs in micro-batches of 2
-    assert units > 1 and counts.reductions == units * windows and counts.gathers == units * windows
-    # around every micro-batch: a gather for its forward, another for its backward, a reduction after it
-    assert plain_counts.gathers == 2 * micro_batches * units * windows
-    assert plain_counts.reductions == micro_batches * units * windows
+    blocks = [Counted.key(unit) for unit in trainer.window_gather.blocks]
+    plain_blocks = [Counted.key(unit) for unit in WindowGather(list(plain.model.values()), enabled=True).blocks]
+    assert len(blocks) == 2
+    for unit in blocks:
+        assert counts.gathers[unit] == windows and counts.reductions[unit] == windows
+    for unit in plain_blocks:  # around every micro-batch: a gather for its forward, another for its backward
+        assert plain_counts.gathers[unit] == 2 * micro_batches * windows
+        assert plain_counts.reductions[unit] == micro_batches * windows
+    assert sum(counts.reductions.values()) == 3 * windows  # the root's too, once per window
 
 
 def test_a_window_without_a_backward_leaves_every_unit_sharded(tiny):

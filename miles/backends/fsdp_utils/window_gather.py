@@ -58,13 +58,16 @@ class WindowGather:
         if not self.enabled:
             yield
             return
-        for root in self.roots:  # every unit was sharded with reshard_after_forward=True (parallelize.py)
-            root.set_reshard_after_forward(False)
+        # the blocks were sharded with reshard_after_forward=True (parallelize.py); a root keeps what FSDP2 makes
+        # of it (its own small parameters; PyTorch versions differ on whether a root reshards after its forward)
+        for block in self.blocks:
+            block.set_reshard_after_forward(False, recurse=False)
         try:
             yield
         finally:
+            for block in self.blocks:
+                block.set_reshard_after_forward(True, recurse=False)
             for root in self.roots:
-                root.set_reshard_after_forward(True)
                 root.set_reshard_after_backward(True)
                 root.set_requires_gradient_sync(True)
             for unit in self.roots + self.blocks:  # a window that ended without its last backward (no grad, an error)
