@@ -176,9 +176,10 @@ def worker_env_vars(config: RunConfig, api_key: str, environ=os.environ) -> dict
     from miles.utils.auth import API_KEY_ENV, API_KEY_FILE_ENV, RUN_FOLDER_ENV
 
     env = {k: environ[k] for k in _FORWARDED_ENV if k in environ}
-    # Growing segments from each process's start, unless the user configured the allocator: the trainer turning
-    # them on once it runs (miles/utils/cuda_allocator.py) measured 3-4 s slower per full fine-tune iteration on an
-    # H100, with up to 77 allocator retries per step (bench/RESULTS.md, twenty-third session).
+    # Growing segments from each process's start, unless the user configured the allocator: without the variable
+    # (the trainer turning them on once it runs, miles/utils/cuda_allocator.py) an H100 full fine-tune's step ran
+    # 3-4 s slower, with up to 77 allocator retries, than with it (one launch each, the process it acted through
+    # not isolated: bench/RESULTS.md, twenty-third session).
     env.setdefault(ALLOC_CONF_VARIABLE, GROWING_SEGMENTS)
     env.update(config.trainer.train_env_vars)
     key_file = environ.get(API_KEY_FILE_ENV, "")
