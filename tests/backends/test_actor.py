@@ -27,9 +27,10 @@ SDE_STEPS = [1, 2]
 
 @pytest.fixture(scope="module")
 def world():
-    """This process as a one-rank gloo group (the spawned DP = 2 test makes its own)."""
+    """This process as a one-rank gloo group, NCCL for CUDA tensors where there is a GPU (the spawned DP = 2 test
+    makes its own)."""
     torch.set_num_threads(1)
-    init_distributed(0, 1, "gloo", free_port())
+    init_distributed(0, 1, "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo", free_port())
     yield
     dist.destroy_process_group()
 

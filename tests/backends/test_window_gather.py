@@ -10,8 +10,9 @@ import torch
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
+from miles.backends.fsdp_utils.actor import DiffusionTrainer
 from miles.backends.fsdp_utils.window_gather import WindowGather, applies
-from miles.testing.tiny_rollout import trained_state
+from miles.testing.tiny_rollout import tiny_trainer_config, trained_state
 from tests.backends.test_actor import make_trainer, tiny, world  # noqa: F401 (module fixtures)
 
 
@@ -85,3 +86,23 @@ def test_a_window_without_a_backward_leaves_every_unit_sharded(tiny):
     gather = trainer.window_gather
     for unit in gather.roots + gather.blocks:
         assert not unit._get_fsdp_state()._fsdp_param_group.is_unsharded
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_the_gpu_with_compiled_blocks_in_bf16_the_weights_are_bitwise_the_same(tiny):
+    args, family, _, samples = tiny
+    config = tiny_trainer_config(args.model.hf_checkpoint, use_lora=False, micro_batch_size=2, num_steps_per_rollout=2,
+                                 num_rollout=2, diffusion_forward_dtype="bf16", fsdp_torch_compile=True)
+    runs = []
+    for once in (True, False):
+        trainer = DiffusionTrainer(config, family, device="cuda")
+        trainer.init()
+        assert trainer.window_gather.enabled
+        if not once:
+            trainer.window_gather = WindowGather([], enabled=False)
+        losses = [trainer.train(rollout_id, samples)["train/loss"] for rollout_id in (0, 1)]
+        runs.append((losses, trained_state(trainer)))
+    (losses, state), (plain_losses, plain_state) = runs
+    assert losses == plain_losses
+    assert all(torch.equal(state[name], plain_state[name]) for name in state)
