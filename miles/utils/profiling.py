@@ -54,6 +54,17 @@ def scheduling_summary() -> str:
             f"torch intra-op threads {torch.get_num_threads()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
 
 
+def fsdp_scopes(averages) -> list[str]:
+    """FSDP2's own scopes (its hooks' gathers, reshards, reductions: `FSDP::...` events), by host time: what the
+    sharding costs a step apart from the model's operators. Empty where FSDP ran no hook."""
+    scopes = sorted((event for event in averages if event.key.startswith("FSDP::")),
+                    key=lambda event: -event.cpu_time_total)
+    if not scopes:
+        return []
+    rows = [f"{event.key[:60]:<60} {event.count:>8} {event.cpu_time_total / 1e3:>12.1f}" for event in scopes[:20]]
+    return ["", "## FSDP2's scopes (calls, host ms including what they ran)", *rows]
+
+
 @contextlib.contextmanager
 def profile_train_step(rollout_id: int, rank: int, device: torch.device) -> Iterator[None]:
     """Profile the body when `rollout_id` is one of `profiled_rollouts()`; otherwise do nothing."""
@@ -89,6 +100,8 @@ def profile_train_step(rollout_id: int, rank: int, device: torch.device) -> Iter
     if cuda and host:
         lines += ["## by host time", averages.table(sort_by="self_cpu_time_total", row_limit=30,
                                                     max_name_column_width=60)]
+    if host:
+        lines += fsdp_scopes(averages)
     directory = os.environ[PROFILE_DIR_ENV]
     os.makedirs(directory, exist_ok=True)
     with open(profile_report_path(directory, rollout_id, rank), "w") as handle:

@@ -29,3 +29,15 @@ def test_bad_rollout_list_names_the_variable(monkeypatch, tmp_path):
     monkeypatch.setenv("MILES_PROFILE_TRAIN_ROLLOUTS", "two")
     with pytest.raises(ValueError, match="MILES_PROFILE_TRAIN_ROLLOUTS"):
         profiled_rollouts()
+
+
+def test_fsdp_scopes_get_their_own_table(tmp_path, monkeypatch):
+    monkeypatch.setenv("MILES_PROFILE_TRAIN_DIR", str(tmp_path))
+    monkeypatch.setenv("MILES_PROFILE_TRAIN_ROLLOUTS", "0")
+    with profile_train_step(0, rank=0, device=torch.device("cpu")):
+        for _ in range(3):
+            with torch.profiler.record_function("FSDP::all_gather"):
+                (torch.randn(64, 64) @ torch.randn(64, 64)).sum()
+    text = (tmp_path / "train_rollout0_rank0.txt").read_text()
+    table = text.split("## FSDP2's scopes", 1)[1]
+    assert [line.split()[:2] for line in table.strip().splitlines()[1:]] == [["FSDP::all_gather", "3"]]
