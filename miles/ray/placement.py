@@ -165,10 +165,10 @@ _RAY_JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 
 def worker_env_vars(config: RunConfig, api_key: str, environ=os.environ) -> dict[str, str]:
     """The environment every Ray worker of the run gets: the offline settings, the allocator's (growing segments
-    unless set), --train-env-vars and the path of the key file. Joining a cluster (RAY_ADDRESS), whose other nodes may not see
-    this node's files, the key itself goes too (it then lands in that cluster's logs, docs/security.md), unless
-    the key file is one the user exported (MILES_API_KEY_FILE outside the run's folder: storage every node
-    shares).
+    unless set), --train-env-vars and the path of the key file. Joining a cluster (RAY_ADDRESS), whose other nodes
+    may not see this node's files, the key itself goes too (it then lands in that cluster's logs,
+    docs/security.md), unless the key file is one the user exported (MILES_API_KEY_FILE outside the run's folder:
+    storage every node shares).
 
     Inside a submitted job (`ray job submit`) the job's own runtime_env already reaches every worker, and Ray
     refuses a `ray.init` runtime_env that sets any variable the job sets (even to the same value): those are

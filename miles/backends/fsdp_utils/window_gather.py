@@ -4,9 +4,9 @@ the gradients.
 FSDP2 gathers each unit's parameters (casting the fp32 master weights to the forward dtype) before every
 micro-batch's forward and again before its backward, and reduce-scatters the unit's gradients after every
 backward. On one rank a gather and a reduce-scatter are copies: the gathered weights do not change until the
-optimizer step, and the reduction only adds each micro-batch's gradient to the sum so far. At SD3.5-Medium size
-those copies and the hooks that issue them were about half of the 0.41 s by which a 64-pair full fine-tune step on
-one H100 trailed the plain loop's (bench/RESULTS.md, twenty-third session).
+optimizer step, and the reduction only adds each micro-batch's gradient to the sum so far. A 64-pair full
+fine-tune step at SD3.5-Medium size trailed the plain loop's by 0.41 s on one H100, with thousands of small copies
+and elementwise kernels in its profile that are likely these (bench/RESULTS.md, twenty-third session).
 
 So, inside one optimizer step's window of micro-batches, the block units stay gathered from their first forward to
 the window's last backward, and the gradients accumulate unreduced in the reduce dtype, as FSDP2 does under
@@ -23,9 +23,12 @@ Only for a full fine-tune where no forward in the window swaps other weights int
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 def applies(world_size: int, ref_mode: str, cpu_offload: bool, lora: bool) -> bool:
@@ -48,6 +51,9 @@ class WindowGather:
 
     def __init__(self, roots: list[nn.Module], enabled: bool):
         self.roots, self.blocks = _units(roots) if enabled else ([], [])
+        if self.roots:
+            logger.info("trainer: one rank, full fine-tune: each optimizer window gathers its %d blocks once and "
+                        "reduces their gradients once", len(self.blocks))
 
     @property
     def enabled(self) -> bool:
