@@ -16,12 +16,11 @@ from miles.testing.tiny_rollout import tiny_trainer_config, trained_state
 from tests.backends.test_actor import make_trainer, tiny, world  # noqa: F401 (module fixtures)
 
 
-def test_it_applies_to_a_one_rank_full_fine_tune_without_a_swapped_reference():
-    assert applies(world_size=1, ref_mode="none", cpu_offload=False, lora=False)
-    assert not applies(world_size=2, ref_mode="none", cpu_offload=False, lora=False)  # gathers gather then
-    assert not applies(world_size=1, ref_mode="ema", cpu_offload=False, lora=False)  # the EMA swap would go unseen
-    assert not applies(world_size=1, ref_mode="none", cpu_offload=True, lora=False)
-    assert not applies(world_size=1, ref_mode="none", cpu_offload=False, lora=True)
+def test_it_applies_to_a_one_rank_full_fine_tune_on_the_device():
+    assert applies(world_size=1, cpu_offload=False, lora=False)
+    assert not applies(world_size=2, cpu_offload=False, lora=False)  # gathers gather then
+    assert not applies(world_size=1, cpu_offload=True, lora=False)
+    assert not applies(world_size=1, cpu_offload=False, lora=True)
 
 
 class Counted:
@@ -77,6 +76,26 @@ def test_a_window_gathers_and_reduces_once_and_trains_bitwise_the_same(tiny, mon
         assert plain_counts.gathers[unit] == 2 * micro_batches * windows
         assert plain_counts.reductions[unit] == micro_batches * windows
     assert sum(counts.reductions.values()) == 3 * windows  # the root's too, once per window
+
+
+@pytest.mark.parametrize("losses", [dict(loss_type="nft"), dict(diffusion_kl_beta=0.1, ref_mode="ema")],
+                         ids=["nft", "flow_grpo_kl"])
+def test_a_forward_with_the_ema_swapped_in_sees_the_ema(tiny, losses):
+    """The EMA reference (NFT's v_old, the KL's reference) runs with the EMA's weights, not the gathered policy's:
+    the same weights bit for bit as without the window gather, over two rollouts (the EMA moves after the first)."""
+    settings = dict(use_lora=False, use_ema=True, micro_batch_size=2, num_rollout=2, diffusion_forward_dtype="bf16",
+                    **losses)
+    runs = []
+    for once in (True, False):
+        trainer = make_trainer(tiny, **settings)
+        assert trainer.ref_mode == "ema" and trainer.window_gather.enabled
+        if not once:
+            trainer.window_gather = WindowGather([], enabled=False)
+        metrics = [trainer.train(rollout_id, tiny[3]) for rollout_id in (0, 1)]
+        runs.append(([m["train/loss"] for m in metrics], trained_state(trainer)))
+    (losses_once, state), (plain_losses, plain_state) = runs
+    assert losses_once == plain_losses
+    assert all(torch.equal(state[name], plain_state[name]) for name in state)
 
 
 def test_a_window_without_a_backward_leaves_every_unit_sharded(tiny):

@@ -231,7 +231,7 @@ class DiffusionTrainer:
             self.optimizer, self.device, int(config.placement.colocate_memory_margin_gb * GIB))
         # one rank: a window's micro-batches share one gather of the weights and one gradient reduction
         self.window_gather = WindowGather(list(self.model.values()), enabled=gather_once_per_window(
-            self.world_size, self.ref_mode, config.trainer.fsdp_cpu_offload, config.trainer.use_lora))
+            self.world_size, config.trainer.fsdp_cpu_offload, config.trainer.use_lora))
         from miles.diffusion.lr_scheduler import build_lr_scheduler
         from miles.diffusion.sde import build_sde_backend
 
@@ -317,8 +317,12 @@ class DiffusionTrainer:
         """No-grad context with the reference policy in the live modules (`--ref-mode`, §5/§8)."""
         with torch.no_grad():
             if self.ref_mode == "ema":
+                self.window_gather.reshard()  # weights kept gathered through the window would hide the swap
                 with self.ema.swapped(), lora_merge_suspended(self.model):
-                    yield
+                    try:
+                        yield
+                    finally:
+                        self.window_gather.reshard()  # the EMA's gathered weights must not outlive the swap
             elif self.ref_mode == "lora_base":
                 for module in self.model.values():
                     module.disable_adapters()

@@ -16,8 +16,9 @@ reduces them and reshards. The cost: the forward-dtype copy of the whole model h
 at SD3.5-Medium), which the first training's measured peak counts, and the optimizer parking with it
 (optimizer_parking.py); the plain loop holds the same copy through its forward and backward (autocast's cache).
 
-Only for a full fine-tune where no forward in the window swaps other weights into the shards: the EMA reference
-(`ref_mode` ema) would go unseen by weights kept gathered.
+A forward with other weights swapped into the shards (the EMA reference, `--ref-mode ema`) calls `reshard()`
+before the swap and again before the swap back: it gathers the swapped weights, and the policy's backward and next
+forward gather the policy's again (FSDP2 gathers a resharded unit before its backward into the same tensors).
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
-def applies(world_size: int, ref_mode: str, cpu_offload: bool, lora: bool) -> bool:
-    """One rank holds every shard, on the device, no forward swaps weights in, and every weight trains (under
-    LoRA on one rank the root is the only unit and the frozen base is held whole already: parallelize.py)."""
-    return world_size == 1 and ref_mode == "none" and not cpu_offload and not lora
+def applies(world_size: int, cpu_offload: bool, lora: bool) -> bool:
+    """One rank holds every shard, on the device, and every weight trains (under LoRA on one rank the root is the
+    only unit and the frozen base is held whole already: parallelize.py)."""
+    return world_size == 1 and not cpu_offload and not lora
 
 
 def _units(roots: list[nn.Module]) -> tuple[list[nn.Module], list[nn.Module]]:
@@ -76,8 +77,12 @@ class WindowGather:
             for root in self.roots:
                 root.set_reshard_after_backward(True)
                 root.set_requires_gradient_sync(True)
-            for unit in self.roots + self.blocks:  # a window that ended without its last backward (no grad, an error)
-                unit.reshard()
+            self.reshard()  # a window that ended without its last backward (no gradients, an error)
+
+    def reshard(self) -> None:
+        """Every unit back to its shard now (before and after a forward with swapped weights)."""
+        for unit in self.roots + self.blocks:
+            unit.reshard()
 
     def before(self, last: bool) -> None:
         """Before a micro-batch's forward: the last one reduces the window's gradients and reshards after its
