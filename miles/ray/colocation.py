@@ -17,9 +17,9 @@ trainer's in training, the engine's in generation). Then, from cheapest to deare
   trainings (miles/backends/fsdp_utils/optimizer_parking.py): one copy of the parked bytes each way per optimizer
   step (0.3 s per 15 GiB each way on an H100);
 - else both keep taking turns.
-`park` puts the parking before the engines' release: cheaper on paper (the release and resume cost ≈ 1.6 s per
-iteration and the trainer refills its emptied cache), not yet measured against it (bench/RESULTS.md, twenty-second
-session), hence not the default.
+`park` puts the parking before the engines' release: one more copy each way per optimizer step against a release and
+resume (0.34 s per iteration on an H100 with pinned buffers) and a refilled trainer cache; not yet measured against
+it (bench/RESULTS.md, twenty-third session), hence not the default.
 `always` takes turns at every iteration (the reference's behaviour).
 """
 
