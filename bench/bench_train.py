@@ -180,10 +180,6 @@ def run_miles(rank: int, opts) -> dict:
     device = "cuda" if opts.device == "cuda" else "cpu"
     trainer = DiffusionTrainer(run_config, family, device=device)
     trainer.init()
-    if not opts.window_gather:  # FSDP2's gathers and reductions around every micro-batch (window_gather.py off)
-        from miles.backends.fsdp_utils.window_gather import WindowGather
-
-        trainer.window_gather = WindowGather([], enabled=False)
     samples = synthetic_samples(opts, config, latent, text_tokens)
     for rollout_id in range(opts.warmup):
         trainer.train(rollout_id, samples)
@@ -296,9 +292,6 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print a profiler table of one miles step")
     parser.add_argument("--checkpoint", help="with --arch: load this pipeline folder (make_tiny --real-size) through "
                         "from_pretrained, as train_diffusion.py does, instead of building random weights in place")
-    parser.add_argument("--per-micro-batch-gathers", action="store_true",
-                        help="also measure miles with FSDP2 gathering and reducing around every micro-batch, as "
-                             "before one-rank windows gathered once (miles/backends/fsdp_utils/window_gather.py)")
     parser.add_argument("--offload-cycle", action="store_true",
                         help="miles side: offload to the host and onload before each timed step (colocated turns)")
     opts = parser.parse_args()
@@ -315,12 +308,7 @@ def main() -> None:
     if not opts.skip_naive:
         rows.append(("naive diffusers (1 proc, eager, CFG as 2 forwards)", 1, spawn_ranks(1, run_naive, (opts,), backend)[0]))
     label = "miles FSDP2 (CFG batched" + (", compiled blocks)" if opts.compile else ")")
-    opts.window_gather = True
     rows.append((label, 1, spawn_ranks(1, run_miles, (opts,), backend)[0]))
-    if opts.per_micro_batch_gathers:
-        per_micro_batch = argparse.Namespace(**{**vars(opts), "window_gather": False})
-        rows.append((label[:-1] + ", gathers per micro-batch)", 1,
-                     spawn_ranks(1, run_miles, (per_micro_batch,), backend)[0]))
     if opts.nproc > 1:
         rows.append((label, opts.nproc, spawn_ranks(opts.nproc, run_miles, (opts,), backend)[0]))
     peak = peak_flops("cuda" if gpu else "cpu")

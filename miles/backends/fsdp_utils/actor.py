@@ -33,7 +33,6 @@ from miles.backends.fsdp_utils.train_data import (
     convert_samples_to_train_data,
     plan_rank_train_data,
 )
-from miles.backends.fsdp_utils.window_gather import WindowGather, applies as gather_once_per_window
 from miles.config.sections import RunConfig
 from miles.models.base import GenerationShape
 from miles.models.batch_invariant import (
@@ -229,9 +228,6 @@ class DiffusionTrainer:
         # where the moments would not fit beside the next training's peak, they wait on the host through it
         self.optimizer_parking = OptimizerParking(
             self.optimizer, self.device, int(config.placement.colocate_memory_margin_gb * GIB))
-        # one rank: a window's micro-batches share one gather of the weights and one gradient reduction
-        self.window_gather = WindowGather(list(self.model.values()), enabled=gather_once_per_window(
-            self.world_size, config.trainer.fsdp_cpu_offload, config.trainer.use_lora))
         from miles.diffusion.lr_scheduler import build_lr_scheduler
         from miles.diffusion.sde import build_sde_backend
 
@@ -317,12 +313,8 @@ class DiffusionTrainer:
         """No-grad context with the reference policy in the live modules (`--ref-mode`, §5/§8)."""
         with torch.no_grad():
             if self.ref_mode == "ema":
-                self.window_gather.reshard()  # weights kept gathered through the window would hide the swap
                 with self.ema.swapped(), lora_merge_suspended(self.model):
-                    try:
-                        yield
-                    finally:
-                        self.window_gather.reshard()  # the EMA's gathered weights must not outlive the swap
+                    yield
             elif self.ref_mode == "lora_base":
                 for module in self.model.values():
                     module.disable_adapters()
@@ -515,9 +507,8 @@ class DiffusionTrainer:
             parked_bytes += self.optimizer_parking.park()
             loss_is_finite = torch.ones((), dtype=torch.bool, device=self.device)  # on the device: no sync per batch
             lr = self.optimizer.param_groups[0]["lr"]
-            with self._weights_fixed(), self.window_gather.window():  # no optimizer step between its micro-batches
-                for index, micro_batch in enumerate(window):
-                    self.window_gather.before(last=index == len(window) - 1)
+            with self._weights_fixed():  # the window's micro-batches: no optimizer step between them
+                for micro_batch in window:
                     batch = self._batch(micro_batch)
                     # FLOPs are counted once, eagerly; a dispatch mode around compiled blocks would force recompiles
                     measure = self.flops_per_pair is None and not skip_step and not config.trainer.fsdp_torch_compile
