@@ -396,13 +396,20 @@ class EngineServer:
     async def handle_release(self, request: web.Request) -> web.Response:
         if self.scheduler.num_running:
             return _error(409, f"{self.scheduler.num_running} request(s) in flight; release memory when idle")
-        # shielded (also below): a client that disconnects must not leave the flag disagreeing with the memory
-        await asyncio.shield(self._set_memory_released(True))
-        return web.json_response({"ok": True, "memory_released": True, **_cuda_memory()})
+        return await self._answer_memory_change(released=True)
 
     async def handle_resume(self, request: web.Request) -> web.Response:
-        await asyncio.shield(self._set_memory_released(False))
-        return web.json_response({"ok": True, "memory_released": False, **_cuda_memory()})
+        return await self._answer_memory_change(released=False)
+
+    async def _answer_memory_change(self, released: bool) -> web.Response:
+        try:
+            # shielded: a client that disconnects must not leave the flag disagreeing with the memory
+            await asyncio.shield(self._set_memory_released(released))
+        except Exception as err:  # noqa: BLE001 - answered with its text (out of memory, most often), logged whole
+            what = "releasing" if released else "resuming"
+            logger.exception("%s the engine's memory failed", what)
+            return _error(500, f"{what} the engine's memory failed: {type(err).__name__}: {err}")
+        return web.json_response({"ok": True, "memory_released": released, **_cuda_memory()})
 
     async def _set_memory_released(self, released: bool) -> None:
         if released != self.memory_released:

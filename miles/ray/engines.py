@@ -15,6 +15,7 @@ import logging
 import os
 import subprocess
 import threading
+import urllib.error
 import urllib.request
 from typing import Callable
 
@@ -80,6 +81,26 @@ def _post_json(url: str, payload: dict | None = None, timeout: float = 600.0) ->
     with urllib.request.urlopen(request, timeout=timeout) as response:
         body = response.read()
     return json.loads(body) if body else {}
+
+
+def post_to_engines(urls: list[str], path: str, log_dir: str) -> None:
+    """POST `path` to every engine in turn; an engine's error answer raises with its own words (out of memory,
+    most often) and where its log is, not only the status."""
+    for url in urls:
+        try:
+            _post_json(f"{url}{path}")
+        except urllib.error.HTTPError as err:
+            raise RuntimeError(f"engine {url} answered {err.code} to POST {path}: {_error_text(err)}; "
+                               f"its log is in {log_dir}/") from None
+
+
+def _error_text(err: urllib.error.HTTPError) -> str:
+    """The `error` field of an engine's JSON error body (server.py), else the body's start."""
+    body = err.read().decode(errors="replace")
+    try:
+        return str(json.loads(body)["error"])
+    except (ValueError, KeyError, TypeError):
+        return body[:300] or err.reason
 
 
 class EngineFleet:
@@ -154,8 +175,7 @@ class EngineFleet:
         return list(self.urls)
 
     def post_all(self, path: str) -> None:
-        for url in self.urls:
-            _post_json(f"{url}{path}")
+        post_to_engines(self.urls, path, self.log_dir)
 
     def load_seconds(self) -> list[float]:
         """Each engine's model load (from its `/server_info`): what the trainer's start-up overlaps."""

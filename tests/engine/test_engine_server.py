@@ -460,3 +460,34 @@ def test_a_released_engine_holds_its_weights_in_pinned_memory_and_samples_the_sa
         assert all(p.device.type == "cuda" for p in runner.pipe.transformer.parameters())
     assert all(torch.equal(p, weights[name]) for name, p in runner.pipe.transformer.named_parameters())
     _assert_same_samples(before, sample(), exact=True)
+
+
+def test_a_failed_resume_answers_500_with_its_reason_and_the_driver_says_it(local_runner, make_server_args,
+                                                                              monkeypatch):
+    """An engine that cannot take its memory back (out of memory beside the trainer) answers with the error's
+    text, and the driver's message names the engine, the request, that text and the log folder."""
+    from miles.engine.launcher import BackgroundLoop
+    from miles.engine.server import EngineServer
+    from miles.ray.engines import post_to_engines
+
+    def out_of_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    loop = BackgroundLoop()
+    server = EngineServer(local_runner.server_args, runner=local_runner)
+    url = loop.run(server.start())
+    try:
+        post_to_engines([url], "/release_memory_occupation", "/logs")
+        monkeypatch.setattr(local_runner, "resume_memory", out_of_memory)
+        with pytest.raises(RuntimeError) as err:
+            post_to_engines([url], "/resume_memory_occupation", "/logs")
+        assert str(err.value) == (f"engine {url} answered 500 to POST /resume_memory_occupation: resuming the "
+                                  "engine's memory failed: OutOfMemoryError: CUDA out of memory. Tried to allocate "
+                                  "2.00 GiB; its log is in /logs/")
+        assert server.memory_released  # the flag still says what the memory is
+        monkeypatch.undo()
+        post_to_engines([url], "/resume_memory_occupation", "/logs")
+        assert not server.memory_released
+    finally:
+        loop.run(server.stop())
+        loop.close()
