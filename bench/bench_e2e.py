@@ -153,6 +153,11 @@ def forward_tflop_per_sequence(opts, checkpoint: str) -> float:
     return counter.get_total_flops() / 1e12
 
 
+def floor_inputs(opts, checkpoint: str) -> tuple[float, float]:
+    """(TFLOP of one forward of one sequence, the measured dense peak in TFLOP/s)."""
+    return forward_tflop_per_sequence(opts, checkpoint), measured_peak_tflops(opts.device)
+
+
 def iteration_floor(opts, lora: bool, tflop: float, peak: float) -> dict:
     """Seconds of an iteration at the peak: the rollout's forwards, the trainer's forward and backward (LoRA: the
     input gradients only, ≈ 2 forwards; full: the weight gradients too, ≈ 3 forwards). VAE decode left out."""
@@ -358,6 +363,18 @@ def print_table(title: str, rows: dict[str, dict], floor: dict | None = None) ->
     sys.stdout.flush()
 
 
+def in_child_process(fn, *args):
+    """`fn(*args)` in a fresh process, which gives all its device memory back when it ends: a plain loop (or the
+    floor's model) measured in this process left memory held here, and the framework's launch after it ran with
+    75 allocator retries per step, 24.4 s per iteration against 20.7 s alone (bench/RESULTS.md)."""
+    import concurrent.futures
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")  # a forked child would share this process's CUDA state
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(fn, *args).result()
+
+
 def measure_setup(opts, checkpoint: str, prompt_file: str, lora: bool, workdir: str) -> dict[str, dict]:
     """One table's rows: the plain loop (unless --skip-plain), then each --miles-modes mode."""
     prompts = [f"a photo of object number {i} on a table" for i in range(opts.prompts)]
@@ -366,12 +383,8 @@ def measure_setup(opts, checkpoint: str, prompt_file: str, lora: bool, workdir: 
     for mode in [] if opts.skip_plain else list(filter(None, opts.plain_modes.split(","))):
         if mode == "fused" and not lora:
             continue  # per-sample adapter copies: LoRA only
-        rows[f"plain {mode}"] = plain_loop.run(opts, checkpoint, prompts, lora, mode)
+        rows[f"plain {mode}"] = in_child_process(plain_loop.run, opts, checkpoint, prompts, lora, mode)
         record_row(opts, lora, f"plain {mode}", rows[f"plain {mode}"])
-        gc.collect()  # the loop's last graph and closures are gone only now: give their memory back
-        if opts.device == "cuda":
-            torch.cuda.empty_cache()
-        torch._dynamo.reset()  # the next loop compiles its own graphs
     for mode in filter(None, opts.miles_modes.split(",")):  # --miles-modes '': the plain loop alone
         if split_mode(mode)[0].endswith(ROLLOUT_GRADIENT) and not lora:
             continue  # per-sample adapter copies: LoRA only
@@ -479,7 +492,7 @@ def main() -> None:
           f"micro-batch {opts.micro_batch_size}, {opts.iterations} iterations", flush=True)
     tflop = peak = None
     if not opts.skip_floor:
-        tflop, peak = forward_tflop_per_sequence(opts, checkpoint), measured_peak_tflops(opts.device)
+        tflop, peak = in_child_process(floor_inputs, opts, checkpoint)
         print(f"floor: one DiT forward of one sequence is {tflop:.4g} TFLOP; measured dense peak {peak:.1f} TFLOP/s "
               f"({'bf16' if opts.device == 'cuda' else 'fp32'} matmul)", flush=True)
     for setup in opts.setups.split(","):

@@ -1,6 +1,7 @@
 """bench/bench_e2e.py's --miles-modes entries: a mode, then flags of its own (a variant measured beside it)."""
 
 import argparse
+import os
 
 import pytest
 
@@ -26,3 +27,8 @@ def test_a_mode_variant_adds_its_flags_after_the_modes_own(bench_e2e):
 def test_a_variant_flag_without_dashes_is_refused(bench_e2e):
     with pytest.raises(SystemExit, match="expected --FLAG"):
         bench_e2e.split_mode("compiled:sglang-attention-backend=x")
+
+
+def test_a_plain_loop_runs_in_a_process_of_its_own(bench_e2e):
+    """Its device memory is given back when it ends, before the framework's launch measured after it."""
+    assert bench_e2e.in_child_process(os.getpid) != os.getpid()
