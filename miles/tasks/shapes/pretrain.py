@@ -25,6 +25,8 @@ unless `--threads`; GPU kernels and `--max-seconds` are not repeatable bit for b
    how much it learns (held-out scores per step count in docs/shapes.md).
 
 The pipeline is saved with `save_pretrained` (safetensors) into `--out`, the layout of a real SD3 checkpoint.
+A SIGTERM while the denoiser trains (a `timeout`, the end of a scheduler's job) stops it after its step and saves
+what it learned so far, with a warning in the log: a GPU call that ran out of time lost its whole pretraining.
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ import contextlib
 import dataclasses
 import logging
 import math
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
@@ -184,48 +189,69 @@ def train_denoiser(pipe, latents: torch.Tensor, prompts: list[str], schedule: De
     shift = float(pipe.scheduler.config.shift)
     transformer.train()
     start = time.monotonic()
-    for step in range(schedule.steps):
-        progress = schedule.progress(step, time.monotonic() - start)
-        if progress >= 1.0:
-            logger.info("denoiser stopped at step %d: --max-seconds reached", step)
-            break
-        for group in optimizer.param_groups:
-            group["lr"] = schedule.rate(progress)
-        rows = torch.randint(len(latents), (batch_size,), generator=generator)
-        dropped = torch.rand(batch_size, generator=generator) < CONDITION_DROPOUT
-        texts = ["" if drop else prompts[row] for row, drop in zip(rows.tolist(), dropped.tolist())]
-        if train_text:
-            encoded = encode_prompts(pipe, texts)
-        embeds = torch.stack([encoded[text][0] for text in texts])
-        pooled = torch.stack([encoded[text][1] for text in texts])
-        x0 = latents[rows]
-        noise = torch.randn(x0.shape, generator=generator)
-        sigma = shifted_sigmas(torch.rand(batch_size, generator=generator), shift)
-        noisy = (1 - sigma[:, None, None, None]) * x0 + sigma[:, None, None, None] * noise
-        device = transformer.device
-        velocity = transformer(hidden_states=noisy.to(device), timestep=(1000 * sigma).to(device),
-                               encoder_hidden_states=embeds.to(device), pooled_projections=pooled.to(device),
-                               return_dict=False)[0]
-        loss = (velocity - (noise - x0).to(device)).pow(2).mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        decay = min(EMA_DECAY, (1 + step) / (10 + step))
-        with torch.no_grad():
-            torch._foreach_lerp_(average, [p.detach() for p in params], 1 - decay)
-        if snapshot is not None and step + 1 in snapshot_steps:
-            with swapped_in(params, average):
-                snapshot(step + 1)
-        if step % 50 == 0 or step == schedule.steps - 1:
-            logger.info("denoiser step %d/%d: loss %.4f, lr %.2e", step + 1, schedule.steps, loss.item(),
-                        optimizer.param_groups[0]["lr"])
+    with stop_on_sigterm() as stop:
+        for step in range(schedule.steps):
+            progress = schedule.progress(step, time.monotonic() - start)
+            if progress >= 1.0:
+                logger.info("denoiser stopped at step %d: --max-seconds reached", step)
+                break
+            if stop.is_set():
+                logger.warning("denoiser stopped at step %d by SIGTERM: the weights so far are saved (a shorter "
+                               "schedule than asked for)", step)
+                break
+            for group in optimizer.param_groups:
+                group["lr"] = schedule.rate(progress)
+            rows = torch.randint(len(latents), (batch_size,), generator=generator)
+            dropped = torch.rand(batch_size, generator=generator) < CONDITION_DROPOUT
+            texts = ["" if drop else prompts[row] for row, drop in zip(rows.tolist(), dropped.tolist())]
+            if train_text:
+                encoded = encode_prompts(pipe, texts)
+            embeds = torch.stack([encoded[text][0] for text in texts])
+            pooled = torch.stack([encoded[text][1] for text in texts])
+            x0 = latents[rows]
+            noise = torch.randn(x0.shape, generator=generator)
+            sigma = shifted_sigmas(torch.rand(batch_size, generator=generator), shift)
+            noisy = (1 - sigma[:, None, None, None]) * x0 + sigma[:, None, None, None] * noise
+            device = transformer.device
+            velocity = transformer(hidden_states=noisy.to(device), timestep=(1000 * sigma).to(device),
+                                   encoder_hidden_states=embeds.to(device), pooled_projections=pooled.to(device),
+                                   return_dict=False)[0]
+            loss = (velocity - (noise - x0).to(device)).pow(2).mean()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            decay = min(EMA_DECAY, (1 + step) / (10 + step))
+            with torch.no_grad():
+                torch._foreach_lerp_(average, [p.detach() for p in params], 1 - decay)
+            if snapshot is not None and step + 1 in snapshot_steps:
+                with swapped_in(params, average):
+                    snapshot(step + 1)
+            if step % 50 == 0 or step == schedule.steps - 1:
+                logger.info("denoiser step %d/%d: loss %.4f, lr %.2e", step + 1, schedule.steps, loss.item(),
+                            optimizer.param_groups[0]["lr"])
     with torch.no_grad():
         for param, value in zip(params, average):
             param.copy_(value)
     for module in modules:
         module.requires_grad_(False)
     transformer.eval()
+
+
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[threading.Event]:
+    """Inside, SIGTERM (a caller's `timeout`, a scheduler's end of job) sets the event instead of ending the
+    process, so the denoiser stops after its step and what it learned is saved. Only the main thread can take
+    the signal; elsewhere the event never sets."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager

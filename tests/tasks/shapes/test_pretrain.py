@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import torch
 from safetensors.torch import load_file
 
 from miles.tasks.shapes import PRETRAINED_SD3
 from miles.tasks.shapes.evaluate import load_pipeline
-from miles.tasks.shapes.model import (LARGE, TEXT_LENGTH, WIDE, build_clip_tokenizer, build_t5_tokenizer,
+from miles.tasks.shapes.model import (LARGE, SMALL, TEXT_LENGTH, WIDE, build_clip_tokenizer, build_t5_tokenizer,
                                       build_untrained_pipeline, prompt_words)
-from miles.tasks.shapes.pretrain import DenoiserSchedule, pretrain, render_dataset, vae_roundtrip_score
+from miles.tasks.shapes.pretrain import (DenoiserSchedule, encode_latents, pretrain, render_dataset, train_denoiser,
+                                        vae_roundtrip_score)
 from miles.tasks.shapes.score import score_scene
 from miles.tasks.shapes.spec import split_scenes
 
@@ -101,3 +103,22 @@ def test_the_shipped_vae_reconstructs_renders_the_scorer_accepts_and_a_random_on
     _, pipe = load_pipeline(PRETRAINED_SD3)
     assert vae_roundtrip_score(pipe.vae, WIDE.image_size, count=32) >= 0.95
     assert vae_roundtrip_score(build_untrained_pipeline(WIDE).vae, WIDE.image_size, count=32) <= 0.1
+
+
+def test_a_sigterm_while_the_denoiser_trains_stops_it_with_what_it_learned():
+    """A caller's timeout ends the denoiser after its step, which then hands back the EMA weights so far (that
+    `pretrain` saves): bit for bit what a run of that many steps gives. The handler is gone afterwards."""
+    pixels, prompts = render_dataset(SMALL.image_size, 1, seed=0, stray_fraction=0.0)
+
+    def trained(steps: int, snapshot=None) -> dict[str, torch.Tensor]:
+        pipe = build_untrained_pipeline(SMALL, seed=0)
+        latents = encode_latents(pipe.vae, pixels)
+        train_denoiser(pipe, latents, prompts, DenoiserSchedule(steps=steps), batch_size=4,
+                       generator=torch.Generator().manual_seed(0), snapshot=snapshot, snapshot_steps=(2,))
+        return {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
+
+    handler = signal.getsignal(signal.SIGTERM)
+    cut = trained(50, snapshot=lambda step: os.kill(os.getpid(), signal.SIGTERM))  # after its second step
+    whole = trained(2)
+    assert cut.keys() == whole.keys() and all(torch.equal(cut[k], whole[k]) for k in cut)
+    assert signal.getsignal(signal.SIGTERM) is handler
