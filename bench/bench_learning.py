@@ -6,6 +6,8 @@
         --max-rollouts 60 --eval-interval 2 --eval-samples 4 --max-seconds 100 \
         --window 2 --window-range 0,8                                           # bench/RESULTS.md's GPU table
     python bench/bench_learning.py --device cuda --size large --checkpoint DIR ...  # 128 px, pretrained if missing
+    timeout 575 python bench/bench_learning.py --device cuda --size large --checkpoint DIR --pretrain-only
+        # the 128 px base alone (≈ 535 s on an H100): a call of its own, then the methods in the next
     python bench/bench_learning.py --device cuda --diagnose-start     # the base's score by eval path, then exit
 
 Methods, each from the same pretrained base with the same batch (P prompts × G samples per rollout):
@@ -88,6 +90,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--max-seconds", type=float, default=None, help="stop a method after this much wall time")
     parser.add_argument("--rows-jsonl", default=None)
+    parser.add_argument("--pretrain-only", action="store_true",
+                        help="pretrain the --size large base into --checkpoint (unless there) and exit")
     parser.add_argument("--diagnose-start", action="store_true",
                         help="score the base along every eval path (dtype, noise device, one process or the "
                         "framework) and exit")
@@ -111,8 +115,16 @@ def ensure_checkpoint(opts) -> str:
     path = opts.checkpoint or os.path.join(tempfile.gettempdir(), "shapes-large")
     if not os.path.exists(os.path.join(path, "model_index.json")):
         print(f"pretraining the {opts.size} model into {path}", flush=True)
-        subprocess.run([sys.executable, "-m", "miles.tasks.shapes.pretrain", "--out", path, *LARGE_PRETRAIN,
-                        "--device", opts.device], check=True, cwd=REPO_ROOT)
+        command = [sys.executable, "-m", "miles.tasks.shapes.pretrain", "--out", path, *LARGE_PRETRAIN,
+                   "--device", opts.device]
+        # a `timeout` signals the whole process group: the pretraining saves what its denoiser learned on SIGTERM
+        # (pretrain.py), so this process waits for that save instead of ending before it (a handler, not SIG_IGN,
+        # which the child would inherit)
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        try:
+            subprocess.run(command, check=True, cwd=REPO_ROOT)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     return path
 
 
@@ -356,6 +368,9 @@ def main() -> None:
     from miles.tasks.shapes.data import write_prompt_files
 
     checkpoint = ensure_checkpoint(opts)
+    if opts.pretrain_only:
+        print(f"the base is in {checkpoint}")
+        return
     data = tempfile.mkdtemp(prefix="bench-learning-data-")
     write_prompt_files(data)
     if opts.diagnose_start:
