@@ -81,6 +81,7 @@ def bench_args(opts, checkpoint: str):
         lr=1e-5,
         seed=0,
         fsdp_torch_compile=opts.compile,
+        fsdp_blocks_per_unit=getattr(opts, "fsdp_blocks_per_unit", 1),
         **(dict(use_lora=True, lora_rank=32, lora_alpha=64) if opts.lora else {}),
         **extra,
     )
@@ -193,7 +194,8 @@ def run_miles(rank: int, opts) -> dict:
         trainer.train(opts.warmup + rollout_id, samples)
         synchronize(device)
         seconds += (time.perf_counter() - started) / opts.steps
-    result = {"pairs_per_s": opts.pairs / seconds, "flops_per_pair": trainer.flops_per_pair, "seconds": seconds}
+    result = {"pairs_per_s": opts.pairs / seconds, "flops_per_pair": trainer.flops_per_pair, "seconds": seconds,
+              "peak_gib": torch.cuda.max_memory_reserved() / 2**30 if device == "cuda" else None}
     if opts.profile and rank == 0:  # one more step, under the trainer's own profiler (miles/utils/profiling.py)
         profiled = opts.warmup + opts.steps
         with tempfile.TemporaryDirectory() as directory:
@@ -292,6 +294,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print a profiler table of one miles step")
     parser.add_argument("--checkpoint", help="with --arch: load this pipeline folder (make_tiny --real-size) through "
                         "from_pretrained, as train_diffusion.py does, instead of building random weights in place")
+    parser.add_argument("--blocks-per-unit", default="1",
+                        help="comma list: a miles row per --fsdp-blocks-per-unit value (blocks sharded as one unit)")
     parser.add_argument("--offload-cycle", action="store_true",
                         help="miles side: offload to the host and onload before each timed step (colocated turns)")
     opts = parser.parse_args()
@@ -308,20 +312,26 @@ def main() -> None:
     if not opts.skip_naive:
         rows.append(("naive diffusers (1 proc, eager, CFG as 2 forwards)", 1, spawn_ranks(1, run_naive, (opts,), backend)[0]))
     label = "miles FSDP2 (CFG batched" + (", compiled blocks)" if opts.compile else ")")
-    rows.append((label, 1, spawn_ranks(1, run_miles, (opts,), backend)[0]))
+    for per_unit in [int(value) for value in opts.blocks_per_unit.split(",")]:
+        variant = argparse.Namespace(**{**vars(opts), "fsdp_blocks_per_unit": per_unit})
+        name = label if per_unit == 1 else f"{label[:-1]}, {per_unit} blocks per unit)"
+        rows.append((name, 1, spawn_ranks(1, run_miles, (variant,), backend)[0]))
     if opts.nproc > 1:
         rows.append((label, opts.nproc, spawn_ranks(opts.nproc, run_miles, (opts,), backend)[0]))
     peak = peak_flops("cuda" if gpu else "cpu")
     flops_per_pair = next((r["flops_per_pair"] for _, _, r in rows if r["flops_per_pair"]), None)
     if flops_per_pair is None and opts.arch:
         flops_per_pair = ARCH_SHAPES[opts.arch]["flops_per_pair"]
-    print(f"\n{'setup':58s} {'ranks':>5s} {'pairs/s':>9s} {'s/step':>8s} {'TFLOP/s/GPU':>12s} {'MFU':>7s} {'vs naive':>9s}")
+    print(f"\n{'setup':58s} {'ranks':>5s} {'pairs/s':>9s} {'s/step':>8s} {'TFLOP/s/GPU':>12s} {'MFU':>7s} {'vs naive':>9s}"
+          f" {'peak GiB':>9s}")
     base = rows[0][2]["pairs_per_s"] if not opts.skip_naive else None
     for name, ranks, result in rows:
         tflops = flops_per_pair * result["pairs_per_s"] / ranks / 1e12 if flops_per_pair else float("nan")
         mfu = f"{100 * tflops * 1e12 / peak:6.1f}%" if peak and flops_per_pair else "    n/a"
         ratio = f"{result['pairs_per_s'] / base:8.2f}x" if base else "      -"
-        print(f"{name:58s} {ranks:5d} {result['pairs_per_s']:9.2f} {result['seconds']:8.3f} {tflops:12.2f} {mfu} {ratio}")
+        peak_gib = f"{result['peak_gib']:9.1f}" if result.get("peak_gib") else "        -"
+        print(f"{name:58s} {ranks:5d} {result['pairs_per_s']:9.2f} {result['seconds']:8.3f} {tflops:12.2f} {mfu} {ratio}"
+              f" {peak_gib}")
     for name, ranks, result in rows:
         if result.get("profile"):
             print(f"\nprofile of one step: {name}, {ranks} rank(s)\n{result['profile']}")

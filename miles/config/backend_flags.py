@@ -105,6 +105,14 @@ class FSDPArgs:
                       "an H200 at SD3.5-Medium scale; the first step pays the compilation).", BACKEND,
                       extension=True),
     )
+    fsdp_blocks_per_unit: int = field(
+        default=1,
+        metadata=_opt("Consecutive transformer blocks sharded as one FSDP unit: one weight gather and one gradient "
+                      "reduction per group and micro-batch instead of per block (less host work per step; the "
+                      "group's weights and gradients are unsharded together). The blocks' gradients are bit for "
+                      "bit the same; the embeddings every block reads sum their gradient in another order.",
+                      BACKEND, ge=1, extension=True),
+    )
     deterministic_mode: bool = field(
         default=False, metadata=_opt("Deterministic algorithms and fixed reduction order (slower).", BACKEND)
     )

@@ -209,6 +209,7 @@ class TrainerConfig:
     fsdp_flow_shift: float | None
     gradient_checkpointing: bool
     fsdp_torch_compile: bool
+    fsdp_blocks_per_unit: int
     deterministic_mode: bool
     train_env_vars: dict[str, str]
     seed: int

@@ -369,3 +369,30 @@ def test_lora_base_is_held_whole_in_the_forward_dtype_and_trains_identically(tin
     assert all(torch.equal(grad, expected[name]) for name, grad in grads(held_whole).items())
     assert any(grad.abs().sum() > 0 for grad in expected.values())
 
+
+
+@pytest.mark.parametrize("forward_dtype", ["fp32", "bf16"])
+def test_blocks_sharded_in_groups_take_the_same_gradients(tiny, forward_dtype):
+    """--fsdp-blocks-per-unit 2: fewer FSDP units, each block's gradient bit for bit the same. The embeddings
+    every block reads (the root's timestep and text embedders) sum their blocks' contributions in another order
+    (FSDP's autograd nodes around each unit's inputs differ), so theirs agree to rounding only."""
+    from torch.distributed.fsdp import FSDPModule
+
+    runs = {}
+    for per_unit in (1, 2):
+        trainer = make_trainer(tiny, fsdp_blocks_per_unit=per_unit, use_lora=False, micro_batch_size=2, lr=0.0,
+                               clip_grad=0.0, diffusion_forward_dtype=forward_dtype)
+        loss = trainer.train(0, tiny[3])["train/loss"]
+        units = {id(unit._get_fsdp_state()) for module in trainer.model.values() for unit in module.modules()
+                 if isinstance(unit, FSDPModule)}
+        runs[per_unit] = loss, grads(trainer), len(units)
+    (loss, reference, units), (grouped_loss, got, grouped_units) = runs[1], runs[2]
+    assert grouped_loss == loss and grouped_units < units
+    assert max(float(g.abs().max()) for g in reference.values()) > 0
+    for name in reference:
+        if ".transformer_blocks." in name:
+            assert torch.equal(got[name], reference[name]), name
+        else:  # summed in the forward dtype: rounding at its precision, relative to the gradient's scale
+            scale = float(reference[name].abs().max())
+            torch.testing.assert_close(got[name], reference[name], rtol=0,
+                                       atol=(2**-5 if forward_dtype == "bf16" else 1e-6) * scale)

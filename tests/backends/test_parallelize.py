@@ -6,7 +6,7 @@ from torch import nn
 
 from miles.backends.fsdp_utils.parallel_dims import ParallelDims
 from miles.backends.fsdp_utils.parallelize import (
-    base_load_dtype, base_stays_on_host, frozen_params_kept_whole, set_aside,
+    base_load_dtype, base_stays_on_host, block_groups, frozen_params_kept_whole, set_aside,
 )
 
 
@@ -113,3 +113,11 @@ def test_one_rank_lora_is_one_unit_and_a_full_fine_tune_a_unit_per_block(tiny_ch
     assert root and blocks and not any(blocks)
     root, blocks = _units(False, tiny_checkpoint)
     assert root and blocks and all(blocks)
+
+
+def test_blocks_are_grouped_in_runs_within_each_list():
+    single, dual = [nn.Linear(1, 1) for _ in range(5)], [nn.Linear(1, 1) for _ in range(2)]
+    groups = block_groups([single, dual], 2)
+    assert [len(group) for group in groups] == [2, 2, 1, 2]
+    assert groups[0] == single[:2] and groups[3] == dual
+    assert block_groups([single], 1) == [[block] for block in single]

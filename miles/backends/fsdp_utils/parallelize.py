@@ -231,6 +231,13 @@ def set_aside(module: nn.Module, params: list[nn.Parameter]):
             owner._parameters[name] = param
 
 
+def block_groups(blocks: list, per_unit: int) -> list[list[nn.Module]]:
+    """Each block list cut into runs of `per_unit` consecutive blocks (the last may be shorter): one FSDP unit
+    each (`--fsdp-blocks-per-unit`). A run never spans two lists (a dual-stream family's lists run apart)."""
+    return [list(block_list[start:start + per_unit])
+            for block_list in blocks for start in range(0, len(block_list), per_unit)]
+
+
 def parallelize_module(
     module: nn.Module, family, trainer: TrainerConfig, dims: ParallelDims, mesh, name: str, device,
     opaque_kernels: bool = False,
@@ -290,9 +297,8 @@ def parallelize_module(
     # host-bound there (bench/RESULTS.md). The root unit alone manages the adapters then.
     unit_per_block = not (kept_whole and trainer.use_lora)
     if unit_per_block:
-        for block_list in blocks:
-            for block in block_list:
-                fully_shard(block, **fsdp_kwargs)
+        for group in block_groups(blocks, trainer.fsdp_blocks_per_unit):
+            fully_shard(group if len(group) > 1 else group[0], **fsdp_kwargs)
     fully_shard(module, **fsdp_kwargs)
     if dims.sp_enabled:
         set_sequence_parallel_gradient_reduction(module, dims, torch.device(device).type)
@@ -300,6 +306,7 @@ def parallelize_module(
         "sharded %s: %d block lists, param %s / master %s / reduce %s, cpu offload %s, mesh %s, "
         "%d frozen parameters held whole in %s, %s",
         name, len(blocks), forward_dtype, master_dtype, reduce_dtype, offload, dims, len(kept_whole), forward_dtype,
-        "a unit per block" if unit_per_block else "the root as the one unit",
+        ("a unit per block" if trainer.fsdp_blocks_per_unit == 1 else f"a unit per {trainer.fsdp_blocks_per_unit} "
+         "blocks") if unit_per_block else "the root as the one unit",
     )
     return module
