@@ -23,6 +23,13 @@ class PinnedBuffers:
         self.pin = pin
         self._buffers: dict[Hashable, torch.Tensor] = {}
 
+    def reserve(self, key: Hashable, shape: torch.Size, dtype: torch.dtype) -> None:
+        """Allocate the buffer of `key` ahead of its first `to_host`, so that the slow pinning can run where nothing
+        waits for it."""
+        host = self._buffers.get(key)
+        if host is None or host.shape != shape or host.dtype != dtype:
+            self._buffers[key] = torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+
     def to_host(self, key: Hashable, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` copied into the buffer of `key`, asynchronously (in stream order: work queued after the copy
         may reuse `tensor`'s memory, and a copy back queued later reads the landed values)."""

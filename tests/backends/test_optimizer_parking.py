@@ -70,6 +70,24 @@ def test_parking_is_decided_once_from_the_first_step_and_parks_only_the_shortfal
     assert resumed.decided and not resumed.enabled and resumed.next_peak_extra == 0
 
 
+def test_the_chosen_moments_buffers_are_allocated_ahead_and_the_parking_uses_them():
+    """The buffers come from a background thread when the moments are chosen (pinning is slow on a GPU); the
+    parking waits for it and copies into those very buffers."""
+    optimizer = _stepped_linear()
+    held = optimizer_state_bytes(optimizer, "cpu")
+    parking = OptimizerParking(optimizer, torch.device("cpu"), margin_bytes=1 << 20)
+    parking.decide(RoomAtStart(free=10 << 20, reserved=0), first_peak=(10 << 20) - held - (1 << 20) + 20000,
+                   state_bytes=held)
+    parking._wait_for_buffers()
+    ahead = dict(parking._host._buffers)
+    assert set(ahead) == parking.chosen == {(0, "exp_avg"), (0, "exp_avg_sq")}
+    assert all(ahead[key].shape == (64, 64) for key in ahead)
+    state = optimizer.state[optimizer.param_groups[0]["params"][0]]
+    for name in ("exp_avg", "exp_avg_sq"):  # what `park` does on a GPU (a CPU run's moments stay where they are)
+        assert parking._host.to_host((0, name), state[name]) is ahead[(0, name)]
+        assert torch.equal(ahead[(0, name)], state[name])
+
+
 def _steps(shortfall: int | None) -> tuple[torch.Tensor, int]:
     """Four fused AdamW steps of a linear layer, parking `shortfall` bytes of moments from the second (None:
     none), with an offload and onload of the state (a colocation turn) between the third and the fourth."""

@@ -10,15 +10,18 @@ carries them, just fits in one process.
 After its first training the trainer projects its next peak (the first one plus the moments). Where that would
 leave less than `--colocate-memory-margin-gb` of what it could use when the first training began, it parks the
 largest moments, just enough of them to leave the margin, in host memory through each window's forwards and
-backwards, and brings them back for the optimizer step. Each parked moment has one pinned host buffer, allocated at
-its first parking and reused (miles/utils/pinned.py); both copies then run at PCIe speed (0.3 s each way for
-15 GiB on an H100). Between trainings the moments stay on the GPU, so checkpoints, exports and the colocation turns
+backwards, and brings them back for the optimizer step. Each parked moment has one pinned host buffer, allocated
+once and reused (miles/utils/pinned.py); both copies then run at PCIe speed (0.3 s each way for 15 GiB on an
+H100). Pinning runs at ≈ 2 GB/s, so the buffers are allocated by a background thread as soon as the moments are
+chosen, while the run syncs weights and rolls out, instead of in the next training's first parking (its 7 GiB
+added ≈ 4.7 s to the first training that parked, bench/RESULTS.md, twenty-fourth session). Between trainings the moments stay on the GPU, so checkpoints, exports and the colocation turns
 see them where they always were.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -89,6 +92,7 @@ class OptimizerParking:
         self.chosen: frozenset[tuple[int, str]] = frozenset()  # (param index, state key) of the parked moments
         self.chosen_bytes = 0
         self._host = PinnedBuffers(pin=device.type == "cuda")  # one buffer per parked moment, pinned once
+        self._reserving: threading.Thread | None = None  # pins the chosen moments' buffers ahead of their parking
 
     @property
     def enabled(self) -> bool:
@@ -150,6 +154,27 @@ class OptimizerParking:
         logger.info("trainer: %s: %.1f GiB of the optimizer state (%d of its %d tensors) waits on the host through "
                     "each window's forwards and backwards and comes back for its step",
                     why, self.chosen_bytes / GIB, len(self.chosen), len(sizes))
+        self._reserve_in_background()
+
+    def _reserve_in_background(self) -> None:
+        """Allocate the chosen moments' host buffers on a thread of their own; `park` waits for it."""
+        self._wait_for_buffers()
+        layouts = {key: (_local(value).shape, _local(value).dtype)
+                   for key, _, value in moments(self.optimizer) if key in self.chosen}
+
+        def reserve() -> None:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # a new thread starts on device 0
+            for key, (shape, dtype) in layouts.items():
+                self._host.reserve(key, shape, dtype)
+
+        self._reserving = threading.Thread(target=reserve, name="parking-buffers", daemon=True)
+        self._reserving.start()
+
+    def _wait_for_buffers(self) -> None:
+        if self._reserving is not None:
+            self._reserving.join()  # a failed allocation left its key unreserved: `to_host` allocates it then
+            self._reserving = None
 
     def park(self) -> int:
         """The chosen moments to their host buffers; returns the bytes moved (0 when parking is off).
@@ -160,6 +185,7 @@ class OptimizerParking:
         session)."""
         if not self.enabled:
             return 0
+        self._wait_for_buffers()
         moved = 0
         for key, state, value in moments(self.optimizer):
             local = _local(value)
