@@ -67,6 +67,12 @@ class ServerArgs:
                   "for each sample's gradient, taken this many samples per forward (the trainer's micro-batch; "
                   "0: off; miles/engine/rollout_gradients.py)."},
     )
+    release_buffers_ahead: bool = field(
+        default=False,
+        metadata={"help": "Pin the host buffers that release_memory_occupation copies the weights into right after "
+                  "loading, on a thread of its own (colocated runs on GPUs, whose first iteration always releases; "
+                  "the trainer's start-up overlaps it)."},
+    )
     url_file: str | None = field(default=None, metadata={"help": "Write the bound URL to this file once serving."})
     sde_step_backend_path: str | None = field(
         default=None,
@@ -143,5 +149,5 @@ SET_BY_MILES = frozenset(
 # appended by the engine engineer: the new fields miles sets itself
 SET_BY_MILES = SET_BY_MILES | {
     "model_backend_path", "pipeline_builder_path", "rollout_patch_group", "forward_tile", "url_file",
-    "sde_step_backend_path", "rollout_gradient_tile",
+    "sde_step_backend_path", "rollout_gradient_tile", "release_buffers_ahead",
 }

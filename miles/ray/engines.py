@@ -49,6 +49,7 @@ def build_server_args(config: RunConfig, device: str) -> ServerArgs:
         dtype=config.trainer.diffusion_forward_dtype,
         device=device,
         generator_device=sampling.diffusion_generator_device if device == "cuda" else "cpu",
+        release_buffers_ahead=config.placement.colocate and device == "cuda",
         **config.engine.passthrough,
     )
 

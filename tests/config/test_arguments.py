@@ -713,6 +713,16 @@ def test_rollout_gradient_needs_lora_flow_grpo_with_one_step_per_rollout():
         "--use-lora", "--rollout-gradient-tile", "16")
 
 
+def test_colocated_engines_on_gpus_pin_their_release_buffers_ahead():
+    from miles.config.sections import RunConfig
+    from miles.ray.engines import build_server_args
+
+    def ahead(device, *extra):
+        return build_server_args(RunConfig.from_args(parse(*extra)), device).release_buffers_ahead
+
+    assert ahead("cuda", "--colocate") and not ahead("cpu", "--colocate") and not ahead("cuda")
+
+
 def test_overlapped_rollout_needs_engines_of_their_own_and_engine_log_probs():
     assert parse("--overlap-rollout").overlap_rollout
     assert "--overlap-rollout needs engines of their own" in error("--overlap-rollout", "--colocate")

@@ -441,9 +441,16 @@ def test_a_compiled_engine_on_its_worker_thread_gives_the_eager_bf16_velocities(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("ahead", [False, True])
 def test_a_released_engine_holds_its_weights_in_pinned_memory_and_samples_the_same_after_resuming(sd3_path,
-                                                                                                make_server_args):
-    runner = ModelRunner(make_server_args(sd3_path, device="cuda"))
+                                                                                                make_server_args,
+                                                                                                ahead):
+    """With `release_buffers_ahead` the first release copies into the buffers pinned after loading."""
+    runner = ModelRunner(make_server_args(sd3_path, device="cuda", release_buffers_ahead=ahead))
+    if ahead:
+        runner._pinning.join()
+        reserved = dict(runner._host_copies._buffers)
+        assert reserved and all(buffer.is_pinned() for buffer in reserved.values())
 
     def sample():
         trajectory = runner.start(_request(num_samples=2, seed=5))
@@ -460,6 +467,8 @@ def test_a_released_engine_holds_its_weights_in_pinned_memory_and_samples_the_sa
         assert all(p.device.type == "cuda" for p in runner.pipe.transformer.parameters())
     assert all(torch.equal(p, weights[name]) for name, p in runner.pipe.transformer.named_parameters())
     _assert_same_samples(before, sample(), exact=True)
+    if ahead:
+        assert all(runner._host_copies._buffers[key] is buffer for key, buffer in reserved.items())
 
 
 def test_a_failed_resume_answers_500_with_its_reason_and_the_driver_says_it(local_runner, make_server_args,
