@@ -15,8 +15,8 @@ once and reused (miles/utils/pinned.py); both copies then run at PCIe speed (0.3
 H100). Pinning runs at ≈ 2 GB/s, so the buffers are allocated by a background thread as soon as the moments are
 chosen, while the run syncs weights and rolls out, instead of in the next training's first parking: on an H100
 the first training that parked 7 GiB ran 4.7 s longer than the next, ≈ 3.5 s of it this pinning at that rate
-(bench/RESULTS.md, twenty-fourth session). Between trainings the moments stay on the GPU, so checkpoints, exports and the colocation turns
-see them where they always were.
+(bench/RESULTS.md, twenty-fourth session). Between trainings the moments stay on the GPU, so checkpoints,
+exports and the colocation turns see them where they always were.
 """
 
 from __future__ import annotations
