@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -152,7 +151,6 @@ class ModelRunner:
         self.cfg_parallel: FollowerGroup | None = None  # CFG-parallel: the unconditional branch on rank 1
         self.sequence_parallel: FollowerGroup | None = None  # sequence parallel: every forward on N ranks
         self._host_copies: PinnedBuffers | None = None  # where release_memory puts the weights (pinned once)
-        self._pinning: threading.Thread | None = None  # allocates those ahead (--release-buffers-ahead)
         self._released: list[str] = []  # the tensors it sent there
         family = loaded[0] if loaded is not None else None
         if family is None and server_args.tp_size > 1 and not server_args.pipeline_builder_path:
@@ -211,9 +209,7 @@ class ModelRunner:
             )
         self.weight_version = 0
         if server_args.release_buffers_ahead and self.device.type == "cuda":
-            self._pinning = threading.Thread(target=self._reserve_release_buffers, name="release-buffers",
-                                             daemon=True)
-            self._pinning.start()
+            self._reserve_release_buffers()
         self.rollout_gradients = RolloutGradients(self.modules) if server_args.rollout_gradient_tile else None
         self._backends: dict[tuple, SdeStepBackend] = {}
         self.sequence_parallel_layouts: dict[str, SequenceParallelLayout] = {}
@@ -607,18 +603,18 @@ class ModelRunner:
         return {name: value for name, value in components.items() if isinstance(value, nn.Module)}
 
     def _reserve_release_buffers(self) -> None:
-        """The pinned host buffers of every device tensor `release_memory` moves, allocated now (pinning runs at
-        ≈ 2 GB/s: an H100's first release of SD3.5-Medium's engine took 4.1-4.3 s, later ones 0.12 s)."""
-        torch.cuda.set_device(self.device)  # a new thread starts on device 0
-        buffers = PinnedBuffers(pin=True)
+        """Pin the host buffers of every device tensor `release_memory` moves, on a thread of their own, while the
+        trainer starts (an H100's first release of SD3.5-Medium's engine took 4.1-4.3 s pinning them, later
+        ones 0.12 s)."""
+        layouts = {}
 
-        def reserve(name: str, tensor: torch.Tensor) -> None:
+        def record(name: str, tensor: torch.Tensor) -> None:
             if tensor.device.type == "cuda":
-                buffers.reserve(name, tensor.shape, tensor.dtype)
+                layouts[name] = (tensor.shape, tensor.dtype)
 
-        replace_module_tensors(nn.ModuleDict(self.pipeline_modules()), reserve)
-        self._host_copies = buffers
-        logger.info("engine: %.1f GiB of pinned host buffers ready for its memory release", buffers.nbytes / 2**30)
+        replace_module_tensors(nn.ModuleDict(self.pipeline_modules()), record)  # the names release_memory uses
+        self._host_copies = PinnedBuffers(pin=True)
+        self._host_copies.reserve_in_background(layouts, self.device)
 
     def release_memory(self) -> None:
         """Every component's tensors on the device to pinned host buffers, and the cached device memory returned
@@ -629,9 +625,6 @@ class ModelRunner:
             return
         if self._followers is not None:
             self._followers.release_memory()
-        if self._pinning is not None:
-            self._pinning.join()  # its buffers (a failure left none: they are allocated below, as without it)
-            self._pinning = None
         if self._host_copies is None:
             self._host_copies = PinnedBuffers(pin=True)
         self._released = []

@@ -2,13 +2,15 @@
 
 A copy between the GPU and pageable host memory runs at a few GB/s (the driver stages it through a pinned bounce
 buffer); into pinned memory it runs at the link's speed, 54.5 GB/s on an H100 (bench/bench_optimizer_parking.py).
-Pinning itself is slow, ≈ 2 GB/s, so each buffer is allocated at its tensor's first parking and reused by every
-later one: the trainer's parked optimizer moments (miles/backends/fsdp_utils/optimizer_parking.py) and a colocated
-engine's weights while the trainer trains (miles/engine/model_runner.py).
+Pinning itself is slow, ≈ 2 GB/s, so each buffer is allocated once and reused by every later parking, and
+`reserve_in_background` can allocate them where nothing waits (seconds for a model's weights): the trainer's parked
+optimizer moments (miles/backends/fsdp_utils/optimizer_parking.py) and a colocated engine's weights while the trainer
+trains (miles/engine/model_runner.py).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Hashable
 
 import torch
@@ -22,25 +24,46 @@ class PinnedBuffers:
     def __init__(self, pin: bool):
         self.pin = pin
         self._buffers: dict[Hashable, torch.Tensor] = {}
+        self._reserving: threading.Thread | None = None
 
-    def reserve(self, key: Hashable, shape: torch.Size, dtype: torch.dtype) -> None:
-        """Allocate the buffer of `key` ahead of its first `to_host`, so that the slow pinning can run where nothing
-        waits for it."""
+    def reserve(self, key: Hashable, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """The buffer of `key` for a tensor of `shape` and `dtype`, allocated unless it is there."""
         host = self._buffers.get(key)
         if host is None or host.shape != shape or host.dtype != dtype:
-            self._buffers[key] = torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+            host = self._buffers[key] = torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+        return host
+
+    def reserve_in_background(self, layouts: dict[Hashable, tuple[torch.Size, torch.dtype]],
+                              device: torch.device) -> None:
+        """`reserve` every (shape, dtype) of `layouts` on a thread of its own; every later call waits for it."""
+        self.wait()
+
+        def reserve_all() -> None:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # a new thread starts on device 0
+            for key, (shape, dtype) in layouts.items():
+                self.reserve(key, shape, dtype)
+
+        self._reserving = threading.Thread(target=reserve_all, name="pinned-buffers", daemon=True)
+        self._reserving.start()
+
+    def wait(self) -> None:
+        """Until `reserve_in_background` is done (a failed allocation leaves its key to `to_host`)."""
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
 
     def to_host(self, key: Hashable, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` copied into the buffer of `key`, asynchronously (in stream order: work queued after the copy
         may reuse `tensor`'s memory, and a copy back queued later reads the landed values)."""
-        host = self._buffers.get(key)
-        if host is None or host.shape != tensor.shape or host.dtype != tensor.dtype:
-            host = self._buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pin)
+        self.wait()
+        host = self.reserve(key, tensor.shape, tensor.dtype)
         host.copy_(tensor, non_blocking=True)
         return host
 
     @property
     def nbytes(self) -> int:
+        self.wait()
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 

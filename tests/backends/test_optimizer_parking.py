@@ -78,7 +78,7 @@ def test_the_chosen_moments_buffers_are_allocated_ahead_and_the_parking_uses_the
     parking = OptimizerParking(optimizer, torch.device("cpu"), margin_bytes=1 << 20)
     parking.decide(RoomAtStart(free=10 << 20, reserved=0), first_peak=(10 << 20) - held - (1 << 20) + 20000,
                    state_bytes=held)
-    parking._wait_for_buffers()
+    parking._host.wait()
     ahead = dict(parking._host._buffers)
     assert set(ahead) == parking.chosen == {(0, "exp_avg"), (0, "exp_avg_sq")}
     assert all(ahead[key].shape == (64, 64) for key in ahead)

@@ -448,7 +448,7 @@ def test_a_released_engine_holds_its_weights_in_pinned_memory_and_samples_the_sa
     """With `release_buffers_ahead` the first release copies into the buffers pinned after loading."""
     runner = ModelRunner(make_server_args(sd3_path, device="cuda", release_buffers_ahead=ahead))
     if ahead:
-        runner._pinning.join()
+        runner._host_copies.wait()
         reserved = dict(runner._host_copies._buffers)
         assert reserved and all(buffer.is_pinned() for buffer in reserved.values())
 

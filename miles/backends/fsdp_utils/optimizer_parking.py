@@ -22,7 +22,6 @@ exports and the colocation turns see them where they always were.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -93,7 +92,6 @@ class OptimizerParking:
         self.chosen: frozenset[tuple[int, str]] = frozenset()  # (param index, state key) of the parked moments
         self.chosen_bytes = 0
         self._host = PinnedBuffers(pin=device.type == "cuda")  # one buffer per parked moment, pinned once
-        self._reserving: threading.Thread | None = None  # pins the chosen moments' buffers ahead of their parking
 
     @property
     def enabled(self) -> bool:
@@ -155,27 +153,10 @@ class OptimizerParking:
         logger.info("trainer: %s: %.1f GiB of the optimizer state (%d of its %d tensors) waits on the host through "
                     "each window's forwards and backwards and comes back for its step",
                     why, self.chosen_bytes / GIB, len(self.chosen), len(sizes))
-        self._reserve_in_background()
-
-    def _reserve_in_background(self) -> None:
-        """Allocate the chosen moments' host buffers on a thread of their own; `park` waits for it."""
-        self._wait_for_buffers()
-        layouts = {key: (_local(value).shape, _local(value).dtype)
-                   for key, _, value in moments(self.optimizer) if key in self.chosen}
-
-        def reserve() -> None:
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)  # a new thread starts on device 0
-            for key, (shape, dtype) in layouts.items():
-                self._host.reserve(key, shape, dtype)
-
-        self._reserving = threading.Thread(target=reserve, name="parking-buffers", daemon=True)
-        self._reserving.start()
-
-    def _wait_for_buffers(self) -> None:
-        if self._reserving is not None:
-            self._reserving.join()  # a failed allocation left its key unreserved: `to_host` allocates it then
-            self._reserving = None
+        # pinned while the run syncs and rolls out, not in the next training's first parking
+        self._host.reserve_in_background({key: (_local(value).shape, _local(value).dtype)
+                                          for key, _, value in moments(self.optimizer) if key in self.chosen},
+                                         self.device)
 
     def park(self) -> int:
         """The chosen moments to their host buffers; returns the bytes moved (0 when parking is off).
@@ -186,7 +167,6 @@ class OptimizerParking:
         session)."""
         if not self.enabled:
             return 0
-        self._wait_for_buffers()
         moved = 0
         for key, state, value in moments(self.optimizer):
             local = _local(value)
