@@ -25,6 +25,7 @@ class PinnedBuffers:
         self.pin = pin
         self._buffers: dict[Hashable, torch.Tensor] = {}
         self._reserving: threading.Thread | None = None
+        self._reserve_error: BaseException | None = None
 
     def reserve(self, key: Hashable, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """The buffer of `key` for a tensor of `shape` and `dtype`, allocated unless it is there."""
@@ -35,23 +36,34 @@ class PinnedBuffers:
 
     def reserve_in_background(self, layouts: dict[Hashable, tuple[torch.Size, torch.dtype]],
                               device: torch.device) -> None:
-        """`reserve` every (shape, dtype) of `layouts` on a thread of its own; every later call waits for it."""
+        """`reserve` every (shape, dtype) of `layouts` on a thread of its own; every later call waits for it, and
+        `wait` raises what the thread raised."""
         self.wait()
+        if device.type == "cuda" and device.index is None:
+            # a new thread starts on device 0: pinning there would make a context on another rank's GPU
+            device = torch.device("cuda", torch.cuda.current_device())
 
         def reserve_all() -> None:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)  # a new thread starts on device 0
-            for key, (shape, dtype) in layouts.items():
-                self.reserve(key, shape, dtype)
+            try:
+                if device.type == "cuda":
+                    torch.cuda.set_device(device)
+                for key, (shape, dtype) in layouts.items():
+                    self.reserve(key, shape, dtype)
+            except BaseException as error:  # raised again by `wait` in the caller's thread
+                self._reserve_error = error
 
+        self._reserve_error = None
         self._reserving = threading.Thread(target=reserve_all, name="pinned-buffers", daemon=True)
         self._reserving.start()
 
     def wait(self) -> None:
-        """Until `reserve_in_background` is done (a failed allocation leaves its key to `to_host`)."""
+        """Until `reserve_in_background` is done; raises what it raised (as `reserve` in this thread would have)."""
         if self._reserving is not None:
             self._reserving.join()
             self._reserving = None
+        error, self._reserve_error = self._reserve_error, None
+        if error is not None:
+            raise RuntimeError(f"pinning host buffers in the background failed: {error}") from error
 
     def to_host(self, key: Hashable, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` copied into the buffer of `key`, asynchronously (in stream order: work queued after the copy

@@ -20,6 +20,19 @@ def test_a_key_keeps_its_buffer_while_its_tensor_keeps_its_shape():
     assert buffers.nbytes == 6 * 4 + 5 * 2
 
 
+def test_a_background_reservation_serves_later_copies_and_its_failure_is_raised():
+    buffers = PinnedBuffers(pin=False)
+    buffers.reserve_in_background({"w": (torch.Size([4]), torch.float32)}, torch.device("cpu"))
+    assert buffers.nbytes == 4 * 4  # waits for the thread, which allocated the buffer
+    reserved = buffers.reserve("w", torch.Size([4]), torch.float32)
+    assert buffers.to_host("w", torch.arange(4.0)).data_ptr() == reserved.data_ptr()
+    buffers.reserve_in_background({"bad": (torch.Size([-1]), torch.float32)}, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="pinning host buffers in the background failed"):
+        buffers.wait()
+    buffers.wait()  # raised once: the buffers stay usable
+    assert buffers.nbytes == 4 * 4
+
+
 def test_every_tensor_is_replaced_once_in_place():
     shared = nn.Linear(3, 3)
     model = nn.Sequential(shared, nn.ReLU(), shared)  # one module registered twice: its tensors are seen once
@@ -50,3 +63,7 @@ def test_on_a_gpu_the_buffers_are_pinned_and_reused():
     assert host.is_pinned() and buffers.to_host("x", tensor * 2).data_ptr() == host.data_ptr()
     torch.cuda.synchronize()
     assert torch.equal(host, (tensor * 2).cpu())
+    # a device without an index (as a runner's `cuda`): the thread pins on the caller's device, not on a guess
+    buffers.reserve_in_background({"y": (torch.Size([8]), torch.float32)}, torch.device("cuda"))
+    buffers.wait()
+    assert buffers.to_host("y", torch.ones(8, device="cuda")).is_pinned()
