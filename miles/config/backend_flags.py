@@ -110,7 +110,8 @@ class FSDPArgs:
         metadata=_opt("Consecutive transformer blocks sharded as one FSDP unit: one weight gather and one gradient "
                       "reduction per group and micro-batch instead of per block (less host work per step; the "
                       "group's weights and gradients are unsharded together). The blocks' gradients are bit for "
-                      "bit the same; the embeddings every block reads sum their gradient in another order.",
+                      "bit the same; the embeddings every block reads sum their gradient in another order. "
+                      "Measured slower on one H100 at 2 and 4 (docs/training.md).",
                       BACKEND, ge=1, extension=True),
     )
     deterministic_mode: bool = field(
