@@ -7,7 +7,7 @@
         --window 2 --window-range 0,8                                           # bench/RESULTS.md's GPU table
     python bench/bench_learning.py --device cuda --size large --checkpoint DIR ...  # 128 px, pretrained if missing
     timeout 560 python bench/bench_learning.py --device cuda --size large --checkpoint /tmp/shapes-large \
-        --pretrain-only; python bench/checkpoint_parts.py pack /tmp/shapes-large $OUT --dtype bf16
+        --pretrain-only; python bench/checkpoint_parts.py pack /tmp/shapes-large $OUT --dtype fp16
         # the 128 px base alone (≈ 520 s on an H100): a call of its own; the device forgets it between calls, so
         # it comes back in parts, is unpacked here into .shapes-large and carried to the methods' call
     python bench/bench_learning.py --device cuda --diagnose-start     # the base's score by eval path, then exit

@@ -4,11 +4,13 @@ The GPU machine keeps nothing between calls outside what travels with the workin
 files of at most 16 MiB each. The 128 px `shapes` base of bench_learning.py (≈ 30 MB of fp32 weights) is pretrained
 in one call and used by the methods in the next, so it comes back packed in parts and travels back carried:
 
-    python bench/checkpoint_parts.py pack /tmp/shapes-large $OUT --dtype bf16       # on the GPU machine
+    python bench/checkpoint_parts.py pack /tmp/shapes-large $OUT --dtype fp16       # on the GPU machine
     python bench/checkpoint_parts.py unpack .shapes-large /work/.device/N/shapes-large.tar.gz.part-*   # here
 
-`--dtype bf16` rounds every floating weight to bfloat16 (half the bytes); the loaders cast them back to the dtype a
-run asks for, so the rounded weights are the base every method starts from. Unpacking reads only safetensors and
+`--dtype fp16` rounds every floating weight to float16 (half the bytes); the loaders cast them back to the dtype a
+run asks for, so the rounded weights are the base every method starts from. fp16 keeps 3 more mantissa bits than
+bf16, which matters for these small weights: the shipped 32 px base scores the same held-out 0.320 (dense 0.641)
+from fp16 weights as from its fp32 ones, 0.280 (0.623) from bf16 ones. Unpacking reads only safetensors and
 JSON (tar members that are regular files inside the destination; nothing is unpickled or imported).
 """
 

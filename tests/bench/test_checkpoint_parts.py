@@ -13,17 +13,17 @@ from safetensors.torch import load_file
 from miles.tasks.shapes import PRETRAINED_SD3
 
 
-def test_the_shipped_base_comes_back_from_its_parts_rounded_to_bf16(tmp_path, bench_script):
+def test_the_shipped_base_comes_back_from_its_parts_rounded_to_fp16(tmp_path, bench_script):
     with bench_script("checkpoint_parts") as parts_module:
         pack, unpack = parts_module.pack, parts_module.unpack
-    parts = pack(PRETRAINED_SD3, str(tmp_path / "out"), dtype="bf16", part_bytes=1 << 20)
+    parts = pack(PRETRAINED_SD3, str(tmp_path / "out"), dtype="fp16", part_bytes=1 << 20)
     assert len(parts) > 1 and all(os.path.getsize(part) <= 1 << 20 for part in parts)
     back = unpack(str(tmp_path / "base"), list(reversed(parts)))  # joined in name order whatever the shell gave
     original = load_file(os.path.join(PRETRAINED_SD3, "transformer", "diffusion_pytorch_model.safetensors"))
     restored = load_file(os.path.join(back, "transformer", "diffusion_pytorch_model.safetensors"))
     assert original.keys() == restored.keys()
     for name, value in original.items():
-        assert restored[name].dtype == torch.bfloat16 and torch.equal(restored[name], value.to(torch.bfloat16))
+        assert restored[name].dtype == torch.float16 and torch.equal(restored[name], value.to(torch.float16))
     for folder, _, files in os.walk(PRETRAINED_SD3):
         for name in files:
             if name.endswith(".json"):
