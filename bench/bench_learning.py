@@ -114,7 +114,8 @@ LARGE_PRETRAIN = ["--size", "large", "--images-per-scene", "32", "--render-worke
 def ensure_checkpoint(opts) -> str:
     if opts.checkpoint is None and opts.size == "small":
         return PRETRAINED_SD3
-    path = opts.checkpoint or os.path.join(tempfile.gettempdir(), "shapes-large")
+    # absolute: the same folder for every process of a run, whatever directory it starts in
+    path = os.path.abspath(opts.checkpoint or os.path.join(tempfile.gettempdir(), "shapes-large"))
     if not os.path.exists(os.path.join(path, "model_index.json")):
         print(f"pretraining the {opts.size} model into {path}", flush=True)
         command = [sys.executable, "-m", "miles.tasks.shapes.pretrain", "--out", path, *LARGE_PRETRAIN,
