@@ -150,7 +150,7 @@ class ModelRunner:
         # family is known without loading, so they load while this process does
         self.cfg_parallel: FollowerGroup | None = None  # CFG-parallel: the unconditional branch on rank 1
         self.sequence_parallel: FollowerGroup | None = None  # sequence parallel: every forward on N ranks
-        self._host_copies: PinnedBuffers | None = None  # where release_memory puts the weights (pinned once)
+        self._host_copies = PinnedBuffers(pin=True)  # where release_memory puts the weights (pinned once)
         self._released: list[str] = []  # the tensors it sent there
         family = loaded[0] if loaded is not None else None
         if family is None and server_args.tp_size > 1 and not server_args.pipeline_builder_path:
@@ -613,7 +613,6 @@ class ModelRunner:
                 layouts[name] = (tensor.shape, tensor.dtype)
 
         replace_module_tensors(nn.ModuleDict(self.pipeline_modules()), record)  # the names release_memory uses
-        self._host_copies = PinnedBuffers(pin=True)
         self._host_copies.reserve_in_background(layouts, self.device)
 
     def release_memory(self) -> None:
@@ -625,8 +624,6 @@ class ModelRunner:
             return
         if self._followers is not None:
             self._followers.release_memory()
-        if self._host_copies is None:
-            self._host_copies = PinnedBuffers(pin=True)
         self._released = []
 
         def to_host(name: str, tensor: torch.Tensor) -> torch.Tensor | None:

@@ -52,7 +52,6 @@ class PinnedBuffers:
             except BaseException as error:  # raised again by `wait` in the caller's thread
                 self._reserve_error = error
 
-        self._reserve_error = None
         self._reserving = threading.Thread(target=reserve_all, name="pinned-buffers", daemon=True)
         self._reserving.start()
 

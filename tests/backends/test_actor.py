@@ -370,7 +370,6 @@ def test_lora_base_is_held_whole_in_the_forward_dtype_and_trains_identically(tin
     assert any(grad.abs().sum() > 0 for grad in expected.values())
 
 
-
 @pytest.mark.parametrize("forward_dtype", ["fp32", "bf16"])
 def test_blocks_sharded_in_groups_take_the_same_gradients(tiny, forward_dtype):
     """--fsdp-blocks-per-unit 2: fewer FSDP units, each block's gradient bit for bit the same. The embeddings

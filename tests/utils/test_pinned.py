@@ -63,7 +63,7 @@ def test_on_a_gpu_the_buffers_are_pinned_and_reused():
     assert host.is_pinned() and buffers.to_host("x", tensor * 2).data_ptr() == host.data_ptr()
     torch.cuda.synchronize()
     assert torch.equal(host, (tensor * 2).cpu())
-    # a device without an index (as a runner's `cuda`): the thread pins on the caller's device, not on a guess
+    # a device without an index (as the trainer's `cuda`): the thread pins on the caller's device, not on a guess
     buffers.reserve_in_background({"y": (torch.Size([8]), torch.float32)}, torch.device("cuda"))
     buffers.wait()
     assert buffers.to_host("y", torch.ones(8, device="cuda")).is_pinned()
