@@ -30,6 +30,12 @@ training time the same without the evals. A run stops at the first eval at or ab
 that never reaches the target shows its best score. Rows are printed as they finish and kept in `--rows-jsonl`
 when given.
 
+A second table says where each method's seconds went: its start-up (the framework's `perf/startup_time`; the plain
+loop's model load), its first rollout (compiling), then the means over the rollouts after the first of the
+rollout, the train step, the rest of an iteration (the framework's weight sync, release and resume) and one eval.
+`--keep-logs DIR` keeps each framework run's console and metrics there (`<method>-console.log`,
+`<method>-metrics.jsonl`) for the phases inside those.
+
 `--diagnose-start` scores the base, before any training, along each path a start can be measured on: the
 one-process `miles.tasks.shapes.evaluate` (the plain loop's eval) and `train_diffusion.py`'s eval (`--debug-rollout-only`,
 its eval before the first rollout), each in fp32 and bf16 with the noise drawn on the CPU and on the device, and on
@@ -46,6 +52,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -92,6 +99,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--max-seconds", type=float, default=None, help="stop a method after this much wall time")
     parser.add_argument("--rows-jsonl", default=None)
+    parser.add_argument("--keep-logs", default=None, help="copy each framework run's console and metrics here")
     parser.add_argument("--pretrain-only", action="store_true",
                         help="pretrain the --size large base into --checkpoint (unless there) and exit")
     parser.add_argument("--diagnose-start", action="store_true",
@@ -182,10 +190,45 @@ def run_framework(opts, method: str, checkpoint: str, data: str) -> dict:
             stopped = True
     log.close()
     evals = read_evals(metrics, started)
+    if opts.keep_logs:
+        os.makedirs(opts.keep_logs, exist_ok=True)
+        for name in ("console.log", "metrics.jsonl"):
+            if os.path.exists(os.path.join(out, name)):
+                shutil.copyfile(os.path.join(out, name), os.path.join(opts.keep_logs, f"{method}-{name}"))
     if process.returncode != 0 and not (stopped and evals):
         tail = open(os.path.join(out, "console.log")).read()[-4000:]
         raise SystemExit(f"{method}: train_diffusion.py failed ({process.returncode}):\n{tail}")
-    return summarise(opts, method, evals)
+    return summarise(opts, method, evals, framework_seconds(metrics))
+
+
+def framework_seconds(metrics: str) -> dict:
+    """The run's phases from its metrics JSONL, in the shape `seconds_summary` makes of the plain loop's."""
+    records = [json.loads(line) for line in open(metrics) if line.strip().endswith("}")] \
+        if os.path.exists(metrics) else []
+    iterations, evals = [], []
+    for record in records:
+        perf = {key[len("perf/"):-len("_time")]: value for key, value in record.items()
+                if key.startswith("perf/") and key.endswith("_time") and "startup" not in key}
+        if "iteration" not in perf:
+            continue  # the record of the eval after the last iteration
+        rollout, train, evaluate = perf.get("rollout", 0.0), perf.get("train", 0.0), perf.get("eval", 0.0)
+        iterations.append({"rollout": rollout, "train": train,
+                           "other": perf["iteration"] - rollout - train - evaluate})
+        evals += [evaluate] if evaluate else []
+    startup = records[0].get("perf/startup_time", 0.0) if records else 0.0
+    return seconds_summary(startup, iterations, evals)
+
+
+def seconds_summary(startup: float, iterations: list[dict], evals: list[float]) -> dict:
+    """iterations: each one's rollout, train and other seconds, its eval left out; evals: each eval's seconds.
+    The first iteration compiles, so the steady means are over the ones after it."""
+    def mean(values):
+        return sum(values) / len(values) if values else float("nan")
+
+    first, steady = (iterations or [{}])[0], iterations[1:]
+    return {"startup": startup, "first_iteration": sum(first.values()),
+            **{part: mean([p[part] for p in steady]) for part in ("rollout", "train", "other")},
+            "eval": mean(evals)}
 
 
 def read_evals(metrics: str, started: float) -> list[tuple[int, float, float, float]]:
@@ -206,12 +249,14 @@ def target_of(opts, evals) -> float:
     return opts.target if opts.target_gain is None else evals[0][1] + opts.target_gain - 1e-9
 
 
-def summarise(opts, method: str, evals: list[tuple[int, float, float, float]]) -> dict:
-    """evals: (rollout, score, seconds since launch at the end of that eval, eval seconds so far)."""
+def summarise(opts, method: str, evals: list[tuple[int, float, float, float]], seconds: dict) -> dict:
+    """evals: (rollout, score, seconds since launch at the end of that eval, eval seconds so far); seconds:
+    `seconds_summary`'s phases."""
     row = {"method": method, "start": evals[0][1], "best": max(e[1] for e in evals), "target": target_of(opts, evals),
            "rollouts": None, "wall_s": None, "train_s": None,
            # the held-out curve, so a run stopped by --max-seconds still shows how far it got
-           "curve": [(rollout, round(score, 3), round(wall, 1)) for rollout, score, wall, _ in evals]}
+           "curve": [(rollout, round(score, 3), round(wall, 1)) for rollout, score, wall, _ in evals],
+           "seconds": {part: round(value, 3) for part, value in seconds.items()}}
     for rollout, score, wall, eval_seconds in evals:
         if score >= target_of(opts, evals):
             row.update(rollouts=rollout, wall_s=wall, train_s=wall - eval_seconds)
@@ -248,6 +293,10 @@ def run_plain(opts, checkpoint: str, data: str) -> dict:
     order, walk = random.Random(42), []
     batch = opts.prompts * opts.group
     evals, eval_seconds = [], 0.0
+    iterations, eval_times, startup = [], [], None  # seconds_summary's phases
+
+    def finish() -> dict:
+        return summarise(opts, "plain", evals, seconds_summary(startup or 0.0, iterations, eval_times))
 
     def velocity(x, sigma, embeds, pooled):
         with autocast:
@@ -255,21 +304,25 @@ def run_plain(opts, checkpoint: str, data: str) -> dict:
                                pooled_projections=pooled, return_dict=False)[0].float()
 
     def evaluate(rollout: int) -> None:
-        nonlocal eval_seconds
+        nonlocal eval_seconds, startup
         begin = time.time()
+        startup = startup if startup is not None else begin - started
         # the noise drawn where the framework's eval draws it (--diffusion-generator-device): on one base both
         # evals then score the same images (`--diagnose-start`: CPU and CUDA noise read 0.36 and 0.44 there)
         score = heldout_score(family, pipe, heldout, num_steps=opts.steps, samples_per_prompt=opts.eval_samples,
                               size=size, generator_device=device).correct
         eval_seconds += time.time() - begin
         evals.append((rollout, score, time.time() - started, eval_seconds))
+        eval_times.append(time.time() - begin)
 
     for rollout in range(opts.max_rollouts):
         if rollout % opts.eval_interval == 0:
             evaluate(rollout)
             over_time = opts.max_seconds is not None and time.time() - started > opts.max_seconds
             if evals[-1][1] >= target_of(opts, evals) or over_time:
-                return summarise(opts, "plain", evals)
+                return finish()
+        iterations.append({"rollout": 0.0, "train": 0.0, "other": 0.0})
+        begin = time.time()
         groups = []
         for _ in range(opts.prompts):
             walk = walk or order.sample(train_scenes, len(train_scenes))
@@ -293,6 +346,8 @@ def run_plain(opts, checkpoint: str, data: str) -> dict:
                                dtype=torch.float64).view(opts.prompts, opts.group)
         advantages = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).flatten()
         advantages = advantages.float().to(device)
+        iterations[-1]["rollout"] = time.time() - begin
+        begin = time.time()
         optimizer.zero_grad(set_to_none=True)
         for k in range(opts.steps):
             for start in range(0, batch, opts.micro_batch_size):
@@ -305,8 +360,11 @@ def run_plain(opts, checkpoint: str, data: str) -> dict:
                 (loss.sum() / (batch * opts.steps)).backward()
         torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
         optimizer.step()
+        if device == "cuda":
+            torch.cuda.synchronize()  # the step's kernels counted in its own phase
+        iterations[-1]["train"] = time.time() - begin
     evaluate(opts.max_rollouts)
-    return summarise(opts, "plain", evals)
+    return finish()
 
 
 def with_flag(flags: list[str], name: str, value: str) -> list[str]:
@@ -400,6 +458,16 @@ def main() -> None:
                  f"{row['curve'][-1][0]}, {row['curve'][-1][2]:.1f}"]
         print(f"| {row['method']} | {row['start']:.3f} | {row['target']:.3f} | {row['best']:.3f} | "
               + " | ".join(cells) + " |")
+    print("\nwhere the seconds went: start-up, the first iteration (compiling), then means over the iterations "
+          "after it (other: weight sync, release, resume) and over the evals")
+    print("| method | start-up s | first iteration s | rollout s | train s | other s | s / iteration | eval s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        seconds = row["seconds"]
+        steady = seconds["rollout"] + seconds["train"] + seconds["other"]
+        print(f"| {row['method']} | " + " | ".join(f"{value:.2f}" for value in (
+            seconds["startup"], seconds["first_iteration"], seconds["rollout"], seconds["train"], seconds["other"],
+            steady, seconds["eval"])) + " |")
 
 
 if __name__ == "__main__":

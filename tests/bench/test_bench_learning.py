@@ -2,6 +2,7 @@
 base the denoiser had learned is saved before the bench exits (an H100 call lost its 128 px pretraining to the
 timeout seconds before the save)."""
 
+import json
 import os
 import signal
 import subprocess
@@ -43,3 +44,23 @@ def test_a_timeout_during_the_pretraining_saves_the_base_and_the_bench_waits_for
     log = "".join(lines)
     assert "by SIGTERM" in log and f"saved in {out}" in log
     assert os.path.exists(os.path.join(out, "transformer", "diffusion_pytorch_model.safetensors"))
+
+
+def test_the_seconds_table_reads_the_framework_phases_and_leaves_the_compiling_iteration_out(tmp_path):
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import bench_learning
+
+    records = [  # an eval before rollouts 0 and 2, the final eval's record after the last iteration
+        {"rollout_id": 0, "perf/startup_time": 30.0, "perf/eval_time": 4.0, "perf/rollout_time": 9.0,
+         "perf/train_time": 20.0, "perf/weight_sync_time": 0.5, "perf/iteration_time": 34.0},
+        {"rollout_id": 1, "perf/rollout_time": 1.0, "perf/train_time": 2.0, "perf/weight_sync_time": 0.25,
+         "perf/iteration_time": 3.5},
+        {"rollout_id": 2, "perf/eval_time": 2.0, "perf/rollout_time": 3.0, "perf/train_time": 4.0,
+         "perf/iteration_time": 9.5},
+        {"rollout_id": 3, "eval/heldout/reward/shapes_correct_mean": 0.5},
+    ]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"rollout_id": 4, "perf/')  # a line in writing
+    seconds = bench_learning.framework_seconds(str(metrics))
+    assert seconds == {"startup": 30.0, "first_iteration": 30.0, "rollout": 2.0, "train": 3.0, "other": 0.5,
+                       "eval": 3.0}
