@@ -395,3 +395,34 @@ def test_blocks_sharded_in_groups_take_the_same_gradients(tiny, forward_dtype):
             scale = float(reference[name].abs().max())
             torch.testing.assert_close(got[name], reference[name], rtol=0,
                                        atol=(2**-5 if forward_dtype == "bf16" else 1e-6) * scale)
+
+
+
+@pytest.mark.parametrize("use_lora, forward_dtype", [(False, "fp32"), (False, "bf16"), (True, "bf16")])
+def test_one_rank_reduces_once_per_window_with_the_same_gradients(tiny, monkeypatch, use_lora, forward_dtype):
+    """On one rank FSDP reduces a window's gradients after its last micro-batch only (the others accumulate in the
+    reduce dtype): the gradients and the stepped weights are those of a reduction after every micro-batch, bit for
+    bit."""
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
+
+    reductions, reduce = [0], param_group.foreach_reduce  # one call per FSDP unit and reduction
+
+    def counted_reduce(*args, **kwargs):
+        reductions[0] += 1
+        return reduce(*args, **kwargs)
+
+    monkeypatch.setattr(param_group, "foreach_reduce", counted_reduce)
+    runs = []
+    for once in (True, False):
+        trainer = make_trainer(tiny, use_lora=use_lora, micro_batch_size=2, diffusion_forward_dtype=forward_dtype)
+        assert trainer.reduce_once_per_window
+        trainer.reduce_once_per_window = once
+        reductions[0] = 0
+        trainer.train(0, tiny[3])
+        runs.append((grads(trainer), {n: p.full_tensor().clone() for n, p in trainer.trainable}, reductions[0]))
+    (grads_once, weights_once, reduced_once), (grads_each, weights_each, reduced_each) = runs
+    assert reduced_each == 4 * reduced_once > 0  # 8 pairs in micro-batches of 2: one window of 4
+    assert max(float(g.abs().max()) for g in grads_each.values()) > 0
+    for name in grads_each:
+        assert torch.equal(grads_once[name], grads_each[name]), name
+        assert torch.equal(weights_once[name], weights_each[name]), name

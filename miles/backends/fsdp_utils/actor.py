@@ -170,6 +170,14 @@ class DiffusionTrainer:
         # its LoRA layers form the merged weight once per optimizer step where the weights are whole on the rank
         self.merge_lora_once = bool(self.forward_tile and config.trainer.use_lora
                                     and holds_weights_whole(config.trainer, self.dims))
+        # One trainer rank, its weights whole on the device, one denoiser module: FSDP2 would copy and cast every
+        # unit's gradients into its reduction after each micro-batch. Accumulating them unsharded in the reduce
+        # dtype and reducing once, after a window's last micro-batch, adds the same values in the same order (the
+        # same gradients, bit for bit) with one reduction per optimizer step. Several modules (Wan2.2's two
+        # experts) keep the reduction per micro-batch: a module the last micro-batch skips would keep its
+        # gradients unreduced; so do more ranks (their reductions overlap the backward and keep gradients sharded).
+        self.reduce_once_per_window = (self.world_size == 1 and holds_weights_whole(config.trainer, self.dims)
+                                       and len(self.module_names) == 1)
         self.model: nn.ModuleDict | None = None
         self.host_params: list[nn.Parameter] = []
         self.ema = None
@@ -303,6 +311,15 @@ class DiffusionTrainer:
         return self.family.predict_velocity(
             self.model, latents, sigmas, conditioning, guidance, self.shape, self.forward_dtype
         )
+
+    def _reduce_gradients_after_this_backward(self, last_of_window: bool) -> None:
+        """With `reduce_once_per_window`, FSDP reduces only the window's last backward (the others accumulate)."""
+        if self.reduce_once_per_window:
+            from torch.distributed.fsdp import FSDPModule
+
+            for module in self.model.values():
+                if isinstance(module, FSDPModule):
+                    module.set_requires_gradient_sync(last_of_window)
 
     def _weights_fixed(self):
         """Context for forwards between two optimizer steps: the LoRA layers' merged weight formed once."""
@@ -508,7 +525,8 @@ class DiffusionTrainer:
             loss_is_finite = torch.ones((), dtype=torch.bool, device=self.device)  # on the device: no sync per batch
             lr = self.optimizer.param_groups[0]["lr"]
             with self._weights_fixed():  # the window's micro-batches: no optimizer step between them
-                for micro_batch in window:
+                for position, micro_batch in enumerate(window):
+                    self._reduce_gradients_after_this_backward(position == len(window) - 1)
                     batch = self._batch(micro_batch)
                     # FLOPs are counted once, eagerly; a dispatch mode around compiled blocks would force recompiles
                     measure = self.flops_per_pair is None and not skip_step and not config.trainer.fsdp_torch_compile
