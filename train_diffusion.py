@@ -23,9 +23,8 @@ logger = logging.getLogger("miles")
 
 def train(args, resume: ResumePoint) -> None:
     # Heavy imports only after the command line is known to be good (a bad flag fails in a second).
-    from miles.backends.fsdp_utils.checkpoint import should_save
     from miles.config.batch_geometry import batch_geometry
-    from miles.config.schedule import run_schedule
+    from miles.config.schedule import run_schedule, should_save
     from miles.config.sections import RunConfig
     from miles.logging import lifecycle
     from miles.logging.ci_check import check_ci_metric

@@ -1,6 +1,6 @@
 """How long a run is and at which rollouts it saves, evaluates and exports.
 
-One rule each, read by the training loop (through `checkpoint.should_save`, `model_export.should_export` and
+One rule each, read by the training loop (through `should_save`, `model_export.should_export` and
 `RolloutManager.should_eval`), by `--dry-run` (`run_schedule`, which lists every rollout the run will save,
 evaluate and export at) and by the start-up and finished-run lines of `train_diffusion.py`.
 
@@ -17,6 +17,10 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from miles.config.sections import RunConfig
 
 DEFAULT_EVAL_INTERVAL = 10
 
@@ -31,6 +35,11 @@ def interval_due(interval: int | None, num_rollout: int, rollout_id: int) -> boo
 def save_due(save: str | None, save_interval: int | None, num_rollout: int, rollout_id: int) -> bool:
     """With `--save`: after every `--save-interval`-th rollout (when set) and always after the last one."""
     return bool(save) and (interval_due(save_interval, num_rollout, rollout_id) or rollout_id == num_rollout - 1)
+
+
+def should_save(config: RunConfig, rollout_id: int) -> bool:
+    """The loop's save rule for a run's typed configuration (`save_due`)."""
+    return save_due(config.checkpoint.save, config.checkpoint.save_interval, config.data.num_rollout, rollout_id)
 
 
 def eval_due(eval_interval: int | None, skip_eval_before_train: bool, rollout_id: int, num_rollout: int) -> bool:

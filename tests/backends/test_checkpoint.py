@@ -19,7 +19,6 @@ from miles.backends.fsdp_utils.checkpoint import (
     export_lora,
     read_latest_iteration,
     save_checkpoint,
-    should_save,
 )
 from miles.backends.fsdp_utils.spawn import free_port, init_distributed
 from miles.testing.tiny_rollout import load_tiny_family, make_rollout_samples, tiny_trainer_config, trained_state
@@ -240,13 +239,6 @@ def test_exported_lora_loads_into_diffusers_and_reproduces_the_trainer(tiny, tmp
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-6)
     with pytest.raises(MilesUserError, match="--use-lora"):
         export_lora(make_trainer(tiny), str(tmp_path / "nothing"))
-
-
-def test_save_interval_rule():
-    args = tiny_trainer_config("unused", save="/ckpt", save_interval=3, num_rollout=8)
-    assert [r for r in range(8) if should_save(args, r)] == [2, 5, 7]  # every 3 rollouts and the last one
-    args = args.replace(save=None)
-    assert not any(should_save(args, r) for r in range(8))
 
 
 # ---- nothing in a checkpoint runs code; a damaged one is one line naming the file --------------------------

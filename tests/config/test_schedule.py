@@ -10,7 +10,9 @@ from miles.config.schedule import (
     interval_due,
     run_schedule,
     save_due,
+    should_save,
 )
+from miles.testing.tiny_rollout import tiny_trainer_config
 
 
 def test_saves_and_exports_come_after_every_interval_and_after_the_last_rollout():
@@ -18,6 +20,12 @@ def test_saves_and_exports_come_after_every_interval_and_after_the_last_rollout(
     assert not any(interval_due(None, 10, i) for i in range(10))  # no --export-interval: no export
     assert [i for i in range(10) if save_due("ckpt", None, 10, i)] == [9]  # --save alone: after the last
     assert not any(save_due(None, 4, 10, i) for i in range(10))
+
+
+def test_the_loop_saves_by_the_runs_typed_configuration():
+    config = tiny_trainer_config("unused", save="/ckpt", save_interval=3, num_rollout=8)
+    assert [r for r in range(8) if should_save(config, r)] == [2, 5, 7]  # every 3 rollouts and the last one
+    assert not any(should_save(config.replace(save=None), r) for r in range(8))
 
 
 def test_evals_come_before_rollout_0_every_interval_and_after_the_last():

@@ -387,10 +387,3 @@ def export_lora(trainer, path: str) -> None:
         write_lora_adapter(trainer.family.pipeline_class_name, adapters, trainer.lora_config, path)
         logger.info("exported LoRA adapter to %s", path)
     _barrier()
-
-
-def should_save(config: RunConfig, rollout_id: int) -> bool:
-    """The loop's rule (miles.config.schedule): with `--save`, every `--save-interval` rollouts and after the last."""
-    from miles.config.schedule import save_due
-
-    return save_due(config.checkpoint.save, config.checkpoint.save_interval, config.data.num_rollout, rollout_id)
