@@ -153,3 +153,22 @@ def test_the_circle_finder_counts_deferred_imports_and_not_type_checking_ones(tm
     assert not any(name.startswith("miles.types") for name in runtime_imports(source))
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a", "e"}, "e": {"d"}, "f": set()}
     assert import_circles(graph) == [("a", "b", "c"), ("d", "e")]
+
+
+def test_the_driver_starts_ray_without_the_trainers_checkpointing_libraries():
+    """The imports of train_diffusion.py's `train`, run before Ray starts, leave out torch's distributed
+    checkpointing and DTensor (with sympy, about half of the driver's import time): only the trainer's processes
+    save and load checkpoints."""
+    import subprocess
+    import sys
+
+    script = PACKAGE.parent / "train_diffusion.py"
+    train = next(node for node in ast.parse(script.read_text(encoding="utf-8")).body
+                 if isinstance(node, ast.FunctionDef) and node.name == "train")
+    imports = "\n".join(ast.unparse(node) for node in train.body if isinstance(node, (ast.Import, ast.ImportFrom)))
+    assert "miles.ray.rollout_manager" in imports
+    check = f"{imports}\nimport sys\nprint(sorted(m for m in ('torch.distributed.checkpoint', " \
+            "'torch.distributed.tensor', 'diffusers', 'transformers', 'peft') if m in sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", check], cwd=PACKAGE.parent, capture_output=True, text=True,
+                            check=True).stdout.strip()
+    assert loaded == "[]"
