@@ -10,6 +10,10 @@
         --pretrain-only; python bench/checkpoint_parts.py pack /tmp/shapes-large $OUT --dtype fp16
         # the 128 px base alone (≈ 520 s on an H100): a call of its own; the device forgets it between calls, so
         # it comes back in parts, is unpacked here into .shapes-large and carried to the methods' call
+    python bench/bench_learning.py --device cuda --size large --checkpoint .shapes-large --methods nft,flow_grpo,plain \
+        --prompts 16 --group 8 --micro-batch-size 32 --lr 5e-5 --nft-lr 1e-4 --noise-level 1.0 --target-gain 0.15 \
+        --max-rollouts 60 --eval-interval 2 --eval-samples 4 --max-seconds 140 --keep-logs $OUT/logs
+        # the 128 px table (bench/RESULTS.md, twenty-sixth session), with the framework's logs
     python bench/bench_learning.py --device cuda --diagnose-start     # the base's score by eval path, then exit
 
 Methods, each from the same pretrained base with the same batch (P prompts × G samples per rollout):
