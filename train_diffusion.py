@@ -51,7 +51,8 @@ def train(args, resume: ResumePoint) -> None:
                                         cpu_share=slots.cpu_share)
 
         # Engines load while the trainer does (they only need the trainer's weights at the first sync below).
-        rollout_manager.launch_engines()
+        with run_logger.startup_part("engines_launch"):
+            rollout_manager.launch_engines()
         start_rollout_id = 0
         if actor is not None:
             with run_logger.startup_part("trainer_init"):
@@ -86,7 +87,8 @@ def train(args, resume: ResumePoint) -> None:
             margin_gb=config.placement.colocate_memory_margin_gb,
         )
         if turns.trainer_offloads:
-            actor.offload()  # the engines generate first
+            with run_logger.startup_part("trainer_offload"):
+                actor.offload()  # the engines generate first
 
         last_checkpoint = None
         for rollout_id in range(start_rollout_id, config.data.num_rollout):
