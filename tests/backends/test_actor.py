@@ -426,3 +426,13 @@ def test_one_rank_reduces_once_per_window_with_the_same_gradients(tiny, monkeypa
     for name in grads_each:
         assert torch.equal(grads_once[name], grads_each[name]), name
         assert torch.equal(weights_once[name], weights_each[name]), name
+
+
+def test_a_gradient_left_unreduced_by_the_last_micro_batch_is_an_error_not_a_lost_gradient(tiny, monkeypatch):
+    """What a unit skipped by a window's last micro-batch would leave: gradients accumulated and never reduced
+    (here every unit's, with the last backward's sync kept off too). The step says so instead of stepping."""
+    trainer = make_trainer(tiny, use_lora=False, micro_batch_size=2)
+    keep_sync_off = trainer._reduce_gradients_after_this_backward
+    monkeypatch.setattr(trainer, "_reduce_gradients_after_this_backward", lambda last: keep_sync_off(False))
+    with pytest.raises(RuntimeError, match="left its gradient unreduced"):
+        trainer.train(0, tiny[3])

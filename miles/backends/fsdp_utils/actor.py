@@ -321,6 +321,29 @@ class DiffusionTrainer:
                 if isinstance(module, FSDPModule):
                     module.set_requires_gradient_sync(last_of_window)
 
+    def _check_gradients_reduced(self, rollout_id: int) -> None:
+        """With `reduce_once_per_window`: every FSDP unit's gradient was reduced by the window's last backward. A
+        unit a window's earlier micro-batches used but its last one skipped would keep its accumulated gradient
+        unreduced, and the optimizer step would not see it; no family's denoiser skips a block today, and this
+        says so plainly if one ever does, instead of losing the gradient."""
+        if not self.reduce_once_per_window:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.model.values():
+            for name, unit in module.named_modules():
+                group = getattr(unit._get_fsdp_state(), "_fsdp_param_group", None) \
+                    if isinstance(unit, FSDPModule) else None
+                for fsdp_param in getattr(group, "fsdp_params", []):
+                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                    if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None or (
+                            unsharded is not None and unsharded.grad is not None):
+                        raise RuntimeError(
+                            f"rollout {rollout_id}: the FSDP unit {name or '(root)'!r} took part in a window's earlier "
+                            "micro-batches but not in its last, so the one-rank reduction once per window "
+                            "(reduce_once_per_window, miles/backends/fsdp_utils/actor.py) left its gradient "
+                            "unreduced; this family needs the reduction after every micro-batch")
+
     def _weights_fixed(self):
         """Context for forwards between two optimizer steps: the LoRA layers' merged weight formed once."""
         return lora_merged_once(self.model) if self.merge_lora_once else contextlib.nullcontext()
@@ -540,6 +563,8 @@ class DiffusionTrainer:
                             self.scaler.scale(loss).backward()
                     for name, values in pair_metrics.items():
                         metrics.add(name, values)
+            if not skip_step:
+                self._check_gradients_reduced(rollout_id)
             self.optimizer_parking.unpark()
             if not skip_step:
                 where = f"rollout {rollout_id}, step {window_index + 1}/{len(plan.windows)}"
