@@ -11,8 +11,9 @@ its phases). An iteration's clock starts when the previous one's `flush` starts,
 the `perf/log_time` phase of the next record and the records tile the run's wall time without gaps.
 `perf/startup_time` (process start to the first iteration) comes with the first record, split into
 `perf/startup/<part>_time` (the loop's `startup_part`s: launch, ray, actors, engines_launch, trainer_init,
-engines_ready, weight_sync, trainer_offload) and `perf/startup/other_time`, the rest; `perf/startup/trainer_init/<lap>_time` splits the trainer's
-part (spawn, process_group, load, adapters, shard, resume, other).
+engines_ready, weight_sync, trainer_offload) and `perf/startup/other_time`, the rest;
+`perf/startup/trainer_init/<lap>_time` splits the trainer's part (spawn, process_group, load, adapters, shard,
+resume, other).
 
 `--use-tensorboard` writes every record's scalars, at step = rollout id, to `<output-dir>/tensorboard`
 (torch.utils.tensorboard), and the sample grid whenever it is redrawn.
