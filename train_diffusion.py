@@ -80,10 +80,12 @@ def train(args, resume: ResumePoint) -> None:
             rollout_manager.watch_engines(lambda url: actor.update_weights([url], rollout_manager.weight_version))
         rollout_manager.weight_version = start_rollout_id
         # Colocated: trainer and engines take turns on the GPUs while they must (see miles/ray/colocation.py).
+        # A trainer on the host (--rollout-gradient-trainer host) holds no GPU memory: nothing to take turns on.
+        on_gpus = actor is not None and not config.trainer.on_host
         turns = ColocationPolicy(
             config.placement.colocate_offload_policy,
-            offload_train=config.placement.offload_train and actor is not None,
-            offload_rollout=config.placement.offload_rollout and rollout_manager.has_engines and actor is not None,
+            offload_train=config.placement.offload_train and on_gpus,
+            offload_rollout=config.placement.offload_rollout and rollout_manager.has_engines and on_gpus,
             margin_gb=config.placement.colocate_memory_margin_gb,
         )
         if turns.trainer_offloads:

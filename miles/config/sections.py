@@ -248,6 +248,7 @@ class TrainerConfig:
     diffusion_recompute_old_log_prob: bool
     diffusion_rollout_gradient: bool  # each sample's ∇ℓ from the engines, no replay (miles/engine/rollout_gradients.py)
     rollout_gradient_tile: int  # the engines' samples per forward-with-backward under the flag above (0: micro-batch)
+    rollout_gradient_trainer: str  # device / host: where the trainer process runs under the flag above
     diffusion_kl_beta: float
     ref_mode: str  # resolved: none / lora_base / ema (docs/algorithms.md §5, §6, §8)
     custom_prepare_train_batch_path: str | None
@@ -258,6 +259,11 @@ class TrainerConfig:
     diffusion_nft_timestep_fraction: float
     no_diffusion_nft_adaptive_weight: bool
     no_diffusion_nft_shuffle_timesteps: bool
+
+    @property
+    def on_host(self) -> bool:
+        """The trainer process runs on the CPU whatever GPUs there are (`--rollout-gradient-trainer host`)."""
+        return self.diffusion_rollout_gradient and self.rollout_gradient_trainer == "host"
 
 
 @dataclass(frozen=True)

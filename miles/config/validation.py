@@ -445,10 +445,15 @@ def _rule_rollout_gradient(args: argparse.Namespace) -> None:
     """--diffusion-rollout-gradient: the gradient at ratio 1 is Σ −clip(A)·∇ℓ / pairs only for the plain clipped
     loss with one optimizer step per rollout; each sample's term is taken in a one-process engine's forward."""
     if not args.diffusion_rollout_gradient:
-        if args.rollout_gradient_tile:
-            _fail("--rollout-gradient-tile sets the engines' tile under --diffusion-rollout-gradient; pass that flag "
-                  "too, or drop this one")
+        for name, value, default in (("tile", args.rollout_gradient_tile, 0),
+                                     ("trainer", args.rollout_gradient_trainer, "device")):
+            if value != default:
+                _fail(f"--rollout-gradient-{name} applies under --diffusion-rollout-gradient; pass that flag too, "
+                      f"or drop this one")
         return
+    if args.rollout_gradient_trainer == "host" and not (args.colocate and args.actor_num_nodes == 1):
+        _fail("--rollout-gradient-trainer host needs --colocate on one node (--actor-num-nodes 1): the engines "
+              "reach a trainer on the CPU only through shared-memory files of their own host")
     flag = "--diffusion-rollout-gradient"
     needs = [
         (args.use_lora, "--use-lora (the engines keep a per-sample copy of the adapter)"),

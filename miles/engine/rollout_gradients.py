@@ -66,10 +66,13 @@ class RolloutGradients:
                     scaling: float) -> None:
         key = f"{module_name}.{layer_name}"
         self._flat = None
-        self.factors[key] = LoraFactors(lora_a.detach().float().clone(), lora_b.detach().float().clone(), scaling,
+        layer = self.layers[key] if key in self.layers else self.modules[module_name].get_submodule(layer_name)
+        # on the layer's device: a trainer in host memory (--rollout-gradient-trainer host) pushes them from a file
+        device = layer.weight.device
+        self.factors[key] = LoraFactors(lora_a.detach().to(device, torch.float32, copy=True),
+                                        lora_b.detach().to(device, torch.float32, copy=True), scaling,
                                         f"{key}.lora_A.weight", f"{key}.lora_B.weight")
         if key not in self.layers:
-            layer = self.modules[module_name].get_submodule(layer_name)
             layer._rollout_rows = None  # (A rows, B rows, scaling) during a gradient forward, else None
             layer._rollout_base_forward = layer.forward
             # a method of the one function, not a per-layer partial: dynamo guards a forward attribute by the

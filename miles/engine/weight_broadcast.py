@@ -92,16 +92,19 @@ def split_by_transport(engine_urls: Sequence[str], transport: str, colocated: bo
     `transport`: `ipc` or `broadcast` for every engine, or `auto`: broadcast for every engine of a
     non-colocated run (trainer and engines sit on separate devices by construction), and under `--colocate`
     shared memory / CUDA IPC for the engines whose memory the trainer's rank 0 shares (the engine on its GPU,
-    or on a CPU run every engine of its host), broadcast for the others (engines on the other GPUs and nodes)."""
+    or, from a trainer in host memory, every engine of its host, which copies the shared-memory file to its own
+    device), broadcast for the others (engines on the other GPUs and nodes)."""
     if transport == "ipc":
         return list(engine_urls), []
     if transport == "broadcast" or not colocated:
         return [], list(engine_urls)
     if transport != "auto":
         raise ValueError(f"weight sync transport {transport!r}: expected auto, ipc or broadcast")
+    own_host, _, own_device = own_identity.rpartition("/")
     ipc, broadcast = [], []
     for url, identity in zip(engine_urls, engine_identities, strict=True):
-        (ipc if identity == own_identity else broadcast).append(url)
+        shares = identity == own_identity or (own_device == "cpu" and identity.rpartition("/")[0] == own_host)
+        (ipc if shares else broadcast).append(url)
     return ipc, broadcast
 
 

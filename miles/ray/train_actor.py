@@ -36,7 +36,9 @@ def process_group_backend(config: RunConfig, on_gpu: bool, log: bool = True) -> 
     requested = config.placement.distributed_backend
     if not on_gpu:
         if requested != "gloo" and log:
-            logger.info("--distributed-backend %s: no GPU, the trainer's process group uses gloo", requested)
+            where = ("the trainer runs on the host (--rollout-gradient-trainer host)" if config.trainer.on_host
+                     else "no GPU")
+            logger.info("--distributed-backend %s: %s, the trainer's process group uses gloo", requested, where)
         return "gloo"
     if config.trainer.fsdp_cpu_offload:
         return f"cpu:{config.trainer.fsdp_cpu_backend},cuda:{requested}"
@@ -74,6 +76,8 @@ class TrainRayActor:
         self.weight_pusher = None  # rank 0: transports and the broadcast group of weight sync (weight_push.py)
         self._store_socket = None  # rank 0: the rendezvous store's listening socket, until the store takes it
         os.environ.update(config.trainer.train_env_vars)
+        if config.trainer.on_host:  # before anything asks torch for a GPU: this process then never makes a context
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -266,9 +270,11 @@ class TrainActorGroup:
 
         self.config = config
         self.world_size = world_size or config.placement.train_world_size
-        use_gpu = torch.cuda.is_available()
+        use_gpu = torch.cuda.is_available() and not config.trainer.on_host
         num_gpus = (TRAIN_GPU_SHARE if config.placement.colocate else 1.0) if use_gpu else 0
         env_vars = dict(config.trainer.train_env_vars)
+        if config.trainer.on_host:
+            env_vars["CUDA_VISIBLE_DEVICES"] = ""  # the actor makes sure too, whatever Ray sets
         remote_cls = ray.remote(TrainRayActor)
         self.actors = []
         for rank in range(self.world_size):

@@ -709,8 +709,22 @@ def test_rollout_gradient_needs_lora_flow_grpo_with_one_step_per_rollout():
     micro_batch = parse(*fused).micro_batch_size
     assert engine_tile(*fused) == micro_batch and engine_tile("--use-lora") == 0
     assert engine_tile(*fused, "--rollout-gradient-tile", "16") == 16
-    assert "--rollout-gradient-tile sets the engines' tile under --diffusion-rollout-gradient" in error(
+    assert "--rollout-gradient-tile applies under --diffusion-rollout-gradient" in error(
         "--use-lora", "--rollout-gradient-tile", "16")
+
+
+def test_a_trainer_on_the_host_needs_the_rollout_gradient_and_one_colocated_node():
+    from miles.config.sections import RunConfig
+
+    fused = ("--diffusion-rollout-gradient", "--use-lora")
+    host = ("--rollout-gradient-trainer", "host")
+    assert "--rollout-gradient-trainer applies under --diffusion-rollout-gradient" in error("--use-lora", *host)
+    assert "--rollout-gradient-trainer host needs --colocate on one node" in error(*fused, *host)
+    assert "--rollout-gradient-trainer host needs --colocate on one node" in error(
+        *fused, *host, "--colocate", "--actor-num-nodes", "2")
+    assert RunConfig.from_args(parse(*fused, *host, "--colocate")).trainer.on_host
+    assert not RunConfig.from_args(parse(*fused, "--colocate")).trainer.on_host
+    assert "invalid choice" in error(*fused, "--rollout-gradient-trainer", "gpu")
 
 
 def test_colocated_engines_on_gpus_pin_their_release_buffers_ahead():

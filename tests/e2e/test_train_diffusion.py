@@ -364,23 +364,34 @@ def test_hybrid_sharded_trainer_with_its_own_engine_matches_one_rank(sd3, prompt
 def test_rollout_gradient_steps_as_the_replay_does(sd3, prompts, tmp_path):
     """--diffusion-rollout-gradient (LoRA): the engine takes each sample's gradient during the rollout and the
     trainer replays nothing, yet every rollout's gradient is the replayed clipped loss's (fp32 rounding apart);
-    the gradient reaches the trainer through its shared buffer."""
-    replay, fused = tmp_path / "replay", tmp_path / "fused"
+    the gradient reaches the trainer through its shared buffer. With `--rollout-gradient-trainer host` the
+    trainer sees no GPU, gradient and factors cross by shared-memory files and the colocated run takes no turns
+    (on the CPU the two differ only in those turns and the optimizer's fused kernel)."""
+    replay, fused, host = tmp_path / "replay", tmp_path / "fused", tmp_path / "host"
     lora = ["--use-lora", "--lora-rank", "4", "--lora-alpha", "8", "--colocate", "--num-rollout", "3"]
     run([*base_flags(sd3, prompts, replay), *lora, "--lora-ipc-weight-sync"])
     result = run([*base_flags(sd3, prompts, fused), *lora, "--diffusion-rollout-gradient"])
     assert "warning" not in result.stderr.lower()
-    a, b = metrics(replay), metrics(fused)
-    assert series(b, "rollout/reward_mean")[0] == series(a, "rollout/reward_mean")[0]
-    for x, y in zip(series(a, "rollout/reward_mean"), series(b, "rollout/reward_mean")):
-        assert abs(x - y) < 1e-5
-    norms_replay, norms_fused = series(a, "train/grad_norm"), series(b, "train/grad_norm")
+    result = run([*base_flags(sd3, prompts, host), *lora, "--diffusion-rollout-gradient",
+                  "--rollout-gradient-trainer", "host"])
+    assert "warning" not in result.stderr.lower()
+    a, b, c = metrics(replay), metrics(fused), metrics(host)
+    first = [series(records, "rollout/reward_mean")[0] for records in (a, b, c)]
+    assert first[0] == first[1] == first[2]
+    for x, y, z in zip(series(a, "rollout/reward_mean"), series(b, "rollout/reward_mean"),
+                       series(c, "rollout/reward_mean"), strict=True):
+        assert abs(x - y) < 1e-5 and abs(x - z) < 1e-5
+    norms_replay, norms_fused, norms_host = (series(r, "train/grad_norm") for r in (a, b, c))
     assert len(norms_fused) == 3 and all(n > 0 for n in norms_fused)
-    for x, y in zip(norms_replay, norms_fused):
-        assert abs(x - y) < 1e-3 * x
-    assert series(b, "train/rollout_train_log_prob_abs_diff") == [0.0] * 3
-    # the colocated engine added its sum into the trainer's shared buffer (gradient_fetch.py), not in a body
-    assert series(b, "perf/policy_gradient_engines_by_reference") == [1.0] * 3
+    for x, y, z in zip(norms_replay, norms_fused, norms_host, strict=True):
+        assert abs(x - y) < 1e-3 * x and abs(y - z) < 1e-3 * y  # the fused AdamW rounds otherwise
+    for records in (b, c):
+        assert series(records, "train/rollout_train_log_prob_abs_diff") == [0.0] * 3
+        # the colocated engine added its sum into the trainer's shared buffer (gradient_fetch.py), not in a body
+        assert series(records, "perf/policy_gradient_engines_by_reference") == [1.0] * 3
+        assert series(records, "weight_sync/ipc_engines") == [1.0] * 3
+    assert any("perf/release_time" in r for r in b)  # a CPU run keeps the turns
+    assert not any(key in r for r in c for key in ("perf/release_time", "perf/onload_time", "perf/offload_time"))
 
 
 def test_overlapped_rollout_learns_one_step_off_policy(sd3, prompts, tmp_path):

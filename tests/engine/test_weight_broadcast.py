@@ -244,6 +244,17 @@ def test_transport_choice():
     assert split_by_transport(urls, "broadcast", True, mine, identities) == ([], urls)
 
 
+def test_a_trainer_in_host_memory_reaches_the_gpu_engines_of_its_host_by_shared_memory():
+    urls = ["http://a:1", "http://b:2", "http://c:3"]
+    host = device_identity("cpu").rpartition("/")[0]
+    identities = [f"{host}/cuda:GPU-aaaa", "other-host:x/cuda:GPU-bbbb", f"{host}/cuda:GPU-cccc"]
+    assert split_by_transport(urls, "auto", True, f"{host}/cpu", identities) == (["http://a:1", "http://c:3"],
+                                                                              ["http://b:2"])
+    # a trainer on one GPU shares memory with the engine on that GPU only
+    assert split_by_transport(urls, "auto", True, f"{host}/cuda:GPU-aaaa", identities) == (
+        ["http://a:1"], ["http://b:2", "http://c:3"])
+
+
 def test_a_join_that_fails_is_reported_and_refuses_receives(engines):
     url = engines[1]
     with socket.socket() as closed:  # a port nobody listens on
