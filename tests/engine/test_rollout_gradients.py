@@ -51,10 +51,11 @@ def _push_lora_pairs(trainer, receiver: WeightReceiver) -> None:
         buffer.close()
 
 
-def test_the_engines_gradient_is_the_trainers_replay_gradient(tiny_checkpoint, one_rank_group):
+def _trainer_with_a_trained_looking_adapter(path: str):
+    """A one-rank LoRA trainer on the CPU whose B factors are random: with B = 0 the factor A would get no
+    gradient at all."""
     from miles.backends.fsdp_utils.actor import DiffusionTrainer
 
-    path = tiny_checkpoint("sd3")
     config = tiny_trainer_config(path, use_lora=True, diffusion_num_steps=STEPS, diffusion_guidance_scale=3.5,
                                  diffusion_noise_level=NOISE_LEVEL, micro_batch_size=3, clip_grad=0.0,
                                  diffusion_clip_range=1.0, rollout_batch_size=1, n_samples_per_prompt=SAMPLES,
@@ -62,12 +63,26 @@ def test_the_engines_gradient_is_the_trainers_replay_gradient(tiny_checkpoint, o
     family = build_tiny_family(config)
     trainer = DiffusionTrainer(config, family)
     trainer.init()
-    with torch.no_grad():  # a trained-looking adapter: with B = 0 the factor A would get no gradient at all
+    with torch.no_grad():
         generator = torch.Generator().manual_seed(0)
         for name, param in trainer.trainable:
             if "lora_B" in name:
                 local = param.to_local() if hasattr(param, "to_local") else param  # one rank: the whole tensor
                 local.copy_(0.1 * torch.randn(local.shape, generator=generator))
+    return config, family, trainer
+
+
+def _replay_gradients(trainer, samples) -> dict[str, torch.Tensor]:
+    """The trainer's replay of `samples` (the clipped loss at ratio 1, one optimizer step): each adapter's
+    gradient by the name the engines know it by."""
+    trainer.train(0, samples)
+    return {name: param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+            for name, param in adapter_params_by_pushed_name(trainer).items()}
+
+
+def test_the_engines_gradient_is_the_trainers_replay_gradient(tiny_checkpoint, one_rank_group):
+    path = tiny_checkpoint("sd3")
+    config, family, trainer = _trainer_with_a_trained_looking_adapter(path)
     pipe = family.load_pipeline(path, torch.float32)
     runner = ModelRunner(ServerArgs(model_path=path, device="cpu", dtype="fp32", generator_device="cpu",
                                     forward_tile=config.sampling.parity_forward_tile,
@@ -100,17 +115,56 @@ def test_the_engines_gradient_is_the_trainers_replay_gradient(tiny_checkpoint, o
     for name in gradient:
         torch.testing.assert_close(together[name], gradient[name], rtol=1e-4, atol=1e-6)
 
-    trainer.train(0, plain)  # the replay of the same samples: the clipped loss at ratio 1, one optimizer step
-    params = adapter_params_by_pushed_name(trainer)
-    assert set(params) == set(gradient) and any("lora_A" in n for n in params)
-    replays = {name: param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
-               for name, param in params.items()}
+    replays = _replay_gradients(trainer, plain)  # the replay of the same samples
+    assert set(replays) == set(gradient) and any("lora_A" in n for n in replays)
     scale = max(float(r.abs().max()) for r in replays.values())
     # the last block's context projections feed nothing (SD3's context_pre_only block): their gradient is 0
     assert sum(bool(r.abs().max() > 0) for r in replays.values()) > 0.8 * len(replays)
     for name, replay in replays.items():
         torch.testing.assert_close(gradient[name], replay, rtol=1e-4, atol=1e-5 * scale, msg=name)
 
+
+
+ON_A_GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                           reason="an engine on a GPU")])
+
+
+@pytest.mark.parametrize("engine_device", ["cpu", ON_A_GPU])
+def test_an_engine_takes_its_factors_from_and_adds_its_gradient_into_host_memory(tiny_checkpoint, one_rank_group,
+                                                                                   engine_device):
+    """`--rollout-gradient-trainer host`: the trainer's adapter, in host memory, reaches an engine (on the GPU,
+    the case that flag is for) through a shared-memory file, and the engine adds its gradient into another; that
+    gradient is the CPU trainer's replay of the engine's samples."""
+    path = tiny_checkpoint("sd3")
+    config, family, trainer = _trainer_with_a_trained_looking_adapter(path)
+    device = torch.device(engine_device)
+    runner = ModelRunner(ServerArgs(model_path=path, device=engine_device, dtype="fp32", generator_device=engine_device,
+                                    forward_tile=config.sampling.parity_forward_tile,
+                                    rollout_gradient_tile=config.data.micro_batch_size),
+                         loaded=(family, family.load_pipeline(path, torch.float32, device)))
+    _push_lora_pairs(trainer, WeightReceiver(runner.modules, on_lora_pair=runner.rollout_gradients.set_factors))
+    assert all(f.a.device.type == f.b.device.type == device.type for f in runner.rollout_gradients.factors.values())
+    plain = samples_through_the_engine(runner, _request(rollout_gradient=False))  # the same draws, to replay
+    samples = samples_through_the_engine(runner, _request(rollout_gradient=True))
+    pairs = SAMPLES * STEPS
+    coefficients = {s.seed: -min(max(s.advantage, -5.0), 5.0) / pairs for s in samples}
+    layout = runner.rollout_gradients.layout()
+    into = SharedBuffer(4 * sum(torch.Size(shape).numel() for _, shape in layout), torch.device("cpu"))
+    try:
+        into.buffer.zero_()
+        _, held = runner.rollout_gradients.add_policy_gradient(coefficients, into.buffer)
+        flat = into.buffer.view(torch.float32).clone()
+    finally:
+        into.close()
+    assert held == SAMPLES
+    replays = _replay_gradients(trainer, plain)  # on the CPU, what the engine drew on the GPU
+    scale = max(float(r.abs().max()) for r in replays.values())
+    offset = 0
+    for name, shape in layout:
+        size = torch.Size(shape).numel()
+        torch.testing.assert_close(flat[offset:offset + size].view(shape), replays[name], rtol=1e-3,
+                                   atol=1e-4 * scale, msg=name)
+        offset += size
 
 def test_per_sample_gradients_are_kept_by_seed_and_dropped_with_new_weights():
     layer = torch.nn.Linear(3, 2)
