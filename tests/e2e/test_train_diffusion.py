@@ -394,6 +394,25 @@ def test_rollout_gradient_steps_as_the_replay_does(sd3, prompts, tmp_path):
     assert not any(key in r for r in c for key in ("perf/release_time", "perf/onload_time", "perf/offload_time"))
 
 
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_trainer_on_the_host_leaves_the_device_to_the_engine(sd3, prompts, tmp_path):
+    """`--rollout-gradient-trainer host` with the engine on a GPU: the run trains, the engine reports its GPU
+    memory and the trainer none (its process sees no GPU), gradient and factors cross by shared memory."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("an engine on a GPU")
+    out = tmp_path / "host"
+    run([*base_flags(sd3, prompts, out), "--use-lora", "--lora-rank", "4", "--lora-alpha", "8", "--colocate",
+         "--num-rollout", "2", "--diffusion-rollout-gradient", "--rollout-gradient-trainer", "host"])
+    records = metrics(out)
+    assert len(series(records, "train/grad_norm")) == 2 and all(n > 0 for n in series(records, "train/grad_norm"))
+    assert any("perf/engine_peak_reserved_gib" in r for r in records)
+    assert not any(key.startswith("perf/train_peak") for r in records for key in r)
+    assert series(records, "perf/policy_gradient_engines_by_reference") == [1.0] * 2
+    assert series(records, "weight_sync/ipc_engines") == [1.0] * 2
+
 def test_overlapped_rollout_learns_one_step_off_policy(sd3, prompts, tmp_path):
     """--overlap-rollout (engines of their own): rollout k+1 is generated while rollout k trains, so every
     rollout after the first is one weight version old, the ratio is taken against the engine's log-probs, and the
