@@ -49,7 +49,8 @@ def build_server_args(config: RunConfig, device: str) -> ServerArgs:
         dtype=config.trainer.diffusion_forward_dtype,
         device=device,
         generator_device=sampling.diffusion_generator_device if device == "cuda" else "cpu",
-        release_buffers_ahead=config.placement.colocate and device == "cuda",
+        # colocated engines release their weights while the trainer trains, unless the trainer is on the host
+        release_buffers_ahead=config.placement.colocate and device == "cuda" and not config.trainer.on_host,
         **config.engine.passthrough,
     )
 

@@ -735,6 +735,8 @@ def test_colocated_engines_on_gpus_pin_their_release_buffers_ahead():
         return build_server_args(RunConfig.from_args(parse(*extra)), device).release_buffers_ahead
 
     assert ahead("cuda", "--colocate") and not ahead("cpu", "--colocate") and not ahead("cuda")
+    host_trainer = ("--use-lora", "--diffusion-rollout-gradient", "--rollout-gradient-trainer", "host")
+    assert not ahead("cuda", "--colocate", *host_trainer)  # nothing is released: no turns
 
 
 def test_overlapped_rollout_needs_engines_of_their_own_and_engine_log_probs():
