@@ -394,7 +394,6 @@ def test_rollout_gradient_steps_as_the_replay_does(sd3, prompts, tmp_path):
     assert not any(key in r for r in c for key in ("perf/release_time", "perf/onload_time", "perf/offload_time"))
 
 
-
 @pytest.mark.gpu
 def test_on_a_gpu_a_trainer_on_the_host_leaves_the_device_to_the_engine(sd3, prompts, tmp_path):
     """`--rollout-gradient-trainer host` with the engine on a GPU: the run trains, the engine reports its GPU
