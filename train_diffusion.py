@@ -81,11 +81,11 @@ def train(args, resume: ResumePoint) -> None:
         rollout_manager.weight_version = start_rollout_id
         # Colocated: trainer and engines take turns on the GPUs while they must (see miles/ray/colocation.py).
         # A trainer on the host (--rollout-gradient-trainer host) holds no GPU memory: nothing to take turns on.
-        on_gpus = actor is not None and not config.trainer.on_host
+        trainer_on_gpus = actor is not None and not config.trainer.on_host
         turns = ColocationPolicy(
             config.placement.colocate_offload_policy,
-            offload_train=config.placement.offload_train and on_gpus,
-            offload_rollout=config.placement.offload_rollout and rollout_manager.has_engines and on_gpus,
+            offload_train=config.placement.offload_train and trainer_on_gpus,
+            offload_rollout=config.placement.offload_rollout and rollout_manager.has_engines and trainer_on_gpus,
             margin_gb=config.placement.colocate_memory_margin_gb,
         )
         if turns.trainer_offloads:

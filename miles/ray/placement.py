@@ -235,9 +235,7 @@ def create_placement_groups(config: RunConfig) -> Placement:
     # trainer rank and engine supervisor; reward actors take the rest
     cpu_share = 0.45 if config.placement.colocate else 1.0
     train_gpu_share = TRAIN_GPU_SHARE if config.placement.colocate else 1.0
-    # a trainer on the host (--rollout-gradient-trainer host) takes no GPU: its bundles' GPUs are the engines'
-    train_on_gpu = on_gpu and not config.trainer.on_host
-    train = Slots(pg, list(range(world)), train_gpu_share if train_on_gpu else 0.0, cpu_share, gpu_ids[:world])
+    train = Slots(pg, list(range(world)), train_gpu_share if on_gpu else 0.0, cpu_share, gpu_ids[:world])
     # An engine's actor only supervises its process, which owns the devices: a small share is enough.
     rollout = Slots(pg, engine_bundles, ROLLOUT_GPU_SHARE if on_gpu else 0.0, cpu_share, gpu_ids)
     placement = Placement(device, train, rollout, num_engines, gpus_per_engine, _bundle_nodes(pg, total),

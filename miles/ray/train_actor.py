@@ -270,11 +270,11 @@ class TrainActorGroup:
 
         self.config = config
         self.world_size = world_size or config.placement.train_world_size
-        use_gpu = torch.cuda.is_available() and not config.trainer.on_host
+        if config.trainer.on_host:  # --rollout-gradient-trainer host: the bundles' GPUs are the engines' alone
+            gpu_share = 0.0
+        use_gpu = torch.cuda.is_available()
         num_gpus = (TRAIN_GPU_SHARE if config.placement.colocate else 1.0) if use_gpu else 0
         env_vars = dict(config.trainer.train_env_vars)
-        if config.trainer.on_host:
-            env_vars["CUDA_VISIBLE_DEVICES"] = ""  # the actor makes sure too, whatever Ray sets
         remote_cls = ray.remote(TrainRayActor)
         self.actors = []
         for rank in range(self.world_size):
