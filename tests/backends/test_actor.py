@@ -397,7 +397,6 @@ def test_blocks_sharded_in_groups_take_the_same_gradients(tiny, forward_dtype):
                                        atol=(2**-5 if forward_dtype == "bf16" else 1e-6) * scale)
 
 
-
 @pytest.mark.parametrize("use_lora, forward_dtype", [(False, "fp32"), (False, "bf16"), (True, "bf16")])
 def test_one_rank_reduces_once_per_window_with_the_same_gradients(tiny, monkeypatch, use_lora, forward_dtype):
     """On one rank FSDP reduces a window's gradients after its last micro-batch only (the others accumulate in the

@@ -46,10 +46,7 @@ def test_a_timeout_during_the_pretraining_saves_the_base_and_the_bench_waits_for
     assert os.path.exists(os.path.join(out, "transformer", "diffusion_pytorch_model.safetensors"))
 
 
-def test_the_seconds_table_reads_the_framework_phases_and_leaves_the_compiling_iteration_out(tmp_path):
-    sys.path.insert(0, os.path.join(REPO, "bench"))
-    import bench_learning
-
+def test_the_seconds_table_reads_the_framework_phases_and_leaves_the_compiling_iteration_out(tmp_path, bench_script):
     records = [  # an eval before rollouts 0 and 2, the final eval's record after the last iteration
         {"rollout_id": 0, "perf/startup_time": 30.0, "perf/eval_time": 4.0, "perf/rollout_time": 9.0,
          "perf/train_time": 20.0, "perf/weight_sync_time": 0.5, "perf/iteration_time": 34.0},
@@ -61,6 +58,7 @@ def test_the_seconds_table_reads_the_framework_phases_and_leaves_the_compiling_i
     ]
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"rollout_id": 4, "perf/')  # a line in writing
-    seconds = bench_learning.framework_seconds(str(metrics))
+    with bench_script("bench_learning") as bench_learning:  # loaded as the other bench tests load their script
+        seconds = bench_learning.framework_seconds(str(metrics))
     assert seconds == {"startup": 30.0, "first_iteration": 30.0, "rollout": 2.0, "train": 3.0, "other": 0.5,
                        "eval": 3.0}
