@@ -12,9 +12,11 @@ architecture (read from `miles/testing/real_size.py`'s config on the meta device
 - bf16: y = x·Wᵀ and the input gradient dX = dY·W, as the engine runs them today (adapter merged into W);
 - FP8: x and dY rounded to e4m3 with a scale per row (compiled on CUDA, a kernel of its own: no fusion into the
   norm before it is assumed), the base W held twice in e4m3 (rows scaled for the forward, columns for the
-  backward), `torch._scaled_mm` with fp32 accumulation and bf16 out, and the adapter's term kept beside it in
-  bf16 (y += s·(x·Aᵀ)·Bᵀ, dX += s·(dY·B)·A), since merging an adapter into an e4m3 weight loses it
-  (bench/bench_fp8_numerics.py),
+  backward), `torch._scaled_mm` with fp32 accumulation and bf16 out, and the adapter's term kept out of the
+  rounded weight, since merging an adapter into an e4m3 weight loses it (bench/bench_fp8_numerics.py): either
+  beside the FP8 matmul in bf16 (y += s·(x·Aᵀ)·Bᵀ, dX += s·(dY·B)·A: two more passes over y or dX), or folded
+  into it along the reduced dimension, y = [x | x·Aᵀ]·[W | s·B]ᵀ and dX = [dY | dY·B]·[W ; s·A] (r more columns;
+  each element of B and A keeps e4m3's relative precision, as nothing is added to W before rounding),
 
 and prints the matmul seconds per engine step both ways with the measured peaks beside them. A projection, not
 an engine: the step's other kernels (attention, norms, GELU) are unchanged by it and not timed here.
@@ -45,6 +47,11 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`t` [rows, k] as e4m3 with one fp32 scale per row (its largest magnitude maps to 448)."""
     scale = t.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / E4M3_MAX
     return (t.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+def quantize_joined(*parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The parts side by side along the last dimension, as e4m3 with one scale per row (one kernel compiled)."""
+    return quantize_rows(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
 
 
 def block_linear_shapes(tokens: int, text_tokens: int, sequences: int) -> Counter:
@@ -102,6 +109,9 @@ def measure_shape(rows: int, k: int, n: int, rank: int, device: str, repeats: in
     b = torch.randn(n, rank, device=device, dtype=bf16, generator=generator) / rank**0.5
     w_rows, w_row_scale = quantize_rows(weight)  # [n, k]: the forward's operand, a scale per output feature
     w_cols, w_col_scale = quantize_rows(weight.t().contiguous())  # [k, n]: the backward's, a scale per input
+    # the folded operands: the adapter's factor beside W along the reduced dimension, rounded with W's scales
+    wb_rows, wb_row_scale = quantize_rows(torch.cat([weight, 0.5 * b], dim=1))  # [n, k + r]
+    wa_cols, wa_col_scale = quantize_rows(torch.cat([weight, 0.5 * a], dim=0).t().contiguous())  # [k, n + r]
 
     def fp8_forward() -> torch.Tensor:
         q, scale = quantize(x)
@@ -113,14 +123,24 @@ def measure_shape(rows: int, k: int, n: int, rank: int, device: str, repeats: in
         dx = torch._scaled_mm(q, w_cols.t(), scale_a=scale, scale_b=w_col_scale.reshape(1, -1), out_dtype=bf16)
         return dx.addmm_(dy @ b, a, alpha=0.5)
 
+    def folded_forward() -> torch.Tensor:
+        q, scale = quantize(x, x @ a.t())
+        return torch._scaled_mm(q, wb_rows.t(), scale_a=scale, scale_b=wb_row_scale.reshape(1, -1), out_dtype=bf16)
+
+    def folded_backward() -> torch.Tensor:
+        q, scale = quantize(dy, dy @ b)  # dY·B: the adapter's own backward computes it anyway
+        return torch._scaled_mm(q, wa_cols.t(), scale_a=scale, scale_b=wa_col_scale.reshape(1, -1), out_dtype=bf16)
+
     reference = (x @ weight.t()).addmm_(x @ a.t(), b.t(), alpha=0.5).float()
-    error = float((fp8_forward().float() - reference).norm() / reference.norm())
     return {
         "bf16_forward": timed(lambda: x @ weight.t(), device, repeats),
         "bf16_backward": timed(lambda: dy @ weight, device, repeats),
         "fp8_forward": timed(fp8_forward, device, repeats),
         "fp8_backward": timed(fp8_backward, device, repeats),
-        "fp8_error": error,
+        "folded_forward": timed(folded_forward, device, repeats),
+        "folded_backward": timed(folded_backward, device, repeats),
+        "fp8_error": float((fp8_forward().float() - reference).norm() / reference.norm()),
+        "folded_error": float((folded_forward().float() - reference).norm() / reference.norm()),
     }
 
 
@@ -153,35 +173,37 @@ def main() -> None:
     opts = parser.parse_args()
 
     torch.manual_seed(0)
-    quantize = torch.compile(quantize_rows, dynamic=False) if opts.device == "cuda" else quantize_rows
+    quantize = torch.compile(quantize_joined, dynamic=False) if opts.device == "cuda" else quantize_joined
     shapes = block_linear_shapes(opts.tokens, opts.text_tokens, opts.sequences)
     peaks = {"bf16": peak_tflops(opts.device, False), "fp8": peak_tflops(opts.device, True)}
     device_name = torch.cuda.get_device_name() if opts.device == "cuda" else "cpu"
     print(f"{device_name}, torch {torch.__version__}; measured dense peak bf16 {peaks['bf16']:.4g}, "
           f"e4m3 {peaks['fp8']:.4g} TFLOP/s; {sum(shapes.values())} block linears per forward of "
           f"{opts.sequences} sequences")
-    print("| rows × in → out | layers | bf16 fwd + bwd ms | FP8 fwd + bwd ms (quantize, adapter in bf16) | "
-          "bf16 TFLOP/s | FP8 TFLOP/s | FP8 forward's error |")
+    print("| rows × in → out | layers | bf16 fwd + bwd ms | FP8, adapter beside: ms | FP8, adapter folded: ms | "
+          "TFLOP/s bf16 / beside / folded | forward's error beside / folded |")
     print("|---|---|---|---|---|---|---|")
-    totals = {"bf16": 0.0, "fp8": 0.0}
+    paths = ("bf16", "fp8", "folded")
+    totals = dict.fromkeys(paths, 0.0)
     flops_total = 0.0
     for (rows, k, n), count in sorted(shapes.items(), key=lambda item: -item[0][0] * item[0][1] * item[0][2]):
         m = measure_shape(rows, k, n, opts.rank, opts.device, opts.repeats, quantize)
-        bf16 = m["bf16_forward"] + m["bf16_backward"]
-        fp8 = m["fp8_forward"] + m["fp8_backward"]
-        flops = 2 * 2 * rows * k * n
-        totals["bf16"] += count * bf16
-        totals["fp8"] += count * fp8
+        seconds = {path: m[f"{path}_forward"] + m[f"{path}_backward"] for path in paths}
+        flops = 2 * 2 * rows * k * n  # the base's forward and input gradient
+        for path in paths:
+            totals[path] += count * seconds[path]
         flops_total += count * flops
-        print(f"| {rows} × {k} → {n} | {count} | {1e3 * bf16:.3f} | {1e3 * fp8:.3f} | "
-              f"{flops / bf16 / 1e12:.4g} | {flops / fp8 / 1e12:.4g} | {m['fp8_error']:.4f} |")
-    per_step = opts.tiles_per_step
-    print(f"\nper engine step ({per_step} tiles of {opts.sequences} sequences), the blocks' linear layers forward "
-          f"and input-gradient backward:")
-    print(f"  bf16 {per_step * totals['bf16']:.3f} s (floor at its peak {per_step * flops_total / peaks['bf16'] / 1e12:.3f}); "
-          f"FP8 {per_step * totals['fp8']:.3f} s (floor {per_step * flops_total / peaks['fp8'] / 1e12:.3f})")
-    saved = opts.steps * per_step * (totals["bf16"] - totals["fp8"])
-    print(f"  per rollout of {opts.steps} steps: {saved:.2f} s less matmul time with FP8")
+        rates = " / ".join(f"{flops / seconds[path] / 1e12:.4g}" for path in paths)
+        print(f"| {rows} × {k} → {n} | {count} | {1e3 * seconds['bf16']:.3f} | {1e3 * seconds['fp8']:.3f} | "
+              f"{1e3 * seconds['folded']:.3f} | {rates} | {m['fp8_error']:.4f} / {m['folded_error']:.4f} |")
+    tiles = opts.tiles_per_step
+    print(f"\nper engine step ({tiles} tiles of {opts.sequences} sequences), the blocks' linear layers forward and "
+          f"input-gradient backward: bf16 {tiles * totals['bf16']:.3f} s, FP8 with the adapter beside "
+          f"{tiles * totals['fp8']:.3f} s, folded {tiles * totals['folded']:.3f} s; floors at the measured peaks "
+          f"{tiles * flops_total / peaks['bf16'] / 1e12:.3f} s (bf16), {tiles * flops_total / peaks['fp8'] / 1e12:.3f} s (e4m3)")
+    for path, label in (("fp8", "beside"), ("folded", "folded")):
+        saved = opts.steps * tiles * (totals["bf16"] - totals[path])
+        print(f"per rollout of {opts.steps} steps, FP8 with the adapter {label}: {saved:.2f} s less matmul time")
 
 
 if __name__ == "__main__":
