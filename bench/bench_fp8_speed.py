@@ -37,16 +37,8 @@ sys.path.insert(0, REPO_ROOT)
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from bench_fp8_numerics import quantize_rows  # noqa: E402  (bench/bench_fp8_numerics.py: the same rounding)
 from miles.testing import real_size  # noqa: E402
-
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = torch.finfo(E4M3).max  # 448
-
-
-def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`t` [rows, k] as e4m3 with one fp32 scale per row (its largest magnitude maps to 448)."""
-    scale = t.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / E4M3_MAX
-    return (t.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
 def quantize_joined(*parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
