@@ -399,9 +399,10 @@ def test_blocks_sharded_in_groups_take_the_same_gradients(tiny, forward_dtype):
 
 @pytest.mark.parametrize("use_lora, forward_dtype", [(False, "fp32"), (False, "bf16"), (True, "bf16")])
 def test_one_rank_reduces_once_per_window_with_the_same_gradients(tiny, monkeypatch, use_lora, forward_dtype):
-    """On one rank FSDP reduces a window's gradients after its last micro-batch only (the others accumulate in the
-    reduce dtype): the gradients and the stepped weights are those of a reduction after every micro-batch, bit for
-    bit."""
+    """On one rank under LoRA, FSDP reduces a window's gradients after its last micro-batch only (the others
+    accumulate in the reduce dtype): the gradients and the stepped weights are those of a reduction after every
+    micro-batch, bit for bit. (A full fine-tune keeps the reduction per micro-batch, for memory; the equality is
+    checked for its gradients as well.)"""
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
 
     reductions, reduce = [0], param_group.foreach_reduce  # one call per FSDP unit and reduction
@@ -414,8 +415,8 @@ def test_one_rank_reduces_once_per_window_with_the_same_gradients(tiny, monkeypa
     runs = []
     for once in (True, False):
         trainer = make_trainer(tiny, use_lora=use_lora, micro_batch_size=2, diffusion_forward_dtype=forward_dtype)
-        assert trainer.reduce_once_per_window
-        trainer.reduce_once_per_window = once
+        assert trainer.reduce_once_per_window == use_lora  # a full fine-tune keeps the reduction per micro-batch
+        trainer.reduce_once_per_window = once  # its equality holds all the same
         reductions[0] = 0
         trainer.train(0, tiny[3])
         runs.append((grads(trainer), {n: p.full_tensor().clone() for n, p in trainer.trainable}, reductions[0]))
@@ -430,7 +431,7 @@ def test_one_rank_reduces_once_per_window_with_the_same_gradients(tiny, monkeypa
 def test_a_gradient_left_unreduced_by_the_last_micro_batch_is_an_error_not_a_lost_gradient(tiny, monkeypatch):
     """What a unit skipped by a window's last micro-batch would leave: gradients accumulated and never reduced
     (here every unit's, with the last backward's sync kept off too). The step says so instead of stepping."""
-    trainer = make_trainer(tiny, use_lora=False, micro_batch_size=2)
+    trainer = make_trainer(tiny, use_lora=True, micro_batch_size=2)
     keep_sync_off = trainer._reduce_gradients_after_this_backward
     monkeypatch.setattr(trainer, "_reduce_gradients_after_this_backward", lambda last: keep_sync_off(False))
     with pytest.raises(RuntimeError, match="left its gradient unreduced"):

@@ -170,14 +170,16 @@ class DiffusionTrainer:
         # its LoRA layers form the merged weight once per optimizer step where the weights are whole on the rank
         self.merge_lora_once = bool(self.forward_tile and config.trainer.use_lora
                                     and holds_weights_whole(config.trainer, self.dims))
-        # One trainer rank, its weights whole on the device, one denoiser module: FSDP2 would copy and cast every
-        # unit's gradients into its reduction after each micro-batch. Accumulating them unsharded in the reduce
-        # dtype and reducing once, after a window's last micro-batch, adds the same values in the same order (the
-        # same gradients, bit for bit) with one reduction per optimizer step. Several modules (Wan2.2's two
+        # One trainer rank, its weights whole on the device, one denoiser module, LoRA: FSDP2 would copy and cast
+        # every unit's gradients into its reduction after each micro-batch. Accumulating them unsharded in the
+        # reduce dtype and reducing once, after a window's last micro-batch, adds the same values in the same order
+        # (the same gradients, bit for bit) with one reduction per optimizer step. Several modules (Wan2.2's two
         # experts) keep the reduction per micro-batch: a module the last micro-batch skips would keep its
-        # gradients unreduced; so do more ranks (their reductions overlap the backward and keep gradients sharded).
+        # gradients unreduced; so do more ranks (their reductions overlap the backward and keep gradients sharded),
+        # and so does a full fine-tune: with it, the documented SD3.5-Medium full fine-tune on one H100 ran out of
+        # memory in its second training, which it had fitted without it (bench/RESULTS.md, twenty-eighth session).
         self.reduce_once_per_window = (self.world_size == 1 and holds_weights_whole(config.trainer, self.dims)
-                                       and len(self.module_names) == 1)
+                                       and len(self.module_names) == 1 and config.trainer.use_lora)
         self.model: nn.ModuleDict | None = None
         self.host_params: list[nn.Parameter] = []
         self.ema = None
