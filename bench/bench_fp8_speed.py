@@ -195,7 +195,8 @@ def main() -> None:
           f"{tiles * flops_total / peaks['bf16'] / 1e12:.3f} s (bf16), {tiles * flops_total / peaks['fp8'] / 1e12:.3f} s (e4m3)")
     for path, label in (("fp8", "beside"), ("folded", "folded")):
         saved = opts.steps * tiles * (totals["bf16"] - totals[path])
-        print(f"per rollout of {opts.steps} steps, FP8 with the adapter {label}: {saved:.2f} s less matmul time")
+        print(f"per rollout of {opts.steps} steps, FP8 with the adapter {label}: {abs(saved):.2f} s "
+              f"{'less' if saved >= 0 else 'more'} matmul time than bf16")
 
 
 if __name__ == "__main__":

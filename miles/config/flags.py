@@ -435,12 +435,14 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
           "tile keeps the GPU busier and holds that many samples' activations. The batch_invariant group still "
           "forwards in --micro-batch-size tiles; --rollout-patch-group none lifts that (exactness does not need "
           "the group here: no trainer forward has to match).", ge=0, extension=True),
-        F("--rollout-gradient-trainer", str, "device", "Under --diffusion-rollout-gradient, where the trainer "
+        F("--rollout-gradient-trainer", str, "auto", "Under --diffusion-rollout-gradient, where the trainer "
           "process runs. device: on the GPU it shares with the engine (the GPU on a GPU run). host: on the CPU, "
           "never touching a GPU (no CUDA context and no memory beside the engine's): the trainer runs no forward "
           "in this mode, only the adapters' fused AdamW step, and the engines add their gradient into, and read "
-          "the new factors from, shared-memory files. Needs --colocate on one node (--actor-num-nodes 1).",
-          choices=("device", "host"), extension=True),
+          "the new factors from, shared-memory files; needs --colocate on one node (--actor-num-nodes 1). auto: "
+          "host for one colocated trainer rank (--colocate, --actor-num-nodes 1, --actor-num-gpus-per-node 1), "
+          "else device. docs/training.md.",
+          choices=("auto", "device", "host"), extension=True),
         F("--diffusion-kl-beta", finite_float, 0.0, "Reference-KL coefficient; > 0 turns on a reference forward.",
           ge=0),
         F("--ref-mode", str, None, "Reference policy: none / lora_base / ema. Unset = auto: under nft ema (the "

@@ -248,7 +248,7 @@ class TrainerConfig:
     diffusion_recompute_old_log_prob: bool
     diffusion_rollout_gradient: bool  # each sample's ∇ℓ from the engines, no replay (miles/engine/rollout_gradients.py)
     rollout_gradient_tile: int  # the engines' samples per forward-with-backward under the flag above (0: micro-batch)
-    rollout_gradient_trainer: str  # device / host: where the trainer process runs under the flag above
+    rollout_gradient_trainer: str  # under the flag above, resolved: device / host (where the trainer runs); else auto
     diffusion_kl_beta: float
     ref_mode: str  # resolved: none / lora_base / ema (docs/algorithms.md §5, §6, §8)
     custom_prepare_train_batch_path: str | None

@@ -446,7 +446,7 @@ def _rule_rollout_gradient(args: argparse.Namespace) -> None:
     loss with one optimizer step per rollout; each sample's term is taken in a one-process engine's forward."""
     if not args.diffusion_rollout_gradient:
         for name, value, default in (("tile", args.rollout_gradient_tile, 0),
-                                     ("trainer", args.rollout_gradient_trainer, "device")):
+                                     ("trainer", args.rollout_gradient_trainer, "auto")):
             if value != default:
                 _fail(f"--rollout-gradient-{name} applies under --diffusion-rollout-gradient; pass that flag too, "
                       f"or drop this one")
@@ -454,6 +454,9 @@ def _rule_rollout_gradient(args: argparse.Namespace) -> None:
     if args.rollout_gradient_trainer == "host" and not (args.colocate and args.actor_num_nodes == 1):
         _fail("--rollout-gradient-trainer host needs --colocate on one node (--actor-num-nodes 1): the engines "
               "reach a trainer on the CPU only through shared-memory files of their own host")
+    if args.rollout_gradient_trainer == "auto":  # the measured default: one colocated trainer rank on the host
+        one_rank = args.colocate and args.actor_num_nodes == 1 and args.actor_num_gpus_per_node == 1
+        args.rollout_gradient_trainer = "host" if one_rank else "device"
     flag = "--diffusion-rollout-gradient"
     needs = [
         (args.use_lora, "--use-lora (the engines keep a per-sample copy of the adapter)"),

@@ -722,9 +722,17 @@ def test_a_trainer_on_the_host_needs_the_rollout_gradient_and_one_colocated_node
     assert "--rollout-gradient-trainer host needs --colocate on one node" in error(*fused, *host)
     assert "--rollout-gradient-trainer host needs --colocate on one node" in error(
         *fused, *host, "--colocate", "--actor-num-nodes", "2")
-    assert RunConfig.from_args(parse(*fused, *host, "--colocate")).trainer.on_host
-    assert not RunConfig.from_args(parse(*fused, "--colocate")).trainer.on_host
+    assert RunConfig.from_args(parse(*fused, *host, "--colocate", "--actor-num-gpus-per-node", "2")).trainer.on_host
     assert "invalid choice" in error(*fused, "--rollout-gradient-trainer", "gpu")
+
+    def where(*extra) -> str:
+        return RunConfig.from_args(parse(*extra)).trainer.rollout_gradient_trainer
+
+    # auto (the default): the host for one colocated trainer rank, the device otherwise and without the mode
+    assert where(*fused, "--colocate") == "host"
+    assert where(*fused, "--colocate", "--rollout-gradient-trainer", "device") == "device"
+    assert where(*fused) == where(*fused, "--colocate", "--actor-num-gpus-per-node", "2") == "device"
+    assert not RunConfig.from_args(parse("--use-lora", "--colocate")).trainer.on_host
 
 
 def test_colocated_engines_on_gpus_pin_their_release_buffers_ahead():

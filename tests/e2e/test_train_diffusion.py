@@ -364,16 +364,17 @@ def test_hybrid_sharded_trainer_with_its_own_engine_matches_one_rank(sd3, prompt
 def test_rollout_gradient_steps_as_the_replay_does(sd3, prompts, tmp_path):
     """--diffusion-rollout-gradient (LoRA): the engine takes each sample's gradient during the rollout and the
     trainer replays nothing, yet every rollout's gradient is the replayed clipped loss's (fp32 rounding apart);
-    the gradient reaches the trainer through its shared buffer. With `--rollout-gradient-trainer host` the
-    trainer sees no GPU, gradient and factors cross by shared-memory files and the colocated run takes no turns
-    (on the CPU the two differ only in those turns and the optimizer's fused kernel)."""
+    the gradient reaches the trainer through its shared buffer. With the trainer on the host (the default for
+    one colocated rank) it sees no GPU, gradient and factors cross by shared-memory files and the colocated run
+    takes no turns; `--rollout-gradient-trainer device` keeps it beside the engine (on the CPU the two differ
+    only in those turns and the optimizer's fused kernel)."""
     replay, fused, host = tmp_path / "replay", tmp_path / "fused", tmp_path / "host"
     lora = ["--use-lora", "--lora-rank", "4", "--lora-alpha", "8", "--colocate", "--num-rollout", "3"]
     run([*base_flags(sd3, prompts, replay), *lora, "--lora-ipc-weight-sync"])
-    result = run([*base_flags(sd3, prompts, fused), *lora, "--diffusion-rollout-gradient"])
+    result = run([*base_flags(sd3, prompts, fused), *lora, "--diffusion-rollout-gradient",
+                  "--rollout-gradient-trainer", "device"])
     assert "warning" not in result.stderr.lower()
-    result = run([*base_flags(sd3, prompts, host), *lora, "--diffusion-rollout-gradient",
-                  "--rollout-gradient-trainer", "host"])
+    result = run([*base_flags(sd3, prompts, host), *lora, "--diffusion-rollout-gradient"])
     assert "warning" not in result.stderr.lower()
     a, b, c = metrics(replay), metrics(fused), metrics(host)
     first = [series(records, "rollout/reward_mean")[0] for records in (a, b, c)]
