@@ -70,7 +70,8 @@ def train(args, resume: ResumePoint) -> None:
         logger.info(lifecycle.started_line(
             config.model.diffusion_model_family_resolved, config.model.hf_checkpoint, placement.device,
             config.placement.train_world_size if actor is not None else 0, placement.num_engines,
-            config.placement.colocate, batch_geometry(args), schedule, config.logging.output_dir))
+            config.placement.colocate, batch_geometry(args), schedule, config.logging.output_dir,
+            trainer_on_host=config.trainer.on_host))
         if actor is not None and rollout_manager.has_engines:
             # The engines start from the trainer's weights (LoRA-initialised or loaded from --load).
             with run_logger.startup_part("weight_sync"):

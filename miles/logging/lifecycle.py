@@ -15,14 +15,17 @@ from miles.config.schedule import RunSchedule, format_rollout_ids
 
 
 def started_line(family: str | None, hf_checkpoint: str, device: str, trainer_ranks: int, engines: int,
-                 colocated: bool, geometry: BatchGeometry, schedule: RunSchedule, output_dir: str) -> str:
-    """The run's shape once its processes are placed: model, devices, one rollout's geometry, the schedule."""
+                 colocated: bool, geometry: BatchGeometry, schedule: RunSchedule, output_dir: str,
+                 trainer_on_host: bool = False) -> str:
+    """The run's shape once its processes are placed: model, devices, one rollout's geometry, the schedule.
+    `trainer_on_host`: the trainer runs on the CPU whatever `device` is (--rollout-gradient-trainer)."""
     engines_text = "no engines" if engines == 0 else f"{engines} engine(s)" + (" colocated" if colocated else "")
     pairs = "?" if geometry.pairs is None else str(geometry.pairs)
     trajectories = "?" if geometry.trajectories is None else str(geometry.trajectories)
     first, last = schedule.start_rollout_id, schedule.num_rollout - 1
+    where = " on the host" if trainer_on_host else ""
     return (f"started: {family or 'custom family'} from {hf_checkpoint} on {device}, {trainer_ranks} trainer "
-            f"rank(s), {engines_text}; per rollout {geometry.prompts} prompts x {geometry.samples_per_prompt} "
+            f"rank(s){where}, {engines_text}; per rollout {geometry.prompts} prompts x {geometry.samples_per_prompt} "
             f"samples = {trajectories} trajectories, {pairs} train pairs, {geometry.optimizer_steps} optimizer "
             f"step(s); rollouts {first}..{last} of {schedule.num_rollout}; saves after "
             f"{format_rollout_ids(schedule.saves)}, evals before {format_rollout_ids(schedule.evals)}; "

@@ -18,6 +18,10 @@ def test_the_started_line_gives_the_shape_and_the_schedule():
     assert line == ("started: sd3 from /models/sd3 on cuda, 8 trainer rank(s), 8 engine(s) colocated; per rollout 4 "
                     "prompts x 8 samples = 32 trajectories, 64 train pairs, 2 optimizer step(s); rollouts 10..29 of 30; "
                     "saves after 19, 29 (2), evals before 10, 20, 30 (3); outputs in /runs/a")
+    on_host = lifecycle.started_line("sd3", "/models/sd3", "cuda", 1, 1, True, geometry, schedule, "/runs/a",
+                                     trainer_on_host=True)
+    assert on_host.startswith("started: sd3 from /models/sd3 on cuda, 1 trainer rank(s) on the host, 1 engine(s) "
+                              "colocated;")
 
 
 def test_the_eval_and_finished_lines():
