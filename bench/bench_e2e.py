@@ -246,6 +246,7 @@ def run_miles(opts, checkpoint: str, prompt_file: str, lora: bool, mode: str, wo
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "console.log"), "w") as handle:  # the trainer's and engines' lines, kept
             handle.write(result.stdout + result.stderr)
+        keep_logs(out, opts.keep_logs)
         for line in (result.stdout + result.stderr).splitlines():  # what a colocated run chose (miles/ray/colocation.py)
             if "colocation: " in line:
                 print(f"  miles {'lora' if lora else 'full'} {mode} launch {launch}: {line.rsplit('colocation: ', 1)[1]}",
@@ -263,6 +264,18 @@ def run_miles(opts, checkpoint: str, prompt_file: str, lora: bool, mode: str, wo
         if launch < launches - 1:
             record_row(opts, lora, f"miles {mode}, launch {launch + 1} of {launches} (cold caches)", row)
     return row
+
+
+def keep_logs(out: str, logs: str | None) -> None:
+    """A launch's console and metrics (kilobytes) copied into `logs`/<its folder>, failed launches too: the run's
+    own folder sits beside its checkpoint in the work directory, which a device call does not bring back."""
+    if not logs:
+        return
+    kept = os.path.join(logs, os.path.basename(out))
+    os.makedirs(kept, exist_ok=True)
+    for name in ("console.log", "metrics.jsonl"):
+        if os.path.exists(os.path.join(out, name)):
+            shutil.copy(os.path.join(out, name), kept)
 
 
 def launch_row(iterations: list[dict], peak_gib: float | None, wall: float, out: str) -> dict:
@@ -466,6 +479,8 @@ def main() -> None:
     parser.add_argument("--sweep-trained-steps", help="comma list of trained steps per sample (0: all), e.g. 2,0")
     parser.add_argument("--rows-jsonl", help="append every measured row to this file as soon as it is measured")
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--keep-logs", metavar="DIR", help="copy each framework launch's console.log and "
+                        "metrics.jsonl into DIR/<launch> (e.g. $OUT/logs on the device), failed launches too")
     parser.add_argument("extra_flags", nargs="*", help="after --: more train_diffusion.py flags")
     opts = parser.parse_args()
     pixels = 512 if opts.real_size else 32

@@ -32,3 +32,15 @@ def test_a_variant_flag_without_dashes_is_refused(bench_e2e):
 def test_a_plain_loop_runs_in_a_process_of_its_own(bench_e2e):
     """Its device memory is given back when it ends, before the framework's launch measured after it."""
     assert bench_e2e.in_child_process(os.getpid) != os.getpid()
+
+
+def test_a_launchs_console_and_metrics_are_kept_where_asked(bench_e2e, tmp_path):
+    out = tmp_path / "work" / "miles-full-compiled-0"
+    out.mkdir(parents=True)
+    (out / "console.log").write_text("error: trainer rank 0 of 1 ran out of GPU memory\n")
+    (out / "checkpoint.bin").write_bytes(b"0" * 64)  # what stays in the work directory
+    bench_e2e.keep_logs(str(out), str(tmp_path / "logs"))
+    kept = tmp_path / "logs" / "miles-full-compiled-0"
+    assert sorted(p.name for p in kept.iterdir()) == ["console.log"]  # no metrics yet: the launch failed first
+    assert "out of GPU memory" in (kept / "console.log").read_text()
+    bench_e2e.keep_logs(str(out), None)  # not asked: nothing to do
