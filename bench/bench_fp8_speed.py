@@ -18,8 +18,9 @@ architecture (read from `miles/testing/real_size.py`'s config on the meta device
   into it along the reduced dimension, y = [x | x·Aᵀ]·[W | s·B]ᵀ and dX = [dY | dY·B]·[W ; s·A] (r more columns;
   each element of B and A keeps e4m3's relative precision, as nothing is added to W before rounding),
 
-and prints the matmul seconds per engine step both ways with the measured peaks beside them. A projection, not
-an engine: the step's other kernels (attention, norms, GELU) are unchanged by it and not timed here.
+and, as a bound, the folded matmuls alone on operands rounded beforehand (what fusing the rounding into the kernels
+that produce x and dY could reach), and prints the matmul seconds per engine step each way with the measured peaks
+beside them. A projection, not an engine: the step's other kernels (attention, norms, GELU) are unchanged by it and not timed here.
 """
 
 from __future__ import annotations
@@ -123,6 +124,17 @@ def measure_shape(rows: int, k: int, n: int, rank: int, device: str, repeats: in
         q, scale = quantize(dy, dy @ b)  # dY·B: the adapter's own backward computes it anyway
         return torch._scaled_mm(q, wa_cols.t(), scale_a=scale, scale_b=wa_col_scale.reshape(1, -1), out_dtype=bf16)
 
+    # the bound: the folded matmuls alone, their operands rounded beforehand, as if the rounding (and x·Aᵀ, dY·B)
+    # came fused into the kernels that produce x and dY (the norms, GELU, attention's output)
+    qx, sx = quantize(x, x @ a.t())
+    qdy, sdy = quantize(dy, dy @ b)
+
+    def bound_forward() -> torch.Tensor:
+        return torch._scaled_mm(qx, wb_rows.t(), scale_a=sx, scale_b=wb_row_scale.reshape(1, -1), out_dtype=bf16)
+
+    def bound_backward() -> torch.Tensor:
+        return torch._scaled_mm(qdy, wa_cols.t(), scale_a=sdy, scale_b=wa_col_scale.reshape(1, -1), out_dtype=bf16)
+
     reference = (x @ weight.t()).addmm_(x @ a.t(), b.t(), alpha=0.5).float()
     return {
         "bf16_forward": timed(lambda: x @ weight.t(), device, repeats),
@@ -131,6 +143,8 @@ def measure_shape(rows: int, k: int, n: int, rank: int, device: str, repeats: in
         "fp8_backward": timed(fp8_backward, device, repeats),
         "folded_forward": timed(folded_forward, device, repeats),
         "folded_backward": timed(folded_backward, device, repeats),
+        "bound_forward": timed(bound_forward, device, repeats),
+        "bound_backward": timed(bound_backward, device, repeats),
         "fp8_error": float((fp8_forward().float() - reference).norm() / reference.norm()),
         "folded_error": float((folded_forward().float() - reference).norm() / reference.norm()),
     }
@@ -173,9 +187,9 @@ def main() -> None:
           f"e4m3 {peaks['fp8']:.4g} TFLOP/s; {sum(shapes.values())} block linears per forward of "
           f"{opts.sequences} sequences")
     print("| rows × in → out | layers | bf16 fwd + bwd ms | FP8, adapter beside: ms | FP8, adapter folded: ms | "
-          "TFLOP/s bf16 / beside / folded | forward's error beside / folded |")
-    print("|---|---|---|---|---|---|---|")
-    paths = ("bf16", "fp8", "folded")
+          "FP8 folded, matmuls alone: ms | TFLOP/s bf16 / beside / folded / alone | forward's error beside / folded |")
+    print("|---|---|---|---|---|---|---|---|")
+    paths = ("bf16", "fp8", "folded", "bound")
     totals = dict.fromkeys(paths, 0.0)
     flops_total = 0.0
     for (rows, k, n), count in sorted(shapes.items(), key=lambda item: -item[0][0] * item[0][1] * item[0][2]):
@@ -187,13 +201,14 @@ def main() -> None:
         flops_total += count * flops
         rates = " / ".join(f"{flops / seconds[path] / 1e12:.4g}" for path in paths)
         print(f"| {rows} × {k} → {n} | {count} | {1e3 * seconds['bf16']:.3f} | {1e3 * seconds['fp8']:.3f} | "
-              f"{1e3 * seconds['folded']:.3f} | {rates} | {m['fp8_error']:.4f} / {m['folded_error']:.4f} |")
+              f"{1e3 * seconds['folded']:.3f} | {1e3 * seconds['bound']:.3f} | {rates} | {m['fp8_error']:.4f} / {m['folded_error']:.4f} |")
     tiles = opts.tiles_per_step
     print(f"\nper engine step ({tiles} tiles of {opts.sequences} sequences), the blocks' linear layers forward and "
           f"input-gradient backward: bf16 {tiles * totals['bf16']:.3f} s, FP8 with the adapter beside "
-          f"{tiles * totals['fp8']:.3f} s, folded {tiles * totals['folded']:.3f} s; floors at the measured peaks "
+          f"{tiles * totals['fp8']:.3f} s, folded {tiles * totals['folded']:.3f} s, the folded matmuls alone "
+          f"{tiles * totals['bound']:.3f} s; floors at the measured peaks "
           f"{tiles * flops_total / peaks['bf16'] / 1e12:.3f} s (bf16), {tiles * flops_total / peaks['fp8'] / 1e12:.3f} s (e4m3)")
-    for path, label in (("fp8", "beside"), ("folded", "folded")):
+    for path, label in (("fp8", "beside"), ("folded", "folded"), ("bound", "folded, its rounding free")):
         saved = opts.steps * tiles * (totals["bf16"] - totals[path])
         print(f"per rollout of {opts.steps} steps, FP8 with the adapter {label}: {abs(saved):.2f} s "
               f"{'less' if saved >= 0 else 'more'} matmul time than bf16")

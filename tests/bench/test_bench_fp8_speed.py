@@ -23,6 +23,7 @@ def test_the_block_linears_are_sd35_mediums_by_stream(fp8_speed):
 
 def test_one_shape_times_both_paths_and_the_fp8_forward_stays_near_bf16(fp8_speed):
     m = fp8_speed.measure_shape(24, 64, 96, rank=4, device="cpu", repeats=1, quantize=fp8_speed.quantize_joined)
-    assert all(m[f"{path}_{way}"] > 0 for path in ("bf16", "fp8", "folded") for way in ("forward", "backward"))
+    assert all(m[f"{path}_{way}"] > 0 for path in ("bf16", "fp8", "folded", "bound")
+               for way in ("forward", "backward"))
     # e4m3 keeps 3 mantissa bits; the folded adapter is rounded on its own, not into W
     assert 0.005 < m["fp8_error"] < 0.08 and 0.005 < m["folded_error"] < 0.08
