@@ -20,16 +20,15 @@ architecture (read from `miles/testing/real_size.py`'s config on the meta device
 
 and, as a bound, the folded matmuls alone on operands rounded beforehand (what fusing the rounding into the kernels
 that produce x and dY could reach), and prints the matmul seconds per engine step each way with the measured peaks
-beside them. A projection, not an engine: the step's other kernels (attention, norms, GELU) are unchanged by it and not timed here.
+beside them. A projection, not an engine: the step's other kernels (attention, norms, GELU) are unchanged by it
+and not timed here.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from collections import Counter
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,6 +37,7 @@ sys.path.insert(0, REPO_ROOT)
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from bench_attention import timed  # noqa: E402  (bench/bench_attention.py: the median over CUDA events)
 from bench_fp8_numerics import quantize_rows  # noqa: E402  (bench/bench_fp8_numerics.py: the same rounding)
 from miles.testing import real_size  # noqa: E402
 
@@ -60,7 +60,7 @@ def block_linear_shapes(tokens: int, text_tokens: int, sequences: int) -> Counte
     for name, module in model.transformer_blocks.named_modules():
         if not isinstance(module, nn.Linear):
             continue
-        if ".norm" in f".{name.split('.', 1)[1]}":
+        if ".norm" in name:
             continue
         if "add_" in name or "ff_context" in name:
             rows = sequences * text_tokens
@@ -70,30 +70,11 @@ def block_linear_shapes(tokens: int, text_tokens: int, sequences: int) -> Counte
     return shapes
 
 
-def timed(fn, device: str, repeats: int) -> float:
-    """Median seconds of `fn()` over `repeats` runs after two warm-ups (CUDA events on the GPU)."""
-    for _ in range(2):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3)
-        else:
-            began = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - began)
-    return statistics.median(samples)
-
-
 def measure_shape(rows: int, k: int, n: int, rank: int, device: str, repeats: int, quantize) -> dict:
-    """Seconds of one layer's forward and input-gradient backward, bf16 against FP8 with a bf16 adapter term,
-    and the FP8 forward's relative error against bf16's."""
+    """Seconds of one layer's forward and input-gradient backward on each path (bf16; FP8 with the adapter beside;
+    FP8 with it folded; the folded matmuls alone), and the two FP8 forwards' relative error against bf16's."""
     generator = torch.Generator(device).manual_seed(rows * 7 + k * 3 + n)
+    where = torch.device(device)
     bf16 = torch.bfloat16
     x = torch.randn(rows, k, device=device, dtype=bf16, generator=generator)
     dy = torch.randn(rows, n, device=device, dtype=bf16, generator=generator)
@@ -137,14 +118,14 @@ def measure_shape(rows: int, k: int, n: int, rank: int, device: str, repeats: in
 
     reference = (x @ weight.t()).addmm_(x @ a.t(), b.t(), alpha=0.5).float()
     return {
-        "bf16_forward": timed(lambda: x @ weight.t(), device, repeats),
-        "bf16_backward": timed(lambda: dy @ weight, device, repeats),
-        "fp8_forward": timed(fp8_forward, device, repeats),
-        "fp8_backward": timed(fp8_backward, device, repeats),
-        "folded_forward": timed(folded_forward, device, repeats),
-        "folded_backward": timed(folded_backward, device, repeats),
-        "bound_forward": timed(bound_forward, device, repeats),
-        "bound_backward": timed(bound_backward, device, repeats),
+        "bf16_forward": timed(lambda: x @ weight.t(), where, repeats),
+        "bf16_backward": timed(lambda: dy @ weight, where, repeats),
+        "fp8_forward": timed(fp8_forward, where, repeats),
+        "fp8_backward": timed(fp8_backward, where, repeats),
+        "folded_forward": timed(folded_forward, where, repeats),
+        "folded_backward": timed(folded_backward, where, repeats),
+        "bound_forward": timed(bound_forward, where, repeats),
+        "bound_backward": timed(bound_backward, where, repeats),
         "fp8_error": float((fp8_forward().float() - reference).norm() / reference.norm()),
         "folded_error": float((folded_forward().float() - reference).norm() / reference.norm()),
     }
@@ -158,9 +139,9 @@ def peak_tflops(device: str, fp8: bool) -> float:
     if fp8:
         (qa, sa), (qb, sb) = quantize_rows(a), quantize_rows(b)
         seconds = timed(lambda: torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb.reshape(1, -1),
-                                                 out_dtype=torch.bfloat16), device, 10)
+                                                 out_dtype=torch.bfloat16), torch.device(device), 10)
     else:
-        seconds = timed(lambda: a @ b, device, 10)
+        seconds = timed(lambda: a @ b, torch.device(device), 10)
     return 2 * size**3 / seconds / 1e12
 
 
@@ -199,15 +180,17 @@ def main() -> None:
         for path in paths:
             totals[path] += count * seconds[path]
         flops_total += count * flops
+        milliseconds = " | ".join(f"{1e3 * seconds[path]:.3f}" for path in paths)
         rates = " / ".join(f"{flops / seconds[path] / 1e12:.4g}" for path in paths)
-        print(f"| {rows} × {k} → {n} | {count} | {1e3 * seconds['bf16']:.3f} | {1e3 * seconds['fp8']:.3f} | "
-              f"{1e3 * seconds['folded']:.3f} | {1e3 * seconds['bound']:.3f} | {rates} | {m['fp8_error']:.4f} / {m['folded_error']:.4f} |")
+        print(f"| {rows} × {k} → {n} | {count} | {milliseconds} | {rates} | "
+              f"{m['fp8_error']:.4f} / {m['folded_error']:.4f} |")
     tiles = opts.tiles_per_step
     print(f"\nper engine step ({tiles} tiles of {opts.sequences} sequences), the blocks' linear layers forward and "
           f"input-gradient backward: bf16 {tiles * totals['bf16']:.3f} s, FP8 with the adapter beside "
           f"{tiles * totals['fp8']:.3f} s, folded {tiles * totals['folded']:.3f} s, the folded matmuls alone "
           f"{tiles * totals['bound']:.3f} s; floors at the measured peaks "
-          f"{tiles * flops_total / peaks['bf16'] / 1e12:.3f} s (bf16), {tiles * flops_total / peaks['fp8'] / 1e12:.3f} s (e4m3)")
+          f"{tiles * flops_total / peaks['bf16'] / 1e12:.3f} s (bf16), "
+          f"{tiles * flops_total / peaks['fp8'] / 1e12:.3f} s (e4m3)")
     for path, label in (("fp8", "beside"), ("folded", "folded"), ("bound", "folded, its rounding free")):
         saved = opts.steps * tiles * (totals["bf16"] - totals[path])
         print(f"per rollout of {opts.steps} steps, FP8 with the adapter {label}: {abs(saved):.2f} s "

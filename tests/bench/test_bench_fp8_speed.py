@@ -1,4 +1,4 @@
-"""bench/bench_fp8_speed.py: it counts the real architecture's block linears and times both paths of one."""
+"""bench/bench_fp8_speed.py: it counts the real architecture's block linears and times every path of one."""
 
 import pytest
 
@@ -21,7 +21,7 @@ def test_the_block_linears_are_sd35_mediums_by_stream(fp8_speed):
     assert sum(shapes.values()) == 148 + 48 + 95 + 46
 
 
-def test_one_shape_times_both_paths_and_the_fp8_forward_stays_near_bf16(fp8_speed):
+def test_one_shape_times_every_path_and_the_fp8_forwards_stay_near_bf16(fp8_speed):
     m = fp8_speed.measure_shape(24, 64, 96, rank=4, device="cpu", repeats=1, quantize=fp8_speed.quantize_joined)
     assert all(m[f"{path}_{way}"] > 0 for path in ("bf16", "fp8", "folded", "bound")
                for way in ("forward", "backward"))
