@@ -102,8 +102,11 @@ def train(args, resume: ResumePoint) -> None:
 
             with run_logger.phase("rollout"):
                 samples = rollout_manager.generate(rollout_id)
-            if config.placement.overlap_rollout and rollout_id + 1 < config.data.num_rollout:
-                rollout_manager.generate_ahead(rollout_id + 1)  # on the current weights, while this one trains
+            if rollout_id + 1 < config.data.num_rollout:
+                if config.placement.overlap_rollout:
+                    rollout_manager.generate_ahead(rollout_id + 1)  # on the current weights, while this one trains
+                elif config.placement.rollout_prefetch == "on":  # encoded now, denoised on the weights trained next
+                    rollout_manager.generate_ahead(rollout_id + 1, after_weight_version=rollout_id + 1)
             if actor is None:
                 run_logger.flush(rollout_id)
                 continue

@@ -79,6 +79,7 @@ class PlacementConfig:
     offload_rollout: bool
     colocate_offload_policy: str
     overlap_rollout: bool
+    rollout_prefetch: str  # resolved: on / off
     colocate_memory_margin_gb: float
     ray_address: str | None  # None: $RAY_ADDRESS, else a private Ray instance (miles.ray.placement)
     distributed_backend: str

@@ -441,6 +441,36 @@ def _rule_overlap(args: argparse.Namespace) -> None:
               "--debug-rollout-only or --load-debug-rollout-data)")
 
 
+# the built-in rollout functions: a user's would send the next rollout's requests without the weights to wait for
+BUILT_IN_ROLLOUT_FUNCTIONS = ("miles.rollout.sglang_rollout.generate_rollout",
+                              "miles.rollout.sglang_diffusion_rollout.generate_rollout")
+
+
+def _rule_prefetch(args: argparse.Namespace) -> None:
+    """--rollout-prefetch: rollout k+1 is sent while the trainer trains on rollout k, its requests waiting on the
+    engines for the weights of version k+1 (miles/engine/scheduler.py). Resolved to on or off."""
+    if args.rollout_prefetch == "off":
+        return
+    needs = [
+        (not (args.train_only or args.debug_rollout_only or args.load_debug_rollout_data),
+         "both a rollout and a trainer (no --train-only, --debug-rollout-only or --load-debug-rollout-data)"),
+        (args.loss_type != "sft_loss", "rollouts from the engines (not --loss-type sft_loss)"),
+        (not args.overlap_rollout, "no --overlap-rollout (it sends the next rollout on the current weights)"),
+        (args.rollout_function_path in BUILT_IN_ROLLOUT_FUNCTIONS and not args.custom_generate_function_path,
+         "the built-in rollout and generate (no --rollout-function-path of your own, no "
+         "--custom-generate-function-path: they would not wait for the new weights)"),
+        (not args.colocate or (args.diffusion_rollout_gradient and args.rollout_gradient_trainer == "host"),
+         "engines that stay resident while the trainer trains (no --colocate, or --colocate with the trainer on "
+         "the host: --diffusion-rollout-gradient, --rollout-gradient-trainer host or auto)"),
+        (args.miles_router_timeout is None, "no --miles-router-timeout (a request sent ahead waits while the "
+                                            "trainer trains)"),
+    ]
+    missing = [what for ok, what in needs if not ok]
+    if missing and args.rollout_prefetch == "on":
+        _fail(f"--rollout-prefetch on needs {missing[0]}")
+    args.rollout_prefetch = "off" if missing else "on"
+
+
 def _rule_rollout_gradient(args: argparse.Namespace) -> None:
     """--diffusion-rollout-gradient: the gradient at ratio 1 is Σ −clip(A)·∇ℓ / pairs only for the plain clipped
     loss with one optimizer step per rollout; each sample's term is taken in a one-process engine's forward."""
@@ -529,7 +559,7 @@ def _rule_engine_limits(args: argparse.Namespace) -> None:
 RULES: tuple[Callable[[argparse.Namespace], None], ...] = (
     _rule_values, _rule_model, _rule_topology, _rule_placement, _rule_ci, _rule_modes, _rule_batch, _rule_run_length,
     _rule_sde_steps, _rule_loss, _rule_reference, _rule_optimizer, _rule_reward, _rule_eval, _rule_outputs,
-    _rule_micro_batches, _rule_rollout_gradient, _rule_parity, _rule_overlap, _rule_engine_limits,
+    _rule_micro_batches, _rule_rollout_gradient, _rule_parity, _rule_overlap, _rule_prefetch, _rule_engine_limits,
 )
 
 

@@ -1,8 +1,9 @@
 """The engine's model side: load the pipeline through the family, and run requests one denoising step at a time.
 
 A request becomes a `Trajectory` (`start`: encode the prompt, build the per-sample generators, draw the
-initial latents); `step` advances any list of trajectories by one step with ONE batched DiT forward
-(`family.predict_velocity`, CFG as a doubled batch inside the family), then applies each trajectory's own step
+initial latents; `activate`, at its first step: what depends on the weights); `step` advances any list of
+trajectories by one step with ONE batched DiT forward (`family.predict_velocity`, CFG as a doubled batch inside
+the family), then applies each trajectory's own step
 kernel from the math core (`SdeStepBackend.sample` on its SDE steps S, Euler `ode_step` elsewhere,
 docs/algorithms.md §2–§3); `finish` decodes and packs the response. Every sample keeps its own generator (seeded
 seed + b), used first for the initial noise and then for the step noises, so a sample's trajectory never
@@ -72,7 +73,7 @@ class Trajectory:
 
     request: GenerateRequest
     shape: GenerationShape
-    conditioning: dict[str, torch.Tensor]  # batched [M, ...] on the device
+    conditioning: dict[str, torch.Tensor]  # on the device: [1, ...] once started, [M, ...] once activated
     sigmas: torch.Tensor  # [n + 1] fp32 on the device
     sigma_values: tuple[float, ...]  # the same on the host: the scheduler reads them between steps (no device sync)
     timesteps: torch.Tensor  # [n]
@@ -85,7 +86,8 @@ class Trajectory:
     recorded: dict[int, torch.Tensor] = field(default_factory=dict)
     log_probs: dict[int, torch.Tensor] = field(default_factory=dict)
     debug_velocities: dict[int, torch.Tensor] = field(default_factory=dict)
-    weight_version_at_start: int = 0
+    weight_version_at_start: int = 0  # the engine's weight version at the first step (`ModelRunner.activate`)
+    activated: bool = False
     started_at: float = field(default_factory=time.perf_counter)
     start_seconds: float = 0.0  # `ModelRunner.start`: the prompt's encoding and the initial latents
     denoise_seconds: float = 0.0
@@ -340,7 +342,6 @@ class ModelRunner:
         encoded = self.family.encode_conditioning(self.pipe, [request.prompt], negative, request.guidance, shape=shape,
                                                   image=image)
         m = request.num_samples
-        conditioning = {key: value.expand(m, *value.shape[1:]).contiguous() for key, value in encoded.items()}
         sigmas = self.family.sigmas(self.pipe, request.num_steps, shape, request.flow_shift)
         sigmas = sigmas.to(dtype=torch.float32)
         sigma_values = tuple(sigmas.tolist())  # before the move: reading them later would wait for the device
@@ -355,16 +356,15 @@ class ModelRunner:
                 check_sequence_length(layout, tuple(latents.shape[1:]), self.server_args.tp_size)
             except ValueError as err:
                 raise ProtocolError(str(err)) from err
-        sums = None
         if request.rollout_gradient:
             if self.rollout_gradients is None or self._followers is not None:
-                raise ProtocolError("rollout_gradient: this engine was not started for it (--diffusion-rollout-gradient"
-                                    " on a one-process engine)")
-            sums = self.rollout_gradients.sums(m)
+                raise ProtocolError("rollout_gradient: this engine was not started for it (--diffusion-rollout-"
+                                    "gradient on a one-process engine)")
+            self.rollout_gradients.check_pushed()
         trajectory = Trajectory(
             request=request,
             shape=shape,
-            conditioning=conditioning,
+            conditioning=encoded,  # one row until `activate`: a request waiting for its weights holds no more
             sigmas=sigmas,
             sigma_values=sigma_values,
             timesteps=timesteps,
@@ -373,12 +373,23 @@ class ModelRunner:
             backend=backend,
             sde_steps=frozenset(request.sde_step_indices),
             return_latents=frozenset(request.return_latent_indices),
-            weight_version_at_start=self.weight_version,
-            gradient_sums=sums,
         )
         self.record_latents(trajectory)
         trajectory.start_seconds = time.perf_counter() - began
         return trajectory
+
+    def activate(self, trajectory: Trajectory) -> None:
+        """At a trajectory's first step, what depends on the weights it is denoised with (`start` does not, so a
+        request may be encoded before the weights it waits for arrive): their version, and a rollout_gradient
+        request's zeroed per-sample gradient sums (allocated only now: a request waiting for its gradient wave
+        holds none), and the conditioning's rows for every sample."""
+        trajectory.activated = True
+        m = trajectory.num_samples
+        trajectory.conditioning = {key: value.expand(m, *value.shape[1:]).contiguous()
+                                   for key, value in trajectory.conditioning.items()}
+        trajectory.weight_version_at_start = self.weight_version
+        if trajectory.request.rollout_gradient:
+            trajectory.gradient_sums = self.rollout_gradients.sums(trajectory.num_samples)
 
     def batch_key(self, trajectory: Trajectory) -> tuple:
         """Trajectories with equal keys may share one DiT forward at their current steps."""
@@ -402,6 +413,9 @@ class ModelRunner:
 
         The caller guarantees equal `batch_key`s.
         """
+        for t in trajectories:
+            if not t.activated:
+                self.activate(t)
         with_gradients = [t for t in trajectories if t.gradient_sums is not None and t.step in t.sde_steps]
         if with_gradients:
             step_with_gradients(self, with_gradients)

@@ -26,7 +26,8 @@ import torch
 from miles.utils.defaults import DEFAULT_NOISE_LEVEL
 from miles.types import GuidanceConfig, Sample
 
-PROTOCOL_VERSION = 3  # 2: a request's conditioning travels once per response; 3: a request may carry an image
+PROTOCOL_VERSION = 4  # 2: a request's conditioning travels once per response; 3: a request may carry an image;
+# 4: a request may wait for a weight version
 CONTENT_TYPE = "application/x-msgpack"
 _TENSOR_EXT = 42  # msgpack extension code of a tensor
 
@@ -195,6 +196,9 @@ class GenerateRequest:
     request_id: str = ""
     image: ConditionImage | None = None  # the prompt row's input image, shared by the request's samples
     rollout_gradient: bool = False  # keep each sample's ∇ log-prob for POST /policy_gradient (rollout_gradients.py)
+    # the engine encodes the prompt at once but takes the first step only on weights of this version or later (a
+    # rollout sent while the trainer still trains on the previous one; docs/engine.md); None: on the current ones
+    after_weight_version: int | None = None
 
     def validate(self) -> None:
         """Reject requests the denoise loop cannot serve; the message names the field."""
@@ -218,6 +222,8 @@ class GenerateRequest:
             self.image.validate()
         if self.rollout_gradient and (self.evaluation or not self.sde_step_indices):
             raise ProtocolError("rollout_gradient needs a training request with SDE steps")
+        if self.after_weight_version is not None and self.after_weight_version < 0:
+            raise ProtocolError(f"after_weight_version must be >= 0, got {self.after_weight_version}")
 
     def check_limits(self, limits: RequestLimits) -> None:
         """Reject requests larger than this engine serves (each limit is a server flag)."""
@@ -383,6 +389,7 @@ _REQUEST_FIELDS = {
     "request_id": _as_str,
     "image": _optional(_as_condition_image),
     "rollout_gradient": _as_bool,
+    "after_weight_version": _optional(_as_int),
 }
 _GUIDANCE_FIELDS = {
     "guidance_scale": _as_float,

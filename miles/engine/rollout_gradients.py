@@ -91,10 +91,13 @@ class RolloutGradients:
                 for name, shape in ((f.name_a, f.a.shape), (f.name_b, f.b.shape))]
 
     # ---- one request's gradient sums and one tile's factor rows -----------------------------------------------
-    def _flat_factors(self) -> torch.Tensor:
+    def check_pushed(self) -> None:
         if not self.factors:
             raise ProtocolError("a rollout_gradient request before any LoRA weights were pushed to this engine "
                                 "(--diffusion-rollout-gradient syncs LoRA pairs first)")
+
+    def _flat_factors(self) -> torch.Tensor:
+        self.check_pushed()
         if self._flat is None:
             self._flat = torch.cat([t.reshape(-1) for f in self.factors.values() for t in (f.a, f.b)])
         return self._flat

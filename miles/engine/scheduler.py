@@ -3,13 +3,16 @@
 The scheduler lives on the server's event loop; every model call runs on ONE worker thread (the device is a
 single stream of work), so HTTP stays responsive while the GPU is busy. Each loop iteration:
 
-1. admits new requests (`ModelRunner.start`: encode + initial latents), waiting `batch_wait_ms` first when
+1. starts new requests (`ModelRunner.start`: encode + initial latents), waiting `batch_wait_ms` first when
    the engine was idle so that a burst of concurrent POSTs lands in the same batch;
-2. groups the active trajectories by `ModelRunner.batch_key` (same shape, guidance, conditioning layout and
+2. activates the started ones whose weights are there (a request may ask for a weight version not yet pushed,
+   `after_weight_version`: it is encoded now and denoised once the update lands) and, for rollout_gradient
+   requests, whose gradient wave has room;
+3. groups the active trajectories by `ModelRunner.batch_key` (same shape, guidance, conditioning layout and
    expert phase; the step index may differ, the family takes one sigma per sample), picks the group holding
    the oldest trajectory, and runs ONE `ModelRunner.step` on it (the runner chunks at `max_batch_size`
    samples, CFG doubling happens inside the family's forward);
-3. queues the decode of the trajectories that reached step n and their copies to the host
+4. queues the decode of the trajectories that reached step n and their copies to the host
    (`ModelRunner.finish_async`); their responses are packed on a second thread once the copies landed, while the
    worker goes on with the next steps (miles/engine/host_transfer.py).
 
@@ -39,7 +42,8 @@ class _Job:
     future: asyncio.Future
     trajectory: Trajectory | None = None
     admitted_at: float = field(default_factory=time.perf_counter)
-    step_clock_at_start: float = 0.0  # the engine's `step_seconds` when this request's trajectory started
+    step_clock_at_start: float = 0.0  # the engine's `step_seconds` when this request's trajectory was activated
+    weights_ready_at: float | None = None  # when the scheduler first saw the weights it waits for (if it waits)
 
 
 @dataclass
@@ -79,8 +83,9 @@ class StepScheduler:
         # packs finished requests' responses once their results reached the host (no device work on it)
         self.packer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-engine-packer")
         self.counters = SchedulerCounters()
-        self._pending: list[_Job] = []
-        self._active: list[_Job] = []
+        self._pending: list[_Job] = []  # received, not started
+        self._started: list[_Job] = []  # encoded, waiting for their weights or their gradient wave
+        self._active: list[_Job] = []  # being denoised
         self._answering: dict[_Job, asyncio.Task] = {}  # finished on the device, their responses being packed
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -99,7 +104,7 @@ class StepScheduler:
                 pass
         for task in list(self._answering.values()):
             task.cancel()
-        for job in self._pending + self._active + list(self._answering):
+        for job in self._pending + self._started + self._active + list(self._answering):
             if not job.future.done():
                 job.future.set_exception(RuntimeError("engine shutting down"))
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -107,7 +112,7 @@ class StepScheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self._pending) + len(self._active) + len(self._answering)
+        return len(self._pending) + len(self._started) + len(self._active) + len(self._answering)
 
     # ---- public API -----------------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> GenerateResponse:
@@ -118,6 +123,11 @@ class StepScheduler:
         self._wakeup.set()
         return await job.future
 
+    def wake(self) -> None:
+        """The weights changed (a flush): requests waiting for that version may start denoising."""
+        if self._wakeup is not None:
+            self._wakeup.set()
+
     async def run_exclusive(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn(*args)` on the worker thread, between two denoising steps."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -127,13 +137,17 @@ class StepScheduler:
         assert self._wakeup is not None
         loop = asyncio.get_running_loop()
         while True:
-            if not self._pending and not self._active:
+            if not self._pending and not self._started and not self._active:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 await self._gather_burst()
-            await self._admit(loop)
+            self._wakeup.clear()  # a request or a weight update from here on ends the wait for weights below
+            await self._start_pending(loop)
+            self._activate()
             self._drop_cancelled()
             if not self._active:
+                if self._started:  # every started request waits for weights not pushed yet
+                    await self._wakeup.wait()
                 continue
             batch = self._pick_batch()
             began = time.perf_counter()
@@ -165,37 +179,56 @@ class StepScheduler:
             if len(self._pending) == seen:
                 return
 
-    async def _admit(self, loop: asyncio.AbstractEventLoop) -> None:
+    async def _start_pending(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Encode every new request at once (its prompt and initial noise depend on no weights), whatever its wave
+        or the weights it waits for: a rollout sent ahead is encoded while the trainer still trains."""
         pending, self._pending = self._pending, []
-        wave = sum(job.request.num_samples for job in self._active if job.request.rollout_gradient)
-        waiting = False  # a rollout_gradient request waits for the next wave: so do the ones after it (FIFO)
         for job in pending:
-            if job.future.done():  # cancelled while queued: never admitted
+            if job.future.done():  # cancelled while queued: never started
                 self.counters.requests_cancelled += 1
                 continue
-            if job.request.rollout_gradient and self.gradient_wave:
-                waiting = waiting or (wave > 0 and wave + job.request.num_samples > self.gradient_wave)
-                if waiting:
-                    self._pending.append(job)
-                    continue
-                wave += job.request.num_samples
             try:
                 job.trajectory = await loop.run_in_executor(self.executor, self.runner.start, job.request)
             except Exception as err:
                 self._fail(job, err)
                 continue
+            self._started.append(job)
+
+    def _activate(self) -> None:
+        """Move started requests to the active ones, in arrival order: those whose weights are there, and for
+        rollout_gradient requests only as many samples as the gradient wave holds (the ones after a request that
+        must wait for the next wave wait too)."""
+        now = time.perf_counter()
+        wave = sum(job.request.num_samples for job in self._active if job.request.rollout_gradient)
+        waiting = False
+        kept: list[_Job] = []
+        for job in self._started:
+            wanted = job.request.after_weight_version
+            if wanted is not None:
+                if self.runner.weight_version < wanted:
+                    kept.append(job)
+                    continue
+                if job.weights_ready_at is None:
+                    job.weights_ready_at = now
+            if job.request.rollout_gradient and self.gradient_wave:
+                waiting = waiting or (wave > 0 and wave + job.request.num_samples > self.gradient_wave)
+                if waiting:
+                    kept.append(job)
+                    continue
+                wave += job.request.num_samples
             job.step_clock_at_start = self.counters.step_seconds
             self._active.append(job)
+        self._started = kept
 
     def _drop_cancelled(self) -> None:
         # a client that went away (timeout, disconnect) cancels its future: stop spending steps on it
-        kept = [job for job in self._active if not job.future.done()]
-        for job in self._active:
-            if job.future.done():
-                self.counters.requests_cancelled += 1
-                logger.info("request %s cancelled by its client at step %d", job.request.request_id,
-                            job.trajectory.step if job.trajectory is not None else 0)
-        self._active = kept
+        for jobs in (self._started, self._active):
+            for job in jobs:
+                if job.future.done():
+                    self.counters.requests_cancelled += 1
+                    logger.info("request %s cancelled by its client at step %d", job.request.request_id,
+                                job.trajectory.step if job.trajectory is not None else 0)
+            jobs[:] = [job for job in jobs if not job.future.done()]
 
     def _pick_batch(self) -> list[_Job]:
         groups: dict[tuple, list[_Job]] = {}
@@ -226,6 +259,10 @@ class StepScheduler:
             return
         self.counters.decode_seconds += time.perf_counter() - began
         pending.timings["queue"] = job.trajectory.started_at - job.admitted_at
+        # a request sent ahead of its weights (`after_weight_version`): the part of its time spent waiting for them,
+        # which the rollout side leaves out of the request's time (the trainer was training meanwhile)
+        pending.timings["weights_wait"] = (0.0 if job.weights_ready_at is None
+                                           else max(0.0, job.weights_ready_at - job.trajectory.started_at))
         # the engine's step time from this request's start to its end, whoever's steps ran (waves, other requests):
         # the rollout side takes each engine's span over its requests as that engine's denoising time
         pending.timings["step_clock_start"] = job.step_clock_at_start
@@ -249,7 +286,8 @@ class StepScheduler:
 
     def _fail(self, job: _Job, err: BaseException) -> None:
         self.counters.requests_failed += 1
-        if job in self._active:
-            self._active.remove(job)
+        for jobs in (self._started, self._active):
+            if job in jobs:
+                jobs.remove(job)
         if not job.future.done():
             job.future.set_exception(err)

@@ -229,6 +229,7 @@ class EngineServer:
         if message.flush:
             self.runner.weight_version = message.weight_version
             self.counters["weight_updates"] += 1
+            self.scheduler.wake()  # requests sent ahead for this version may start
         return result
 
     # ---- weight broadcast group (miles.engine.weight_broadcast) --------------------------------------------

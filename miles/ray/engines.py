@@ -118,6 +118,7 @@ class EngineFleet:
         self.router_url: str | None = None
         self.on_restart: Callable[[str], None] | None = None
         self._restart_lock = threading.Lock()  # the watcher and a failed call may both find an engine dead
+        self.restarts = 0  # engines restarted so far: a failed call tells an engine that died and came back meanwhile
         self.log_dir = os.path.join(config.logging.output_dir, "engine_logs")
         self._starting: list = []  # the actors' start() calls, between launch() and wait_until_started()
 
@@ -211,7 +212,8 @@ class EngineFleet:
         return f"rollout engine {index} ({self.urls[index]}; its log: {self.log_dir}/engine{index}.log)"
 
     def restart_dead_engines(self) -> list[str]:
-        """Restart every engine whose process died; the new one gets the current weights before serving."""
+        """Restart every engine whose process died; the new one gets the current weights before serving. Waits for
+        a restart under way on another thread (the watcher) first."""
         with self._restart_lock:
             return self._restart_dead_engines()
 
@@ -231,6 +233,7 @@ class EngineFleet:
                 self.on_restart(new_url)
             self.urls[index] = new_url
             _post_json(f"{self.router_url}/add_worker", {"url": new_url})
+            self.restarts += 1
             restarted.append(new_url)
         return restarted
 

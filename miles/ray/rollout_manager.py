@@ -65,10 +65,10 @@ class RolloutManager:
         self.fleet = EngineFleet(config, placement) if placement.num_engines > 0 else None
         if self.data_source is not None or self.eval_datasets:
             self._load_rewards(placement)
-        self.weight_version = 0
+        self.weight_version = 0  # the engines' weights, as the train loop last pushed them
         self._watcher: threading.Thread | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self._ahead: tuple[int, Future] | None = None  # (rollout id, its samples and metrics) under --overlap-rollout
+        self._ahead: tuple[int, Future] | None = None  # (rollout id, its samples and metrics) generated ahead
         self._state_before_ahead: dict[str, Any] | None = None
         self._stop_watching = threading.Event()
         on_run_exit("the rollout engines, the router and the engine watcher", self.shutdown)
@@ -87,6 +87,14 @@ class RolloutManager:
         load_reward_models(reward_config, reward_types)
 
     # ---- engines ------------------------------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        self._weight_version, self._weights_since = version, time.perf_counter()
+
     @property
     def has_engines(self) -> bool:
         return self.fleet is not None
@@ -121,19 +129,27 @@ class RolloutManager:
     def survive_engine_death(self, what: str, call: Callable[[], T]) -> T:
         """`call()` (a request to every engine: release, resume, a weight sync); if it fails because an engine
         died (while the trainer trained, or during the call), restart the dead engines and call again under
-        --use-fault-tolerance, else end the run in one line naming the engine. Other failures raise as they are."""
+        --use-fault-tolerance, else end the run in one line naming the engine. An engine the watcher restarted
+        while the call ran (it died, as in a rollout sent ahead, and came back at another address) counts too. Other
+        failures raise as they are."""
+        restarts = self.fleet.restarts if self.fleet is not None else 0
         try:
             return call()
         except Exception as err:  # noqa: BLE001 - classified below: a dead engine, or re-raised unchanged
-            dead = self.fleet.dead_engines() if self.fleet is not None else []
-            if not dead:
+            if self.fleet is None:
                 raise
-            names = "; ".join(self.fleet.describe_engine(index) for index in dead)
-            if not self.config.rollout.use_fault_tolerance:
-                raise PartDiedError(f"{names} died before or during {what} ({type(err).__name__}); "
-                                    "--use-fault-tolerance restarts dead engines") from None
-            logger.warning("%s died before or during %s; restarting it and trying again", names, what)
-            self.fleet.restart_dead_engines()
+            dead = self.fleet.dead_engines()
+            if dead:
+                names = "; ".join(self.fleet.describe_engine(index) for index in dead)
+                if not self.config.rollout.use_fault_tolerance:
+                    raise PartDiedError(f"{names} died before or during {what} ({type(err).__name__}); "
+                                        "--use-fault-tolerance restarts dead engines") from None
+                logger.warning("%s died before or during %s; restarting it and trying again", names, what)
+            self.fleet.restart_dead_engines()  # after a restart the watcher has under way, if any
+            if self.fleet.restarts == restarts:
+                raise
+            if not dead:
+                logger.warning("an engine was restarted during %s; trying again", what)
             return call()
 
     def engine_memory(self) -> list:
@@ -203,25 +219,30 @@ class RolloutManager:
                 by_engine[url][sample.seed] = coefficient
         return PolicyGradientAsk(by_engine, samples=len(kept))
 
-    def generate_ahead(self, rollout_id: int) -> None:
-        """`--overlap-rollout`: start generating `rollout_id` on the engines' current weights, in the background,
-        while the trainer trains on the previous one (one step off-policy). `wait_ahead` before the engines'
-        weights change; `generate(rollout_id)` returns it."""
+    def generate_ahead(self, rollout_id: int, after_weight_version: int | None = None) -> None:
+        """Start generating `rollout_id` in the background while the trainer trains on the previous one;
+        `generate(rollout_id)` returns it. `--overlap-rollout` (`after_weight_version` None): on the engines' current
+        weights, one step off-policy; `wait_ahead` before the engines' weights change. `--rollout-prefetch`: the
+        engines encode its prompts now and denoise them on weights `after_weight_version`, the ones the trainer is
+        making (on-policy; nothing waits for it before the weight sync)."""
         self._state_before_ahead = self.state_dict()  # a checkpoint taken meanwhile resumes before this rollout
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-rollout-ahead")
-        self._ahead = (rollout_id, self._executor.submit(self._generate_scored, rollout_id))
+        self._ahead = (rollout_id, self._executor.submit(self._generate_scored, rollout_id, after_weight_version))
 
     def wait_ahead(self) -> None:
         """Block until the rollout started by `generate_ahead` has all its samples (re-raising its error)."""
         if self._ahead is not None:
             self._ahead[1].result()
 
-    def _generate_scored(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
+    def _generate_scored(self, rollout_id: int, after_weight_version: int | None = None
+                         ) -> tuple[list[Sample], dict[str, float]]:
         """Samples with filters and advantages applied, and the rollout's metrics; logs nothing (may run on the
         overlap thread)."""
         start = time.perf_counter()
-        samples, metrics = self._produce_samples(rollout_id)
+        samples, metrics = self._produce_samples(rollout_id, after_weight_version)
+        if after_weight_version is not None and self.weight_version >= after_weight_version:
+            start = max(start, self._weights_since)  # a prefetched rollout's time counts from its weights' push
         rollout_time = time.perf_counter() - start
         apply_rollout_sample_filter(self.hooks, self.config, samples)  # masked samples still count for advantages
         if self.config.trainer.loss_type != "sft_loss":
@@ -232,13 +253,15 @@ class RolloutManager:
             metrics["perf/images_per_second"] = num_images / rollout_time
         return samples, metrics
 
-    def _produce_samples(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
+    def _produce_samples(self, rollout_id: int, after_weight_version: int | None = None
+                         ) -> tuple[list[Sample], dict[str, float]]:
         """The rollout's samples and the rollout function's own counters (retries, dropped groups, ...)."""
         if self.sft_dataset is not None:
             return self.sft_dataset.next_batch(rollout_id), {}
         if self.config.debug.load_debug_rollout_data:
             return self._load_debug_rollout(rollout_id), {}
-        groups = call_rollout_function(self.hooks, self.config, rollout_id, self.data_source)
+        groups = call_rollout_function(self.hooks, self.config, rollout_id, self.data_source,
+                                       after_weight_version=after_weight_version)
         samples = [sample for group in groups for sample in group]
         for position, sample in enumerate(samples):
             sample.index = position

@@ -131,9 +131,14 @@ def load_rollout_hooks(config: RunConfig | HookArgs) -> RolloutHooks:
 
 
 def call_rollout_function(hooks: RolloutHooks, config: RunConfig, rollout_id: int, data_source,
-                          evaluation: bool = False):
-    """`--rollout-function-path` (or, with `evaluation`, `--eval-function-path`) on `data_source`."""
+                          evaluation: bool = False, after_weight_version: int | None = None):
+    """`--rollout-function-path` (or, with `evaluation`, `--eval-function-path`) on `data_source`.
+    `after_weight_version` reaches only the built-in rollout (`--rollout-prefetch` is on only with it): a user's
+    function keeps the reference's signature."""
     function = hooks.eval_function if evaluation else hooks.rollout_function
+    if after_weight_version is not None:
+        return function(hook_args_of(config), rollout_id, data_source, evaluation=evaluation,
+                        after_weight_version=after_weight_version)
     return function(hook_args_of(config), rollout_id, data_source, evaluation=evaluation)
 
 

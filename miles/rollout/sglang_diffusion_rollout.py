@@ -75,11 +75,14 @@ class RolloutGroups(list):
         self.metrics = metrics
 
 
-def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False) -> list[list[Sample]]:
+def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False,
+                     after_weight_version: int | None = None) -> list[list[Sample]]:
     """See the module docstring. Synchronous; runs its own event loop (on a helper thread if one is running).
     The result is a `RolloutGroups` (a list of groups) whose `.metrics` holds the rollout's counters. `args`: the
-    hook signature's read-only args (users wrap this function); the rollout reads the typed config behind them."""
-    groups, metrics = run_sync(generate_rollout_async(args, rollout_id, data_source, evaluation))
+    hook signature's read-only args (users wrap this function); the rollout reads the typed config behind them.
+    `after_weight_version`: the engines denoise this rollout's requests only on weights of that version or later
+    (`--rollout-prefetch`: the rollout is sent while the trainer trains on the previous one)."""
+    groups, metrics = run_sync(generate_rollout_async(args, rollout_id, data_source, evaluation, after_weight_version))
     return RolloutGroups(groups, metrics)
 
 
@@ -96,9 +99,10 @@ def build_request(
     return_latent_indices: Sequence[int],
     evaluation: bool,
     image: ConditionImage | None = None,
+    after_weight_version: int | None = None,
 ) -> GenerateRequest:
     """A GenerateRequest from the run's `--diffusion-*` flags (its sampling section); `image`: the prompt row's
-    input image, read by `condition_image.load_condition_image`."""
+    input image, read by `condition_image.load_condition_image`; `after_weight_version`: as `generate_rollout`'s."""
     sampling = config.sampling
     return GenerateRequest(
         prompt=prompt,
@@ -127,6 +131,7 @@ def build_request(
         request_id=uuid.uuid4().hex[:16],
         image=image,
         rollout_gradient=config.trainer.diffusion_rollout_gradient and not evaluation,
+        after_weight_version=after_weight_version,
     )
 
 
@@ -134,9 +139,10 @@ class _Rollout:
     """State of one generate_rollout call."""
 
     def __init__(self, config: RunConfig, rollout_id: int, hooks: RolloutHooks, client: EngineClient,
-                 evaluation: bool):
+                 evaluation: bool, after_weight_version: int | None = None):
         self.config = config
         self.rollout_id = rollout_id
+        self.after_weight_version = after_weight_version
         self.hooks = hooks
         self.client = client
         self.evaluation = evaluation
@@ -145,7 +151,7 @@ class _Rollout:
         self.num_steps = config.sampling.diffusion_num_steps
         self.group_rm = config.reward.group_rm
         # engine-side seconds of this rollout's requests: where a rollout's time goes (bench/RESULTS.md)
-        self.engine_seconds = {"start": 0.0, "denoise": 0.0, "decode": 0.0, "pack": 0.0, "request": 0.0, "compile": 0.0}
+        self.engine_seconds = empty_engine_seconds()
         self.engine_step_clocks: dict[str, tuple[float, float]] = {}  # engine url -> its step clock's span
 
     async def generate_group(self, group: list[Sample], group_index: int, group_size: int) -> list[Sample]:
@@ -176,7 +182,7 @@ class _Rollout:
         else:
             sde_steps, return_latents = self.strategy(self.config, samples[0], self.num_steps, seed)
         request = build_request(self.config, samples[0].prompt, len(samples), seed, self.num_steps, sde_steps,
-                                return_latents, self.evaluation, image)
+                                return_latents, self.evaluation, image, self.after_weight_version)
         if self.hooks.custom_generate is not None:
             params = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}
             params["router_url"] = self.client.router_url
@@ -209,13 +215,19 @@ class _Rollout:
             sample.reward = reward
 
 
+def empty_engine_seconds() -> dict[str, float]:
+    """A rollout's engine-side seconds before its first response (`add_engine_timings` fills them)."""
+    return dict.fromkeys(("start", "denoise", "decode", "pack", "request", "compile", "weights_wait"), 0.0)
+
+
 def add_engine_timings(seconds: dict[str, float], step_clocks: dict[str, tuple[float, float]],
                        timings: dict[str, float], engine_url: str) -> None:
     """Add one response's engine timings to a rollout's `seconds`. An engine's requests start (encode the prompt) on
     its worker, decode on its device and pack their results on its packer thread, one after another (they add);
     its denoising time is the span of
     its step clock over the rollout's requests (`step_clocks`: requests that share steps count them once, waves
-    one after another add up), the slowest engine's. The request time is the longest request's, queue included."""
+    one after another add up), the slowest engine's. The request time is the longest request's, queue included,
+    its wait for weights not yet pushed left out."""
     if "step_clock_end" in timings:  # every engine's scheduler gives it
         start, end = float(timings["step_clock_start"]), float(timings["step_clock_end"])
         first, last = step_clocks.get(engine_url, (start, end))
@@ -224,7 +236,11 @@ def add_engine_timings(seconds: dict[str, float], step_clocks: dict[str, tuple[f
     seconds["compile"] = max(seconds["compile"], float(timings.get("compile", 0.0)))  # in denoise and decode
     for part in ("start", "decode", "pack"):
         seconds[part] += float(timings.get(part, 0.0))
-    seconds["request"] = max(seconds["request"], float(timings.get("total", 0.0)) + float(timings.get("queue", 0.0)))
+    # a request sent ahead of its weights (--rollout-prefetch) leaves out its wait for them: the trainer trained
+    weights_wait = float(timings.get("weights_wait", 0.0))
+    seconds["weights_wait"] = max(seconds["weights_wait"], weights_wait)
+    request = float(timings.get("total", 0.0)) + float(timings.get("queue", 0.0)) - weights_wait
+    seconds["request"] = max(seconds["request"], request)
 
 
 def _get_groups(data_source, num_groups: int, rollout_id: int) -> list[list[Sample]]:
@@ -262,14 +278,15 @@ def _reindex(groups: list[list[Sample]]) -> None:
 
 
 async def generate_rollout_async(
-    args, rollout_id: int, data_source, evaluation: bool = False
+    args, rollout_id: int, data_source, evaluation: bool = False, after_weight_version: int | None = None
 ) -> tuple[list[list[Sample]], dict[str, float]]:
-    """The rollout as a coroutine; returns (groups, metrics). `args`: as for `generate_rollout`."""
+    """The rollout as a coroutine; returns (groups, metrics). `args`, `after_weight_version`: as for
+    `generate_rollout`."""
     config = run_config_of(args)
     hooks = load_rollout_hooks(config)
     began = time.perf_counter()
     async with EngineClient(config) as client:
-        rollout = _Rollout(config, rollout_id, hooks, client, evaluation)
+        rollout = _Rollout(config, rollout_id, hooks, client, evaluation, after_weight_version)
         if evaluation:
             groups, num_steps = _eval_groups(data_source)
             rollout.num_steps = num_steps or config.eval_sets.num_steps
@@ -331,7 +348,10 @@ async def _generate_train_groups(config: RunConfig, rollout_id: int, data_source
                     generated += 1
                     in_flight.add(asyncio.ensure_future(rollout.generate_group(group, group[0].group_index, group_size)))
             done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
-            finished = [task.result() for task in done]  # re-raises a failed group's error
+            errors = [task.exception() for task in done]  # every one read: none is reported again as unretrieved
+            if any(errors):
+                raise next(error for error in errors if error is not None)  # a failed group's error
+            finished = [task.result() for task in done]
             keep, drop = apply_dynamic_sampling_filter(rollout.hooks, config, finished)
             kept.extend(keep)
             dropped += len(drop)

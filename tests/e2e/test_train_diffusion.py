@@ -367,7 +367,8 @@ def test_rollout_gradient_steps_as_the_replay_does(sd3, prompts, tmp_path):
     the gradient reaches the trainer through its shared buffer. With the trainer on the host (the default for
     one colocated rank) it sees no GPU, gradient and factors cross by shared-memory files and the colocated run
     takes no turns; `--rollout-gradient-trainer device` keeps it beside the engine (on the CPU the two differ
-    only in those turns and the optimizer's fused kernel)."""
+    only in those turns and the optimizer's fused kernel). The host run sends each next rollout while the trainer
+    trains (`--rollout-prefetch`, on there by default): the same run without it is the same bit for bit."""
     replay, fused, host = tmp_path / "replay", tmp_path / "fused", tmp_path / "host"
     lora = ["--use-lora", "--lora-rank", "4", "--lora-alpha", "8", "--colocate", "--num-rollout", "3"]
     run([*base_flags(sd3, prompts, replay), *lora, "--lora-ipc-weight-sync"])
@@ -393,6 +394,17 @@ def test_rollout_gradient_steps_as_the_replay_does(sd3, prompts, tmp_path):
         assert series(records, "weight_sync/ipc_engines") == [1.0] * 3
     assert any("perf/release_time" in r for r in b)  # a CPU run keeps the turns
     assert not any(key in r for r in c for key in ("perf/release_time", "perf/onload_time", "perf/offload_time"))
+
+    # rollouts 1 and 2 were encoded on the engine while the trainer trained and waited there for its weights
+    waits = series(c, "rollout/engine_weights_wait_seconds")
+    assert waits[0] == 0.0 and all(wait > 0 for wait in waits[1:])
+    assert series(b, "rollout/engine_weights_wait_seconds") == [0.0] * 3  # colocated on the device: no prefetch
+    unfetched = tmp_path / "host_no_prefetch"
+    run([*base_flags(sd3, prompts, unfetched), *lora, "--diffusion-rollout-gradient", "--rollout-prefetch", "off"])
+    d = metrics(unfetched)
+    assert series(d, "rollout/engine_weights_wait_seconds") == [0.0] * 3
+    for key in ("rollout/reward_mean", "train/grad_norm", "train/loss"):
+        assert series(c, key) == series(d, key), key
 
 
 @pytest.mark.gpu

@@ -47,6 +47,14 @@ def _request(**overrides) -> GenerateRequest:
     return GenerateRequest(**fields)
 
 
+def _served_alone(runner: ModelRunner, request: GenerateRequest):
+    """The request denoised by the runner alone (no scheduler), its response."""
+    trajectory = runner.start(request)
+    while not trajectory.done:
+        runner.step([trajectory])
+    return runner.finish(trajectory)
+
+
 def _post(url: str, request: GenerateRequest):
     http = urllib.request.Request(f"{url}/rollout/generate", data=encode_request(request), method="POST",
                                   headers=auth_headers())
@@ -285,10 +293,7 @@ def test_padded_batches_give_the_same_samples(local_runner):
     def run(pad: bool):
         local_runner.pad_batches = pad
         try:
-            trajectory = local_runner.start(_request(num_samples=3, seed=21))
-            while not trajectory.done:
-                local_runner.step([trajectory])
-            return local_runner.finish(trajectory)
+            return _served_alone(local_runner, _request(num_samples=3, seed=21))
         finally:
             local_runner.pad_batches = False
 
@@ -453,10 +458,7 @@ def test_a_released_engine_holds_its_weights_in_pinned_memory_and_samples_the_sa
         assert reserved and all(buffer.is_pinned() for buffer in reserved.values())
 
     def sample():
-        trajectory = runner.start(_request(num_samples=2, seed=5))
-        while not trajectory.done:
-            runner.step([trajectory])
-        return runner.finish(trajectory)
+        return _served_alone(runner, _request(num_samples=2, seed=5))
 
     before = sample()
     weights = {name: p.detach().clone() for name, p in runner.pipe.transformer.named_parameters()}
@@ -500,3 +502,34 @@ def test_a_failed_resume_answers_500_with_its_reason_and_the_driver_says_it(loca
     finally:
         loop.run(server.stop())
         loop.close()
+
+
+def test_a_request_sent_ahead_of_its_weights_is_encoded_at_once_and_denoised_on_them(local_runner):
+    """`after_weight_version` (--rollout-prefetch): the request starts while the engine holds older weights, takes
+    no step until that version is there (a request without it is served meanwhile), then gives the samples of the
+    same request sent after the update, bit for bit; its wait for the weights is reported apart."""
+    from miles.engine.scheduler import StepScheduler
+
+    version = local_runner.weight_version
+
+    async def ahead_then_now():
+        scheduler = StepScheduler(local_runner, max_batch_size=32, batch_wait_ms=0.0)
+        scheduler.start()
+        try:
+            ahead = asyncio.ensure_future(scheduler.generate(_request(request_id="ahead",
+                                                                      after_weight_version=version + 1)))
+            meanwhile = await scheduler.generate(_request(request_id="meanwhile", seed=12))
+            await asyncio.sleep(0.2)
+            assert not ahead.done() and scheduler.num_running == 1
+            assert scheduler.counters.forward_batches == 4  # the other request's four steps alone
+            local_runner.weight_version = version + 1  # what a weight update's flush does (server.py), then wakes
+            scheduler.wake()
+            return await asyncio.wait_for(ahead, 60), meanwhile, scheduler.counters.forward_batches
+        finally:
+            local_runner.weight_version = version
+            await scheduler.stop()
+
+    ahead, meanwhile, batches = asyncio.run(ahead_then_now())
+    assert batches == 8 and meanwhile.weight_version == version and ahead.weight_version == version + 1
+    assert ahead.timings["weights_wait"] > 0.2 and meanwhile.timings["weights_wait"] == 0.0
+    _assert_same_samples(ahead, _served_alone(local_runner, _request(request_id="after")))

@@ -18,6 +18,7 @@ from miles.rollout.data_source import RolloutDataSourceWithBuffer
 from miles.rollout.eval_config import EvalDataset
 from miles.rollout.sglang_diffusion_rollout import (
     add_engine_timings,
+    empty_engine_seconds,
     generate_rollout,
     generate_rollout_async,
     run_sync,
@@ -105,13 +106,18 @@ def test_the_engines_denoising_time_is_its_step_clock_over_the_rollout(stack, pr
 
 
 def test_engine_timings_count_shared_steps_once_and_waves_one_after_another():
-    seconds, clocks = {"start": 0.0, "denoise": 0.0, "decode": 0.0, "pack": 0.0, "request": 0.0, "compile": 0.0}, {}
+    seconds, clocks = empty_engine_seconds(), {}
     for url, start, end in [("a", 10.0, 12.0), ("a", 10.0, 12.0),  # engine a: two requests sharing their steps
                             ("a", 12.0, 14.5), ("b", 3.0, 4.0)]:  # then a second wave; engine b: one request
         add_engine_timings(seconds, clocks, {"step_clock_start": start, "step_clock_end": end, "start": 0.125,
                                              "decode": 0.25, "pack": 0.5, "total": end - start + 0.25,
                                              "queue": start - 10.0}, url)
-    assert seconds == {"start": 0.5, "denoise": 4.5, "decode": 1.0, "pack": 2.0, "request": 4.75, "compile": 0.0}
+    assert seconds == {"start": 0.5, "denoise": 4.5, "decode": 1.0, "pack": 2.0, "request": 4.75, "compile": 0.0,
+                       "weights_wait": 0.0}
+    # a request sent ahead (--rollout-prefetch) that waited 7 s for its weights: its time leaves the wait out
+    add_engine_timings(seconds, clocks, {"step_clock_start": 14.5, "step_clock_end": 15.0, "total": 7.5,
+                                         "queue": 0.5, "weights_wait": 7.0}, "b")
+    assert seconds["weights_wait"] == 7.0 and seconds["request"] == 4.75
 
 
 def test_microgroup_size_does_not_change_samples(stack, prompt_file):
