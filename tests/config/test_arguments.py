@@ -751,3 +751,19 @@ def test_overlapped_rollout_needs_engines_of_their_own_and_engine_log_probs():
     assert parse("--overlap-rollout").overlap_rollout
     assert "--overlap-rollout needs engines of their own" in error("--overlap-rollout", "--colocate")
     assert "drop --diffusion-recompute-old-log-prob" in error("--overlap-rollout", "--diffusion-recompute-old-log-prob")
+
+
+def test_the_rollout_prefetch_is_on_where_the_engines_stay_resident_with_the_built_in_rollout():
+    def prefetch(*extra) -> str:
+        return parse(*extra).rollout_prefetch
+
+    fused = ("--diffusion-rollout-gradient", "--use-lora")
+    # auto: engines of their own, or colocated beside a trainer on the host; off where they release for the trainer
+    assert prefetch() == prefetch(*fused, "--colocate") == "on"
+    assert prefetch("--colocate") == prefetch(*fused, "--colocate", "--rollout-gradient-trainer", "device") == "off"
+    assert prefetch("--overlap-rollout") == prefetch("--miles-router-timeout", "60") == "off"
+    assert prefetch("--custom-generate-function-path", "my.generate") == "off"
+    assert prefetch("--rollout-function-path", "my.rollout") == "off"
+    assert prefetch("--rollout-prefetch", "off") == "off"
+    assert "--rollout-prefetch on needs engines that stay resident" in error("--colocate", "--rollout-prefetch", "on")
+    assert "--rollout-prefetch on needs no --overlap-rollout" in error("--overlap-rollout", "--rollout-prefetch", "on")
