@@ -259,10 +259,10 @@ class StepScheduler:
             return
         self.counters.decode_seconds += time.perf_counter() - began
         pending.timings["queue"] = job.trajectory.started_at - job.admitted_at
-        # a request sent ahead of its weights (`after_weight_version`): the part of its time spent waiting for them,
-        # which the rollout side leaves out of the request's time (the trainer was training meanwhile)
+        # a request sent ahead of its weights (`after_weight_version`): its time from arrival until they were there
+        # (its start included), which the rollout side leaves out of the request's time: the trainer trained meanwhile
         pending.timings["weights_wait"] = (0.0 if job.weights_ready_at is None
-                                           else max(0.0, job.weights_ready_at - job.trajectory.started_at))
+                                           else max(0.0, job.weights_ready_at - job.admitted_at))
         # the engine's step time from this request's start to its end, whoever's steps ran (waves, other requests):
         # the rollout side takes each engine's span over its requests as that engine's denoising time
         pending.timings["step_clock_start"] = job.step_clock_at_start
