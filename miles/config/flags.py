@@ -266,8 +266,9 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
         F("--rollout-prefetch", str, "auto", "Send rollout k+1 to the engines while the trainer trains on rollout "
           "k: they encode its prompts and initial noise at once and denoise it only on the weights trained on "
           "rollout k (on-policy, the same samples bit for bit). auto: on where it applies (the built-in rollout "
-          "and generate, engines that stay resident while the trainer trains: no --colocate, or the trainer on "
-          "the host; no --overlap-rollout, no --miles-router-timeout), else off. docs/training.md.",
+          "and generate, engines that stay resident while the trainer trains: no --colocate or --offload-rollout, "
+          "or the trainer on the host; no --overlap-rollout, no --miles-router-timeout), else off. "
+          "docs/training.md.",
           choices=("auto", "on", "off"), extension=True),
         F("--colocate-memory-margin-gb", float, 8.0, "GiB that must stay free on each GPU for "
           "--colocate-offload-policy auto to keep trainer and engines resident, and beside the trainer's projected "

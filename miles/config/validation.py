@@ -459,9 +459,11 @@ def _rule_prefetch(args: argparse.Namespace) -> None:
         (args.rollout_function_path in BUILT_IN_ROLLOUT_FUNCTIONS and not args.custom_generate_function_path,
          "the built-in rollout and generate (no --rollout-function-path of your own, no "
          "--custom-generate-function-path: they would not wait for the new weights)"),
-        (not args.colocate or (args.diffusion_rollout_gradient and args.rollout_gradient_trainer == "host"),
-         "engines that stay resident while the trainer trains (no --colocate, or --colocate with the trainer on "
-         "the host: --diffusion-rollout-gradient, --rollout-gradient-trainer host or auto)"),
+        ((not args.colocate and not args.offload_rollout)
+         or (args.diffusion_rollout_gradient and args.rollout_gradient_trainer == "host"),
+         "engines that stay resident while the trainer trains (engines of their own without --offload-rollout, or "
+         "--colocate with the trainer on the host: --diffusion-rollout-gradient, --rollout-gradient-trainer host "
+         "or auto)"),
         (args.miles_router_timeout is None, "no --miles-router-timeout (a request sent ahead waits while the "
                                             "trainer trains)"),
     ]

@@ -761,6 +761,7 @@ def test_the_rollout_prefetch_is_on_where_the_engines_stay_resident_with_the_bui
     # auto: engines of their own, or colocated beside a trainer on the host; off where they release for the trainer
     assert prefetch() == prefetch(*fused, "--colocate") == "on"
     assert prefetch("--colocate") == prefetch(*fused, "--colocate", "--rollout-gradient-trainer", "device") == "off"
+    assert prefetch("--offload-rollout") == prefetch(*fused, "--colocate", "--actor-num-gpus-per-node", "2") == "off"
     assert prefetch("--overlap-rollout") == prefetch("--miles-router-timeout", "60") == "off"
     assert prefetch("--custom-generate-function-path", "my.generate") == "off"
     assert prefetch("--rollout-function-path", "my.rollout") == "off"
