@@ -3,9 +3,8 @@
 A request becomes a `Trajectory` (`start`: encode the prompt, build the per-sample generators, draw the
 initial latents; `activate`, at its first step: what depends on the weights); `step` advances any list of
 trajectories by one step with ONE batched DiT forward (`family.predict_velocity`, CFG as a doubled batch inside
-the family), then applies each trajectory's own step
-kernel from the math core (`SdeStepBackend.sample` on its SDE steps S, Euler `ode_step` elsewhere,
-docs/algorithms.md §2–§3); `finish` decodes and packs the response. Every sample keeps its own generator (seeded
+the family), then applies each trajectory's own step kernel from the math core (`SdeStepBackend.sample` on its
+SDE steps S, Euler `ode_step` elsewhere, docs/algorithms.md §2–§3); `finish` decodes and packs the response. Every sample keeps its own generator (seeded
 seed + b), used first for the initial noise and then for the step noises, so a sample's trajectory never
 depends on which other samples share its forward.
 
@@ -380,16 +379,16 @@ class ModelRunner:
 
     def activate(self, trajectory: Trajectory) -> None:
         """At a trajectory's first step, what depends on the weights it is denoised with (`start` does not, so a
-        request may be encoded before the weights it waits for arrive): their version, and a rollout_gradient
-        request's zeroed per-sample gradient sums (allocated only now: a request waiting for its gradient wave
-        holds none), and the conditioning's rows for every sample."""
+        request may be encoded before the weights it waits for arrive): their version, the conditioning's row for
+        every sample, and a rollout_gradient request's zeroed per-sample gradient sums (allocated only now: a
+        request waiting for its gradient wave holds none)."""
         trajectory.activated = True
         m = trajectory.num_samples
         trajectory.conditioning = {key: value.expand(m, *value.shape[1:]).contiguous()
                                    for key, value in trajectory.conditioning.items()}
         trajectory.weight_version_at_start = self.weight_version
         if trajectory.request.rollout_gradient:
-            trajectory.gradient_sums = self.rollout_gradients.sums(trajectory.num_samples)
+            trajectory.gradient_sums = self.rollout_gradients.sums(m)
 
     def batch_key(self, trajectory: Trajectory) -> tuple:
         """Trajectories with equal keys may share one DiT forward at their current steps."""

@@ -348,9 +348,10 @@ async def _generate_train_groups(config: RunConfig, rollout_id: int, data_source
                     generated += 1
                     in_flight.add(asyncio.ensure_future(rollout.generate_group(group, group[0].group_index, group_size)))
             done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
-            errors = [task.exception() for task in done]  # every one read: none is reported again as unretrieved
-            if any(errors):
-                raise next(error for error in errors if error is not None)  # a failed group's error
+            # every failed group's error read (none is reported again at exit as unretrieved), the first re-raised
+            errors = [error for error in (task.exception() for task in done) if error is not None]
+            if errors:
+                raise errors[0]
             finished = [task.result() for task in done]
             keep, drop = apply_dynamic_sampling_filter(rollout.hooks, config, finished)
             kept.extend(keep)
