@@ -232,9 +232,8 @@ def run_miles(opts, checkpoint: str, prompt_file: str, lora: bool, mode: str, wo
     """The last launch's row; a compiled mode's earlier launches fill the compile caches, and --rows-jsonl gets
     each of their rows too (a call cut short in the last launch keeps the first's)."""
     launches = opts.compiled_launches if mode.startswith("compiled") else 1
-    folder = re.sub(r"[^A-Za-z0-9_.=-]+", "_", mode)  # a variant's flags in a folder name
     for launch in range(launches):
-        out = os.path.join(workdir, f"miles-{'lora' if lora else 'full'}-{folder}-{launch}")
+        out = os.path.join(workdir, launch_folder(lora, mode, launch))
         shutil.rmtree(out, ignore_errors=True)  # a reused --workdir: this launch's metrics only
         argv = [sys.executable, os.path.join(REPO_ROOT, "train_diffusion.py"),
                 *miles_flags(opts, checkpoint, prompt_file, out, lora, mode)]
@@ -264,6 +263,12 @@ def run_miles(opts, checkpoint: str, prompt_file: str, lora: bool, mode: str, wo
         if launch < launches - 1:
             record_row(opts, lora, f"miles {mode}, launch {launch + 1} of {launches} (cold caches)", row)
     return row
+
+
+def launch_folder(lora: bool, mode: str, launch: int) -> str:
+    """A launch's folder name, its variant's flags in letters, digits, '.', '_' and '-' alone: a device call
+    brings back no file under a folder named otherwise (a `--rollout-prefetch=off` variant's logs were left out)."""
+    return f"miles-{'lora' if lora else 'full'}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', mode)}-{launch}"
 
 
 def keep_logs(out: str, logs: str | None) -> None:

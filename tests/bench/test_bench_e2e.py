@@ -34,6 +34,11 @@ def test_a_plain_loop_runs_in_a_process_of_its_own(bench_e2e):
     assert bench_e2e.in_child_process(os.getpid) != os.getpid()
 
 
+def test_a_launchs_folder_is_named_in_characters_a_device_call_brings_back(bench_e2e):
+    name = bench_e2e.launch_folder(True, "compiled-rollout-gradient:--rollout-prefetch=off", 0)
+    assert name == "miles-lora-compiled-rollout-gradient_--rollout-prefetch_off-0"
+
+
 def test_a_launchs_console_and_metrics_are_kept_where_asked(bench_e2e, tmp_path):
     out = tmp_path / "work" / "miles-full-compiled-0"
     out.mkdir(parents=True)
