@@ -304,7 +304,12 @@ def profile(opts: argparse.Namespace) -> None:
         print(f"rollout gradient: tiles of {opts.rollout_gradient} samples, rank-{opts.lora_rank} factors on {layers} "
               "layers")
 
+    print(f"{time.strftime('%H:%M:%S')} warm-up rollout (and compilation) ...", flush=True)
+    warm_began = time.perf_counter()
     one_rollout(runner, opts, Timer(device))  # warm-up (and compilation)
+    # printed at once: a call cut short in the timed rollout still says what compiling took (the thirtieth
+    # session's coordinate-descent call was cut before any line said so)
+    print(f"warm-up rollout (and compilation): {time.perf_counter() - warm_began:.1f} s", flush=True)
     timer = Timer(device)
     resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     began = time.perf_counter()
