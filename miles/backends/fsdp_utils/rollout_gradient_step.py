@@ -37,10 +37,15 @@ def adapter_params_by_pushed_name(trainer) -> dict[str, torch.nn.Parameter]:
 
 def _like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """`full` laid out as `param` is: this rank's FSDP shard (a DTensor), cut from `full`, which every rank holds
-    (no communication), or `full` itself."""
+    (no communication), or `full` itself. On a mesh of one rank the shard is `full` itself, wrapped as it is:
+    `distribute_tensor`'s checks and split cost a third of the host trainer's step at SD3.5-Medium's 382 factors
+    (bench/RESULTS.md, thirtieth section)."""
     if hasattr(param, "device_mesh"):
-        from torch.distributed.tensor import distribute_tensor
+        from torch.distributed.tensor import DTensor, distribute_tensor
 
+        if param.device_mesh.size() == 1:
+            return DTensor.from_local(full, param.device_mesh, param.placements, run_check=False,
+                                      shape=param.shape, stride=param.stride())
         return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
     return full
 
@@ -69,13 +74,13 @@ def train_on_rollout_gradient(trainer, rollout_id: int, samples: list[Sample],
     params = adapter_params_by_pushed_name(trainer)
     flat = _everyone_holds(fetched, sum(p.numel() for p in params.values()), trainer.device)
     trainer.optimizer.zero_grad(set_to_none=True)
-    finite = torch.isfinite(flat).all()
     offset = 0
     for param in params.values():
         full = flat[offset : offset + param.numel()].view(param.shape)
         offset += param.numel()
         param.grad = _like(param, full.to(param.dtype))
-    grad_norm = trainer.optimizer_step(f"rollout {rollout_id}", finite)
+    # no loss was computed: a non-finite gradient makes the gradient norm non-finite, which skips the step
+    grad_norm = trainer.optimizer_step(f"rollout {rollout_id}", torch.tensor(True))
     if trainer.ema is not None:
         trainer.ema.update()
     kept = [s for s in samples if not s.remove_sample]
