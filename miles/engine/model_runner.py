@@ -4,9 +4,9 @@ A request becomes a `Trajectory` (`start`: encode the prompt, build the per-samp
 initial latents; `activate`, at its first step: what depends on the weights); `step` advances any list of
 trajectories by one step with ONE batched DiT forward (`family.predict_velocity`, CFG as a doubled batch inside
 the family), then applies each trajectory's own step kernel from the math core (`SdeStepBackend.sample` on its
-SDE steps S, Euler `ode_step` elsewhere, docs/algorithms.md §2–§3); `finish` decodes and packs the response. Every sample keeps its own generator (seeded
-seed + b), used first for the initial noise and then for the step noises, so a sample's trajectory never
-depends on which other samples share its forward.
+SDE steps S, Euler `ode_step` elsewhere, docs/algorithms.md §2–§3); `finish` decodes and packs the response.
+Every sample keeps its own generator (seeded seed + b), used first for the initial noise and then for the step
+noises, so a sample's trajectory never depends on which other samples share its forward.
 
 All methods run on the engine's single GPU worker thread (see scheduler.py).
 """
