@@ -35,6 +35,7 @@ from miles.engine.protocol import GenerateRequest, decode_response, encode_respo
 from miles.engine.server_args import ServerArgs  # noqa: E402
 from miles.models.base import GenerationShape  # noqa: E402
 from miles.models.common import decode_scaled_latents, parse_dtype  # noqa: E402
+from miles.models.opaque_kernels import install_in_blocks  # noqa: E402
 from miles.testing.real_size import synchronize  # noqa: E402
 from miles.types import GuidanceConfig  # noqa: E402
 
@@ -269,6 +270,10 @@ def main() -> None:
     parser.add_argument("--attention-backend", default=None,
                         help="a diffusers attention backend for the engine's DiT, set after the patch group's pin "
                              "(--sglang-attention-backend), e.g. _native_cudnn")
+    parser.add_argument("--opaque-kernels", action="store_true",
+                        help="the batch_invariant group's opaque matmuls and norms and eager rounding in the blocks, "
+                             "which an engine installs only where a trainer forward reproduces its bits (not under "
+                             "the rollout gradient): what that costs")
     parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                         help="a torch._inductor.config setting for the compiled blocks (repeatable), e.g. "
                              "coordinate_descent_tuning=True or max_autotune_pointwise=True")
@@ -299,6 +304,9 @@ def profile(opts: argparse.Namespace) -> None:
                              forward_tile=(opts.rollout_gradient or 8) if opts.patch_group else 0,
                              attention_backend=opts.attention_backend)
     runner = ModelRunner(server_args, loaded=(family, pipe))
+    if opts.opaque_kernels:  # before the first forward: the compiled blocks trace the forwards installed now
+        print("opaque kernels:", install_in_blocks(
+            [blocks for module in runner.modules.values() for blocks in runner.family.transformer_block_lists(module)]))
     if opts.rollout_gradient:
         layers = push_random_lora(runner, opts.lora_rank)
         print(f"rollout gradient: tiles of {opts.rollout_gradient} samples, rank-{opts.lora_rank} factors on {layers} "

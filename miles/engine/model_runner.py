@@ -183,8 +183,11 @@ class ModelRunner:
         if attention:
             route_attention(self.modules, attention)
         self.forward_modules: dict[str, nn.Module] = dict(self.modules)
+        # The opaque kernels and eager rounding give a compiled engine the trainer's bits, which only a trainer
+        # forward needs. Under --diffusion-rollout-gradient none runs (the gradient is the engine's own), so the
+        # compiler fuses freely there; the group's fixed tiles still keep a sample's bits whatever shares its batch.
         self.eager_rounding = opaque_kernels_wanted(bool(server_args.forward_tile), server_args.enable_torch_compile,
-                                                    self.device.type)
+                                                    self.device.type) and not server_args.rollout_gradient_tile
         if self.eager_rounding:
             for module in self.modules.values():  # the batch_invariant group: the trainer's kernels, so its bits
                 block_lists = self.family.transformer_block_lists(module)

@@ -273,3 +273,26 @@ def test_rollout_gradient_requests_run_in_waves_with_the_same_gradients(tiny_che
     for name, value in together.items():
         torch.testing.assert_close(in_waves[name], value, rtol=1e-5, atol=1e-7, msg=name)
     assert any(value.abs().max() > 0 for value in together.values())
+
+
+def test_a_compiled_rollout_gradient_engine_lets_the_compiler_fuse_and_keeps_its_fixed_tiles(tiny_checkpoint):
+    """The batch_invariant group's opaque kernels and eager rounding give a compiled engine the trainer's bits; no
+    trainer forward reproduces a rollout-gradient engine's, so such an engine installs neither, and keeps the
+    group's fixed forward tile (what keeps a sample's bits whatever shares its batch). A plain engine of the same
+    group installs both."""
+    import torch._inductor.config as inductor_config
+
+    path = tiny_checkpoint("sd3")
+
+    def opaque_layers(gradient_tile: int) -> tuple[bool, int, int]:
+        with inductor_config.patch(emulate_precision_casts=False):  # the constructor sets it in this thread
+            runner = ModelRunner(ServerArgs(model_path=path, device="cpu", dtype="fp32", generator_device="cpu",
+                                            enable_torch_compile=True, rollout_patch_group=["batch_invariant"],
+                                            forward_tile=2, rollout_gradient_tile=gradient_tile))
+        blocks = runner.modules["transformer"].transformer_blocks
+        return (runner.eager_rounding, runner.server_args.forward_tile,
+                sum(bool(getattr(sub, "_miles_opaque", False)) for sub in blocks.modules()))
+
+    eager_rounding, tile, opaque = opaque_layers(gradient_tile=0)
+    assert eager_rounding and tile == 2 and opaque > 0
+    assert opaque_layers(gradient_tile=2) == (False, 2, 0)
