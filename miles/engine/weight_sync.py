@@ -215,7 +215,8 @@ class SharedBuffer:
             return
         del self.buffer  # the tensor exports the mapping's buffer; drop it before closing the mapping
         assert self._mapping is not None
-        self._mapping.close()
+        with contextlib.suppress(BufferError):  # a view still held elsewhere: unmapped when the last one goes
+            self._mapping.close()
         with contextlib.suppress(FileNotFoundError):  # already gone: someone cleaned /dev/shm; nothing to undo
             os.unlink(self._shm_path)
         self.shm_name = None

@@ -74,6 +74,7 @@ class TrainRayActor:
         self.world_size = world_size
         self.trainer = None
         self.weight_pusher = None  # rank 0: transports and the broadcast group of weight sync (weight_push.py)
+        self.gradient_fetcher = None  # rank 0 under --diffusion-rollout-gradient: its buffer kept for the run
         self._store_socket = None  # rank 0: the rendezvous store's listening socket, until the store takes it
         os.environ.update(config.trainer.train_env_vars)
         if config.trainer.on_host:  # before anything asks torch for a GPU: this process then never makes a context
@@ -138,13 +139,16 @@ class TrainRayActor:
 
         gradient = None
         if ask is not None:
-            from miles.backends.fsdp_utils.gradient_fetch import FetchedGradient, fetch_policy_gradient
+            from miles.backends.fsdp_utils.gradient_fetch import FetchedGradient, PolicyGradientFetcher
             from miles.backends.fsdp_utils.rollout_gradient_step import adapter_params_by_pushed_name
 
             if self.rank == 0:
-                shapes = {name: p.shape for name, p in adapter_params_by_pushed_name(self.trainer).items()}
-                gradient = fetch_policy_gradient(ask, self._weight_pusher(), shapes, self.trainer.device,
-                                                 timeout=60.0 * self.config.placement.distributed_timeout_minutes)
+                if self.gradient_fetcher is None:
+                    shapes = {name: p.shape for name, p in adapter_params_by_pushed_name(self.trainer).items()}
+                    self.gradient_fetcher = PolicyGradientFetcher(
+                        self._weight_pusher(), shapes, self.trainer.device,
+                        timeout=60.0 * self.config.placement.distributed_timeout_minutes)
+                gradient = self.gradient_fetcher.fetch(ask)
             else:
                 gradient = FetchedGradient(None, held=-1, expected=ask.samples)
         metrics = self.trainer.train(rollout_id, samples, gradient)
@@ -244,6 +248,8 @@ class TrainRayActor:
     def shutdown(self) -> None:
         import torch.distributed as dist
 
+        if self.gradient_fetcher is not None:
+            self.gradient_fetcher.close()
         if self.weight_pusher is not None:
             self.weight_pusher.close()
         if dist.is_initialized():

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 import torch
 
-from miles.backends.fsdp_utils.gradient_fetch import FetchedGradient, _post, fetch_policy_gradient
+from miles.backends.fsdp_utils.gradient_fetch import FetchedGradient, PolicyGradientFetcher, _post
 from miles.backends.fsdp_utils.rollout_gradient_step import _everyone_holds
 from miles.backends.fsdp_utils.weight_push import WeightPusher
 from miles.engine.launcher import launch_engines
@@ -64,8 +64,13 @@ def _rollout(url: str, seed: int) -> None:
 def _fetch(coefficients: dict[str, dict[int, float]], adapter: dict, transport: str) -> FetchedGradient:
     pusher = WeightPusher(transport, colocated=True, device="cpu", timeout=60.0)
     shapes = {name: tensor.shape for name, tensor in reversed(adapter.items())}  # not the engines' order
-    asked = PolicyGradientAsk(coefficients, samples=sum(len(c) for c in coefficients.values()))
-    return fetch_policy_gradient(asked, pusher, shapes, torch.device("cpu"), timeout=60.0)
+    fetcher = PolicyGradientFetcher(pusher, shapes, torch.device("cpu"), timeout=60.0)
+    try:
+        fetched = fetcher.fetch(PolicyGradientAsk(coefficients, samples=sum(len(c) for c in coefficients.values())))
+        fetched.flat = fetched.flat.clone()  # the fetcher's buffer goes with it
+        return fetched
+    finally:
+        fetcher.close()
 
 
 def test_the_gradient_added_into_the_trainers_buffer_is_the_one_in_the_bodies(engines_with_adapter):
@@ -88,6 +93,32 @@ def test_the_gradient_added_into_the_trainers_buffer_is_the_one_in_the_bodies(en
     assert shared.held == bodies.held == 4
     assert shared.flat.abs().sum() > 0 and torch.equal(shared.flat, bodies.flat) and torch.equal(shared.flat, alone)
     assert torch.equal(_everyone_holds(shared, shared.flat.numel(), torch.device("cpu")), shared.flat)
+
+
+def test_a_fetcher_keeps_its_buffer_from_one_rollout_to_the_next(engines_with_adapter):
+    """The buffer the engines add into is made once and zeroed before each fetch; in the engines' order (the
+    trainer's here) the gradient is that buffer, valid until the next fetch, and each fetch's is the rollout's own."""
+    (url, _), adapter = engines_with_adapter
+    coefficients = {url: {30: 0.5, 31: -1.0}}
+    pusher = WeightPusher("ipc", colocated=True, device="cpu", timeout=60.0)
+    fetcher = PolicyGradientFetcher(pusher, {name: tensor.shape for name, tensor in adapter.items()},
+                                    torch.device("cpu"), timeout=60.0)
+    try:
+        firsts = []
+        for _ in range(2):
+            _rollout(url, seed=30)
+            fetched = fetcher.fetch(PolicyGradientAsk(coefficients, samples=2))
+            assert fetched.held == 2 and fetched.engines_by_reference == 1
+            assert fetched.flat.data_ptr() == fetcher._shared.buffer.data_ptr()
+            firsts.append(fetched.flat.clone())
+        assert firsts[0].abs().sum() > 0 and torch.equal(firsts[0], firsts[1])  # zeroed between: not doubled
+        _rollout(url, seed=30)
+        in_bodies = PolicyGradientFetcher(WeightPusher("broadcast", colocated=True, device="cpu", timeout=60.0),
+                                          fetcher.order.shapes, torch.device("cpu"), timeout=60.0)
+        assert torch.equal(firsts[0], in_bodies.fetch(PolicyGradientAsk(coefficients, samples=2)).flat)
+        assert in_bodies._shared is None  # no engine took the buffer: none was made
+    finally:
+        fetcher.close()
 
 
 def test_a_refused_buffer_loses_no_kept_gradient_and_lost_samples_stop_the_step(engines_with_adapter):
