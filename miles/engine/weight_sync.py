@@ -619,25 +619,12 @@ class WeightReceiver:
                 self._copy(steps, received, message.target_modules)
             else:
                 with map_buffer(message.buffer) as flat:
-                    self._copy(steps, self._lora_bucket_on_device(message, flat), message.target_modules)
+                    self._copy(steps, flat, message.target_modules)
                     del flat  # drop the mapping of the sender's memory before answering
         self.tensors_received += len(steps)
         if message.flush:
             self.updates_applied += 1
         return {"applied": len(steps)}
-
-    def _lora_bucket_on_device(self, message: UpdateMessage, flat: torch.Tensor) -> torch.Tensor:
-        """A LoRA bucket in host memory for an engine on a GPU (a trainer on the host pushes from a file): the
-        bucket crosses to the GPU in one copy (75 MB at SD3.5-Medium, rank 32), and the pairs' copies, merges and
-        the rollout gradient's factors then read device memory, where each of the 382 factors crossed on its own,
-        twice, in copies from pageable memory that wait for the host. Full weights are copied into place as they
-        are (a bucket of them on the GPU would be a second copy of up to a bucket's size)."""
-        if not message.lora or flat.is_cuda or not message.entries:
-            return flat
-        device = next(param.device for module in self.modules.values() for param in module.parameters())
-        if device.type != "cuda":
-            return flat
-        return flat[: max(entry.offset + entry.nbytes for entry in message.entries)].to(device)
 
     def _copy(self, steps: list[_FullCopy | _LoraPart], flat: torch.Tensor, target_modules) -> None:
         for step in steps:
