@@ -14,7 +14,8 @@ Groups:
 - `ltx`: LTX-Video's parity set: `fp32_norms` (its RMSNorm without affine weights is especially sensitive).
 - `batch_invariant`: bitwise engine/trainer parity (miles/models/batch_invariant.py): fixed forward tiles on
   both sides, one SDPA kernel on CUDA, parameters in the trainer's dtype, LoRA forwards valued with the merged weight, and
-  in compiled blocks opaque matmuls and norms (miles/models/opaque_kernels.py). The default, eager or compiled
+  in compiled blocks opaque matmuls and norms (miles/models/opaque_kernels.py; a rollout-gradient engine, which no
+  trainer forward reproduces, keeps the tiles and skips those: `ModelRunner`). The default, eager or compiled
   (miles/config/validation.py `_rule_parity`); the trainer applies it too (`TRAINER_PATCH_GROUPS`).
 """
 
