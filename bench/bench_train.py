@@ -162,7 +162,7 @@ def model_setup(opts):
 
 
 def peak_flops(device: str) -> float | None:
-    from miles.backends.fsdp_utils.actor import peak_tflops
+    from miles.backends.fsdp_utils.train_metrics import peak_tflops
 
     value = peak_tflops(torch.device(device))
     return None if value is None else value * 1e12

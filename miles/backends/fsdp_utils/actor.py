@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from miles.backends.fsdp_utils import deterministic
 from miles.backends.fsdp_utils.optimizer_parking import GIB, OptimizerParking
@@ -33,6 +32,7 @@ from miles.backends.fsdp_utils.train_data import (
     convert_samples_to_train_data,
     plan_rank_train_data,
 )
+from miles.backends.fsdp_utils.train_metrics import FlopCount, MetricSums, train_speed_metrics
 from miles.config.sections import RunConfig
 from miles.models.base import GenerationShape
 from miles.models.batch_invariant import (
@@ -55,88 +55,6 @@ if TYPE_CHECKING:
     from miles.backends.fsdp_utils.gradient_fetch import FetchedGradient
 
 logger = logging.getLogger(__name__)
-
-PEAK_TFLOPS_BY_DEVICE = {"H200": 989.5, "H100": 989.5, "H800": 989.5, "A100": 312.0, "B200": 2250.0}
-
-
-def peak_tflops(device: torch.device) -> float | None:
-    import os
-
-    if os.environ.get("MILES_PEAK_TFLOPS"):
-        return float(os.environ["MILES_PEAK_TFLOPS"])
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((value for key, value in PEAK_TFLOPS_BY_DEVICE.items() if key in name), None)
-
-
-class _MetricSums:
-    """Σ value and Σ count per metric name, kept on the device (one host sync per rollout, in `reduce`);
-    `add_max` metrics reduce with max."""
-
-    def __init__(self):
-        self.sums: dict[str, torch.Tensor] = {}
-        self.counts: dict[str, int] = {}
-        self.maxima: dict[str, torch.Tensor] = {}
-
-    def add(self, name: str, values: torch.Tensor) -> None:
-        values = values.detach().to(torch.float64).reshape(-1)
-        total = values.sum()
-        self.sums[name] = total if name not in self.sums else self.sums[name] + total
-        self.counts[name] = self.counts.get(name, 0) + values.numel()
-
-    def add_max(self, name: str, value: torch.Tensor) -> None:
-        value = value.detach().to(torch.float64).reshape(())
-        self.maxima[name] = value if name not in self.maxima else torch.maximum(self.maxima[name], value)
-
-    def reduce(self, device) -> dict[str, float]:
-        result: dict[str, float] = {}
-        names = sorted(self.sums)
-        if names:
-            totals = torch.stack([self.sums[n].to(device) for n in names])
-            counts = torch.tensor([float(self.counts[n]) for n in names], dtype=torch.float64, device=device)
-            packed = torch.stack([totals, counts])
-            if dist.is_initialized():
-                dist.all_reduce(packed)
-            packed = packed.cpu()
-            result.update({n: float(packed[0, i] / max(float(packed[1, i]), 1.0)) for i, n in enumerate(names)})
-        max_names = sorted(self.maxima)
-        if max_names:
-            packed = torch.stack([self.maxima[n].to(device) for n in max_names])
-            if dist.is_initialized():
-                dist.all_reduce(packed, op=dist.ReduceOp.MAX)
-            result.update({n: float(v) for n, v in zip(max_names, packed.cpu().tolist())})
-        return result
-
-
-class _FlopCount(TorchDispatchMode):
-    """Σ FLOPs of the ops torch.utils.flop_counter has formulas for (matmuls, convolutions, attention), running
-    every op exactly as it runs without the mode.
-
-    Not `FlopCounterMode`: it replaces each op it has no formula for by that op's decomposition (e.g.
-    `silu_backward` by element-wise primitives), which rounds differently from the fused kernel. The micro-batch
-    it wraps then gets slightly different gradients, and as it wraps the first rollout of each process, a resumed
-    run would diverge from the uninterrupted one at the first step after `--load`.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.total = 0
-        self.uncounted: set[str] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.utils.flop_counter import flop_registry
-
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        formula = flop_registry.get(getattr(func, "_overloadpacket", None))
-        if formula is not None:
-            try:
-                self.total += formula(*args, **kwargs, out_val=out)
-            except AssertionError:  # a shape torch's formulas do not know (grouped-query SDPA): uncounted
-                self.uncounted.add(str(func))
-        return out
-
 
 class DiffusionTrainer:
     """One trainer rank. Needs torch.distributed initialised (world size 1 works too)."""
@@ -381,7 +299,7 @@ class DiffusionTrainer:
     # ------------------------------------------------------------------------------------------------
     # losses
     # ------------------------------------------------------------------------------------------------
-    def _rl_loss(self, batch: TrainBatch, window_index: int, metrics: _MetricSums):
+    def _rl_loss(self, batch: TrainBatch, window_index: int, metrics: MetricSums):
         from miles.diffusion.losses import LossInputs, call_custom_loss, kl_to_reference, policy_loss
 
         config = self.config
@@ -437,7 +355,7 @@ class DiffusionTrainer:
         self._debug_metrics(batch, velocity, metrics)
         return loss, pair_metrics
 
-    def _nft_or_sft_loss(self, batch: TrainBatch, rollout_id: int, metrics: _MetricSums):
+    def _nft_or_sft_loss(self, batch: TrainBatch, rollout_id: int, metrics: MetricSums):
         from miles.diffusion.losses import forward_noise, nft_loss, sft_loss
 
         config = self.config
@@ -465,14 +383,14 @@ class DiffusionTrainer:
             adaptive_weight=not config.trainer.no_diffusion_nft_adaptive_weight,
         )
 
-    def _debug_metrics(self, batch: TrainBatch, velocity: torch.Tensor, metrics: _MetricSums) -> None:
+    def _debug_metrics(self, batch: TrainBatch, velocity: torch.Tensor, metrics: MetricSums) -> None:
         if not self.config.debug.diffusion_debug_mode or batch.debug_model_outputs is None:
             return
         diff = (velocity.detach().float() - batch.debug_model_outputs.to(velocity.device)).abs()
         metrics.add("model_output_mean_abs_diff", diff.reshape(diff.shape[0], -1).mean(dim=1))
         metrics.add_max("model_output_max_abs_diff", diff.max())
 
-    def _micro_batch_loss(self, batch: TrainBatch, rollout_id: int, window_index: int, metrics: _MetricSums):
+    def _micro_batch_loss(self, batch: TrainBatch, rollout_id: int, window_index: int, metrics: MetricSums):
         if self.config.trainer.loss_type in ("policy_loss", "custom_loss"):
             return self._rl_loss(batch, window_index, metrics)
         return self._nft_or_sft_loss(batch, rollout_id, metrics)
@@ -539,7 +457,7 @@ class DiffusionTrainer:
         staged = time.perf_counter() - started  # moving the rollout to the GPU and cutting it into micro-batches
         if config.trainer.diffusion_recompute_old_log_prob:
             self.recompute_old_log_probs(plan.windows)
-        metrics = _MetricSums()
+        metrics = MetricSums()
         grad_norms: list[torch.Tensor] = []
         skipped_steps = 0
         parked_bytes = 0
@@ -643,7 +561,7 @@ class DiffusionTrainer:
         if not enabled:
             yield
             return
-        counter = _FlopCount()
+        counter = FlopCount()
         with counter:
             yield
         self.flops_per_pair = counter.total / max(num_pairs, 1)
@@ -651,16 +569,9 @@ class DiffusionTrainer:
             logger.info("perf/mfu leaves out %s (no FLOP formula for these shapes)", sorted(counter.uncounted))
 
     def _perf_metrics(self, plan, seconds: float) -> dict[str, float]:
-        trained_pairs = plan.num_pairs_total - plan.num_pairs_dropped
-        result = {"perf/train_time_s": seconds, "perf/train_pairs_per_s": trained_pairs / max(seconds, 1e-9)}
-        if self.flops_per_pair:
-            # every SP rank of a group runs the pair's full FLOPs in this count; divide by the world size
-            tflops = self.flops_per_pair * trained_pairs * self.dims.sp / max(seconds, 1e-9) / self.world_size / 1e12
-            result["perf/tflops_per_rank"] = tflops
-            peak = peak_tflops(self.device)
-            if peak:
-                result["perf/mfu"] = tflops / peak
-        return result
+        # every SP rank of a group runs the pair's full FLOPs in the count: per rank, that is sp / world_size of it
+        return train_speed_metrics(plan.num_pairs_total - plan.num_pairs_dropped, seconds, self.flops_per_pair,
+                                   self.dims.sp / self.world_size, self.device)
 
     # ------------------------------------------------------------------------------------------------
     # colocated runs
