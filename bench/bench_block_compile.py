@@ -15,8 +15,9 @@ and says whether it pays.
 
 A block here is diffusers' `JointTransformerBlock` with SD3.5-Medium's widths (random bf16 weights, frozen), run
 as the engine's gradient step runs it: the CFG-doubled tile (2 × `--tile` sequences of 1024 image and 333 text
-tokens at 512²), the inputs requiring gradients, the backward taking the input gradient only (the engine's LoRA
-tap, which adds per-sample factor gradients of about 2 % of the FLOPs, is left out). The kinds: dual attention
+tokens at 512²), the inputs requiring gradients, the backward taking the input gradients (the weights are frozen)
+and, through the engine's own LoRA taps on the family's targets (miles/engine/rollout_gradients.py, random
+rank-`--lora-rank` factors), each sample's factor gradients. The kinds: dual attention
 (blocks 0–12), joint (13–22), the last (23, context pre-only); "one step" sums them over SD3.5-Medium's 24 blocks
 and the rollout's tiles, to set against the engine's measured steps. Attention runs what PyTorch's dispatcher
 picks, as the engine's SD3 blocks do (cuDNN on Hopper).
@@ -34,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
 from bench.bench_e2e import measured_peak_tflops  # noqa: E402
-from bench.profile_rollout import inductor_settings  # noqa: E402
+from bench.profile_rollout import inductor_settings, random_lora_factors  # noqa: E402
 from miles.testing.real_size import SD35_MEDIUM_TRANSFORMER, synchronize  # noqa: E402
 
 # (kind, how many of SD3.5-Medium's 24 blocks are of it, JointTransformerBlock's switches)
@@ -71,12 +72,32 @@ def block_inputs(sequences: int, image_tokens: int, text_tokens: int, dim: int, 
             "grad_text": draw(sequences, text_tokens, dim)}
 
 
-def gradient_step(fn, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The block's forward with the inputs requiring gradients, then the backward of its outputs against fixed
-    output gradients: the input gradients (the weights are frozen, as the base is under LoRA)."""
+def install_lora_taps(blocks: dict[str, torch.nn.Module], rank: int, device: str):
+    """The engine's per-sample LoRA taps on the blocks' SD3 targets (None without a rank)."""
+    if not rank:
+        return None
+    from miles.engine.rollout_gradients import RolloutGradients
+    from miles.models.sd3 import SD3_LORA_TARGETS
+
+    holder = torch.nn.ModuleDict(blocks)
+    gradients = RolloutGradients({"blocks": holder})
+    random_lora_factors(gradients, "blocks", holder, SD3_LORA_TARGETS, rank, device)
+    return gradients
+
+
+def gradient_step(fn, inputs: dict[str, torch.Tensor], taps=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's forward with the inputs requiring gradients (and, with `taps`, a tile of per-sample factor
+    rows, one per CFG pair of sequences), then the backward of its outputs against fixed output gradients: the
+    input gradients (the weights are frozen, as the base is under LoRA) and the rows' gradients."""
     hidden = inputs["hidden"].detach().requires_grad_(True)
     text = inputs["text"].detach().requires_grad_(True)
-    text_out, hidden_out = fn(hidden, text, inputs["temb"])
+    if taps is not None:
+        taps.forward_rows(taps.tile_rows(hidden.shape[0] // 2))
+    try:
+        text_out, hidden_out = fn(hidden, text, inputs["temb"])
+    finally:
+        if taps is not None:
+            taps.forward_rows(None)
     outputs, grads = [hidden_out], [inputs["grad_hidden"]]
     if text_out is not None:  # the last block returns no text stream
         outputs.append(text_out)
@@ -85,30 +106,30 @@ def gradient_step(fn, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, to
     return hidden.grad, text.grad
 
 
-def count_tflop(block: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> float:
+def count_tflop(block: torch.nn.Module, inputs: dict[str, torch.Tensor], taps) -> float:
     """The step's FLOPs by torch's formulas (matmuls and attention), counted on the eager block."""
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
     with counter:
-        gradient_step(block, inputs)
+        gradient_step(block, inputs, taps)
     return counter.get_total_flops() / 1e12
 
 
-def time_step(fn, inputs: dict[str, torch.Tensor], device: str, repeats: int) -> float:
+def time_step(fn, inputs: dict[str, torch.Tensor], taps, device: str, repeats: int) -> float:
     """Seconds of one step, the best of three rounds of `repeats`."""
     best = float("inf")
     for _ in range(3):
         synchronize(device)
         began = time.perf_counter()
         for _ in range(repeats):
-            gradient_step(fn, inputs)
+            gradient_step(fn, inputs, taps)
         synchronize(device)
         best = min(best, (time.perf_counter() - began) / repeats)
     return best
 
 
-def measure_mode(mode: str, blocks: dict, inputs: dict, reference: dict, settings: dict, device: str,
+def measure_mode(mode: str, blocks: dict, inputs: dict, taps, reference: dict, settings: dict, device: str,
                  repeats: int) -> dict:
     """Per kind: compile (first two steps), seconds per step, the input gradient's largest difference from the
     eager block's, relative to its largest value."""
@@ -125,10 +146,10 @@ def measure_mode(mode: str, blocks: dict, inputs: dict, reference: dict, setting
                 torch.cuda.reset_peak_memory_stats()
             began = time.perf_counter()
             for _ in range(2):
-                grad_hidden, _ = gradient_step(fn, inputs)
+                grad_hidden, _ = gradient_step(fn, inputs, taps)
             synchronize(device)
             warm = time.perf_counter() - began
-            seconds = time_step(fn, inputs, device, repeats)
+            seconds = time_step(fn, inputs, taps, device, repeats)
             scale = reference[kind].abs().max().clamp_min(1e-30)
             row["kinds"][kind] = {
                 "warm_s": warm, "s": seconds,
@@ -148,6 +169,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=32, help="samples per rollout (for the per-step sum)")
     parser.add_argument("--image-tokens", type=int, default=1024, help="1024 at 512² (64 × 64 latents, patch 2)")
     parser.add_argument("--text-tokens", type=int, default=333, help="77 CLIP + 256 T5 tokens")
+    parser.add_argument("--lora-rank", type=int, default=32, help="the engine's LoRA taps' rank (0: no taps)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                         help="a torch._inductor.config setting for every compiled mode (repeatable)")
@@ -159,17 +181,19 @@ def main() -> None:
     sequences = 2 * opts.tile  # CFG doubles the tile
     blocks = {kind: build_block(switches, device, dtype, seed) for seed, (kind, _, switches) in enumerate(BLOCK_KINDS)}
     inputs = block_inputs(sequences, opts.image_tokens, opts.text_tokens, dim, device, dtype, seed=0)
-    reference = {kind: gradient_step(block, inputs)[0].float() for kind, block in blocks.items()}
-    tflop = {kind: count_tflop(block, inputs) for kind, block in blocks.items()}
+    taps = install_lora_taps(blocks, opts.lora_rank, device)
+    reference = {kind: gradient_step(block, inputs, taps)[0].float() for kind, block in blocks.items()}
+    tflop = {kind: count_tflop(block, inputs, taps) for kind, block in blocks.items()}
     peak = measured_peak_tflops(device)
     settings = inductor_settings(opts.inductor)
     tiles = opts.samples // opts.tile
     counts = {kind: count for kind, count, _ in BLOCK_KINDS}
     step_tflop = tiles * sum(counts[kind] * tflop[kind] for kind in blocks)
     print(f"{device}, {dtype}, tile {opts.tile} ({sequences} sequences of {opts.image_tokens} + {opts.text_tokens} "
-          f"tokens), measured peak {peak:.3g} TFLOP/s, inductor {settings or 'as is'}", flush=True)
+          f"tokens), LoRA taps of rank {opts.lora_rank} on {len(taps.layers) if taps else 0} layers, measured peak "
+          f"{peak:.3g} TFLOP/s, inductor {settings or 'as is'}", flush=True)
 
-    rows = [measure_mode(mode, blocks, inputs, reference, settings, device, opts.repeats)
+    rows = [measure_mode(mode, blocks, inputs, taps, reference, settings, device, opts.repeats)
             for mode in opts.modes.split(",") if mode]
 
     print(f"\n| mode | {' | '.join(f'{kind} ms (TFLOP/s)' for kind in blocks)} | one step's blocks s | "
@@ -188,7 +212,7 @@ def main() -> None:
               f"{sum(kinds[k]['warm_s'] for k in kinds):.1f} | "
               f"{max(kinds[k]['rel_diff'] for k in kinds):.1e} | {peak_gib} |")
     print(f"\n(one step: {tiles} tiles × (13 dual + 10 joint + 1 last) blocks; the engine's measured step also has the "
-          f"LoRA taps, the embeddings, the final layer and the SDE step)")
+          f"embeddings, the final layer and the SDE step)")
 
 
 if __name__ == "__main__":

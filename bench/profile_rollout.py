@@ -81,15 +81,21 @@ def requests_for(opts) -> list[GenerateRequest]:
 def push_random_lora(runner: ModelRunner, rank: int) -> int:
     """Random rank-`rank` factors on every LoRA target of the transformer, handed to the engine's rollout
     gradients as the weight sync hands a pushed pair (the merged weight is left as it is: timing only)."""
-    transformer = runner.pipe.transformer
-    targets = runner.family.default_lora_target_modules
+    return random_lora_factors(runner.rollout_gradients, "transformer", runner.pipe.transformer,
+                               runner.family.default_lora_target_modules, rank, runner.device)
+
+
+def random_lora_factors(gradients, module_name: str, module: torch.nn.Module, targets, rank: int,
+                        device: torch.device | str) -> int:
+    """`gradients.set_factors` with random rank-`rank` factors for each Linear of `module` named by `targets`;
+    returns how many layers got them."""
     generator = torch.Generator().manual_seed(0)
     count = 0
-    for name, layer in transformer.named_modules():
+    for name, layer in module.named_modules():
         if isinstance(layer, torch.nn.Linear) and any(name.endswith(target) for target in targets):
             a = torch.randn(rank, layer.in_features, generator=generator) / layer.in_features ** 0.5
             b = torch.randn(layer.out_features, rank, generator=generator) * 1e-3
-            runner.rollout_gradients.set_factors("transformer", name, a.to(runner.device), b.to(runner.device), 1.0)
+            gradients.set_factors(module_name, name, a.to(device), b.to(device), 1.0)
             count += 1
     return count
 

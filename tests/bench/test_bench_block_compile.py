@@ -1,5 +1,6 @@
-"""bench/bench_block_compile.py: SD3.5-Medium's three block kinds run the engine's gradient step (the last block
-has no text stream out), and the table sums them into one step as the engine's 24 blocks and tiles do."""
+"""bench/bench_block_compile.py: SD3.5-Medium's three block kinds run the engine's gradient step with its LoRA taps
+(the last block has no text stream out), and the table sums them into one step as the engine's 24 blocks and
+tiles do."""
 
 import sys
 
@@ -19,6 +20,8 @@ def test_each_block_kind_takes_its_input_gradient_and_the_table_sums_one_step(be
                                       "--samples", "2", "--image-tokens", "4", "--text-tokens", "4", "--repeats", "1"])
     bench_block_compile.main()
     lines = capsys.readouterr().out.splitlines()
+    # the 8 attention projections of the dual and joint blocks, 7 of the last (its text stream has no output projection)
+    assert "LoRA taps of rank 32 on 23 layers" in lines[0]
     header = next(line for line in lines if line.startswith("| mode |"))
     assert [cell.strip() for cell in header.split("|")[2:5]] == [f"{k} ms (TFLOP/s)" for k in ("dual", "joint", "last")]
     floor = next(line for line in lines if line.startswith("| floor"))
@@ -30,11 +33,20 @@ def test_each_block_kind_takes_its_input_gradient_and_the_table_sums_one_step(be
     assert all(float(cell) > 0 for cell in floor.split("|")[2:6])  # every kind's FLOPs counted
 
 
-def test_the_last_block_returns_no_text_stream_and_still_gives_both_input_gradients(bench_block_compile):
+def test_the_last_block_returns_no_text_stream_and_its_inputs_and_taps_still_get_gradients(bench_block_compile):
     kind, _, switches = bench_block_compile.BLOCK_KINDS[-1]
     assert kind == "last"
     block = bench_block_compile.build_block(switches, "cpu", torch.float32, seed=0)
     inputs = bench_block_compile.block_inputs(1, 4, 4, 1536, "cpu", torch.float32, seed=0)
-    grad_hidden, grad_text = bench_block_compile.gradient_step(block, inputs)
-    assert grad_hidden.shape == (1, 4, 1536) and grad_text.shape == (1, 4, 1536)
-    assert grad_text.abs().sum() > 0  # the text stream still reaches the image tokens through the joint attention
+    taps = bench_block_compile.install_lora_taps({"last": block}, 4, "cpu")
+    rows = taps.tile_rows(1)
+    taps.forward_rows(rows)
+    try:
+        text_out, hidden_out = block(inputs["hidden"].requires_grad_(True), inputs["text"].requires_grad_(True),
+                                     inputs["temb"])
+    finally:
+        taps.forward_rows(None)
+    assert text_out is None
+    hidden_out.backward(inputs["grad_hidden"][:1])
+    assert inputs["text"].grad.abs().sum() > 0  # the text stream still reaches the image tokens through attention
+    assert rows.grad is not None and rows.grad.abs().sum() > 0  # the taps gave the sample its factor gradients
