@@ -1,5 +1,5 @@
 """Which compile mode runs the no-replay engine's blocks fastest: one SD3.5-Medium block of each kind, its forward
-and input-gradient backward at the engine's tile, timed per mode in one process.
+and backward as the engine's gradient step runs them at its tile, timed per mode in one process.
 
     python bench/bench_block_compile.py --device cuda                          # default vs max-autotune (GEMMs)
     python bench/bench_block_compile.py --device cuda --modes default --inductor coordinate_descent_tuning=True
