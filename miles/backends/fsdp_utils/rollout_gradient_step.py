@@ -79,8 +79,9 @@ def train_on_rollout_gradient(trainer, rollout_id: int, samples: list[Sample],
         full = flat[offset : offset + param.numel()].view(param.shape)
         offset += param.numel()
         param.grad = _like(param, full.to(param.dtype))
-    # no loss was computed: a non-finite gradient makes the gradient norm non-finite, which skips the step
-    grad_norm = trainer.optimizer_step(f"rollout {rollout_id}", torch.tensor(True))
+    # no loss was computed: a non-finite gradient makes the gradient norm non-finite, which skips the step (the flag
+    # on the trainer's device: several ranks reduce it, and NCCL takes no host tensor)
+    grad_norm = trainer.optimizer_step(f"rollout {rollout_id}", torch.tensor(True, device=flat.device))
     if trainer.ema is not None:
         trainer.ema.update()
     kept = [s for s in samples if not s.remove_sample]
