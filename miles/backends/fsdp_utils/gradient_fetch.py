@@ -5,9 +5,9 @@ it served. Rank 0 asks each engine for its Σ_b c_b·G_b (`POST /policy_gradient
 An engine whose memory rank 0 shares (the weight sync's rule, `WeightPusher.split`: the engine on its GPU under
 `--colocate`, every engine of the host on a CPU run) adds its sum into a buffer rank 0 shares with it (a CUDA IPC
 handle, a shared-memory file; one for the run, `PolicyGradientFetcher`), one engine after another: the 75 MB of
-SD3.5-Medium's rank-32 gradient then never leave the GPU. Any other engine answers with the tensors in the body. Before this, the sums went engine → driver
-(HTTP) → trainer (Ray): five host copies of the gradient, most of the 0.67 s the twelfth session's call measured
-between the rollout's end and the optimizer step.
+SD3.5-Medium's rank-32 gradient then never leave the GPU. Any other engine answers with the tensors in the body.
+Before this, the sums went engine → driver (HTTP) → trainer (Ray): five host copies of the gradient, most of the
+0.67 s the twelfth session's call measured between the rollout's end and the optimizer step.
 
 The result is one flat fp32 vector in the trainer's own order of its adapter parameters, which
 `rollout_gradient_step` broadcasts to the other ranks and cuts into their gradients.
@@ -103,47 +103,50 @@ class PolicyGradientFetcher:
         """Σ over engines of Σ_b c_b·G_b as one flat fp32 vector on the device, in `shapes`' order. The vector may
         be the shared buffer itself: it holds this fetch's gradient until the next fetch."""
         began = time.perf_counter()
-        order = self.order
         urls = [url for url, coefficients in ask.coefficients.items() if coefficients]
         by_reference, by_body = self.pusher.split(urls)
-        total: torch.Tensor | None = None
-        held = 0
         if by_reference:
-            if self._shared is None:
-                self._shared = SharedBuffer(4 * order.numel, self.device)
-            added = self._shared.buffer[: 4 * order.numel].view(torch.float32)
-            added.zero_()
-            if added.is_cuda:
-                torch.cuda.current_stream(self.device).synchronize()  # the engines add on their own streams
-            layout = None
-            for url in by_reference:  # one at a time: each adds into the same buffer
-                into = encode_buffer_ref(self._shared.describe())
-                answer = _post(url, encode_policy_gradient_request(ask.coefficients[url], into), self.timeout)
-                order.check(url, answer.layout or [])
-                if layout is not None and answer.layout != layout:  # the same push, so the same order, or a bug
-                    raise PartDiedError(f"--diffusion-rollout-gradient: engine {url} lays the gradient out in "
-                                        f"another order than {by_reference[0]}; they cannot add into one buffer")
-                held += answer.samples
-                layout = answer.layout
-            if [name for name, _ in layout] == list(order.shapes):
-                total = added  # the engine's order is ours (the weight sync named the pieces in it)
-            else:
-                total = torch.zeros(order.numel, dtype=torch.float32, device=self.device)
-                offset = 0
-                for name, shape in layout:
-                    order.add(total, name, added[offset : offset + math.prod(shape)])
-                    offset += math.prod(shape)
-        if total is None:
-            total = torch.zeros(order.numel, dtype=torch.float32, device=self.device)
+            total, held = self._added_by_reference(by_reference, ask)
+        else:
+            total, held = torch.zeros(self.order.numel, dtype=torch.float32, device=self.device), 0
         for url in by_body:
             answer = _post(url, encode_policy_gradient_request(ask.coefficients[url]), self.timeout)
             gradient = answer.gradient or {}
-            order.check(url, [(name, tuple(value.shape)) for name, value in gradient.items()])
+            self.order.check(url, [(name, tuple(value.shape)) for name, value in gradient.items()])
             held += answer.samples
             for name, value in gradient.items():
-                order.add(total, name, value)
+                self.order.add(total, name, value)
         return FetchedGradient(total, held, ask.samples, time.perf_counter() - began, len(by_reference),
                                len(by_body))
+
+    def _added_by_reference(self, urls: list[str], ask: PolicyGradientAsk) -> tuple[torch.Tensor, int]:
+        """The engines at `urls` add their sums into the shared buffer, one after another; returns the sum in our
+        order (the buffer itself where the engines' order is ours) and how many samples they held."""
+        order = self.order
+        if self._shared is None:
+            self._shared = SharedBuffer(4 * order.numel, self.device)
+        added = self._shared.buffer[: 4 * order.numel].view(torch.float32)
+        added.zero_()
+        if added.is_cuda:
+            torch.cuda.current_stream(self.device).synchronize()  # the engines add on their own streams
+        layout, held = None, 0
+        for url in urls:  # one at a time: each adds into the same buffer
+            into = encode_buffer_ref(self._shared.describe())
+            answer = _post(url, encode_policy_gradient_request(ask.coefficients[url], into), self.timeout)
+            order.check(url, answer.layout or [])
+            if layout is not None and answer.layout != layout:  # the same push, so the same order, or a bug
+                raise PartDiedError(f"--diffusion-rollout-gradient: engine {url} lays the gradient out in "
+                                    f"another order than {urls[0]}; they cannot add into one buffer")
+            held += answer.samples
+            layout = answer.layout
+        if [name for name, _ in layout] == list(order.shapes):
+            return added, held  # the engine's order is ours (the weight sync named the pieces in it)
+        total = torch.zeros(order.numel, dtype=torch.float32, device=self.device)
+        offset = 0
+        for name, shape in layout:
+            order.add(total, name, added[offset : offset + math.prod(shape)])
+            offset += math.prod(shape)
+        return total, held
 
     def close(self) -> None:
         if self._shared is not None:
