@@ -211,8 +211,8 @@ def main() -> None:
         print(f"| {row['mode']} | {cells} | {step:.3f} | {step_tflop / peak / step:.0%} | "
               f"{sum(kinds[k]['warm_s'] for k in kinds):.1f} | "
               f"{max(kinds[k]['rel_diff'] for k in kinds):.1e} | {peak_gib} |")
-    print(f"\n(one step: {tiles} tiles × (13 dual + 10 joint + 1 last) blocks; the engine's measured step also has the "
-          f"embeddings, the final layer and the SDE step)")
+    print(f"\n(one step: {tiles} tiles × (13 dual + 10 joint + 1 last) blocks; the engine's measured step also has "
+          f"the embeddings, the final layer and the SDE step)")
 
 
 if __name__ == "__main__":
