@@ -1,7 +1,8 @@
 """Which compile mode runs the no-replay engine's blocks fastest: one SD3.5-Medium block of each kind, its forward
 and backward as the engine's gradient step runs them at its tile, timed per mode in one process.
 
-    python bench/bench_block_compile.py --device cuda                          # default vs max-autotune (GEMMs)
+    python bench/bench_block_compile.py --device cuda                          # eager vs the engine's default
+    python bench/bench_block_compile.py --device cuda --modes default,max-autotune-no-cudagraphs   # > 9 min
     python bench/bench_block_compile.py --device cuda --modes default --inductor coordinate_descent_tuning=True
     python bench/bench_block_compile.py --device cpu --image-tokens 16 --text-tokens 8 --tile 1 --modes eager
 
@@ -11,7 +12,9 @@ kernels (GELU, the norms and their backwards) ≈ 22 %. Inductor's default leave
 of those elementwise kernels can join a matmul; `max-autotune` also tries its Triton matmul templates, which can
 take a neighbouring norm or GELU into their epilogue, and keeps whichever is faster per shape. Timing the whole
 engine that way costs a compile of every graph (more than a 600 s call); a block of each kind compiles in minutes
-and says whether it pays.
+and says whether it pays. It did not (H100, thirty-third session in bench/RESULTS.md): for every matmul shape of
+these blocks cuBLAS beat the fastest Triton template by 15–22 %, so the autotuner keeps cuBLAS and fuses nothing,
+and the three blocks' autotuning outlasted a 580 s call; so the default modes are now eager and the engine's.
 
 A block here is diffusers' `JointTransformerBlock` with SD3.5-Medium's widths (random bf16 weights, frozen), run
 as the engine's gradient step runs it: the CFG-doubled tile (2 × `--tile` sequences of 1024 image and 333 text
@@ -163,7 +166,7 @@ def measure_mode(mode: str, blocks: dict, inputs: dict, taps, reference: dict, s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--modes", default="eager,default,max-autotune-no-cudagraphs",
+    parser.add_argument("--modes", default="eager,default",
                         help="comma-separated: eager, default (the engine's), or a torch.compile mode")
     parser.add_argument("--tile", type=int, default=8, help="samples per tile (the engine's --rollout-gradient-tile)")
     parser.add_argument("--samples", type=int, default=32, help="samples per rollout (for the per-step sum)")

@@ -12,9 +12,11 @@ the VAE decode of the rollout's latents in a few layouts, so every second of the
 
 `--rollout-gradient TILE` runs the requests as `--diffusion-rollout-gradient` does (each SDE step's forward
 with autograd through per-sample LoRA rows, then its backward, a tile of samples at a time;
-miles/engine/rollout_gradients.py), with random rank-`--lora-rank` factors pushed on the family's LoRA targets. `--profile-step` puts one denoising step
-of the timed rollout under torch.profiler and prints its kernels by class (matmul, attention, compiled elementwise,
-other) and the slowest ones; on CUDA each phase's peak allocated memory is printed too.
+miles/engine/rollout_gradients.py), with random rank-`--lora-rank` factors pushed on the family's LoRA targets.
+`--profile-step` puts one denoising step of the timed rollout under torch.profiler and prints its kernels by class
+(matmul, attention, compiled elementwise, other) and the slowest ones, then where the device sat idle (its gaps,
+the host calls they fall in, every host call that waits on the device; `--trace PATH` writes the step's Chrome
+trace); on CUDA each phase's peak allocated memory is printed too.
 """
 
 from __future__ import annotations
@@ -100,7 +102,8 @@ def random_lora_factors(gradients, module_name: str, module: torch.nn.Module, ta
     return count
 
 
-def one_rollout(runner: ModelRunner, opts, timer: Timer, profile_step: int | None = None) -> None:
+def one_rollout(runner: ModelRunner, opts, timer: Timer, profile_step: int | None = None,
+                trace: str | None = None) -> None:
     if runner.rollout_gradients is not None:
         runner.rollout_gradients.new_weights()  # the previous rollout's kept sums (the same seeds) are dropped
     trajectories = [timer("start (encode, initial latents)", runner.start, r) for r in requests_for(opts)]
@@ -109,6 +112,10 @@ def one_rollout(runner: ModelRunner, opts, timer: Timer, profile_step: int | Non
             with step_profiler(runner.device) as profile:
                 timer(f"step {k}", runner.step, trajectories)
             print_kernels(profile, runner.device)
+            print_idle_gaps(profile)
+            if trace:
+                profile.export_chrome_trace(trace)
+                print(f"the profiled step's trace: {trace}")
         else:
             timer(f"step {k}", runner.step, trajectories)
     for t in trajectories:
@@ -153,6 +160,67 @@ def print_kernels(profile, device: torch.device, top: int = 25) -> None:
     print(f"\n| slowest kernels | calls | seconds |\n|---|---|---|")
     for event in sorted(events, key=lambda e: -getattr(e, attr, 0.0))[:top]:
         print(f"| {event.key[:110]} | {event.count} | {getattr(event, attr, 0.0) / 1e6:.4f} |")
+
+
+# host calls that wait on the device
+SYNC_CALLS = ("synchronize", "_local_scalar_dense", "cudamemcpy", "cudaeventquery")
+
+
+def idle_gaps(kernels: list[tuple[float, float]], host: list[tuple[str, float, float]], min_gap: float = 20.0):
+    """Where the device waits, from one profiled stretch: `kernels` are device intervals (µs), `host` named host
+    intervals. Returns (span, busy, gaps, by_name): the device's first-to-last span, the union of its kernels, the
+    idle intervals of at least `min_gap` µs, and per host name the µs its events overlap those gaps (what the host
+    was inside while the device had nothing to run: a wait on the device, or launches that fell behind)."""
+    if not kernels:
+        return 0.0, 0.0, [], {}
+    kernels = sorted(kernels)
+    busy, gaps = 0.0, []
+    start, end = kernels[0]
+    for k_start, k_end in kernels[1:]:
+        if k_start > end:
+            busy += end - start
+            if k_start - end >= min_gap:
+                gaps.append((end, k_start))
+            start, end = k_start, k_end
+        else:
+            end = max(end, k_end)
+    busy += end - start
+    by_name: dict[str, float] = {}
+    for name, h_start, h_end in host:
+        overlap = sum(max(0.0, min(h_end, g_end) - max(h_start, g_start)) for g_start, g_end in gaps)
+        if overlap > 0:
+            by_name[name] = by_name.get(name, 0.0) + overlap
+    return end - kernels[0][0], busy, gaps, by_name
+
+
+def print_idle_gaps(profile, top: int = 15) -> None:
+    """The profiled step's device idle time, its largest gaps and the host calls they fall in, and every host call
+    that waits on the device (a per-tile wait leaves the device idle while the host launches the next tile)."""
+    kernels, host = [], []
+    for event in profile.events():
+        interval = (event.time_range.start, event.time_range.end)
+        if event.device_type.name == "CUDA":
+            kernels.append(interval)
+        else:
+            host.append((event.name, *interval))
+    if not kernels:
+        print("\nno device kernels in the profiled step: no idle gaps to report")
+        return
+    span, busy, gaps, by_name = idle_gaps(kernels, host)
+    idle = sum(g_end - g_start for g_start, g_end in gaps)
+    print(f"\ndevice busy {busy / 1e6:.3f} s of a {span / 1e6:.3f} s span ({100 * busy / span:.1f}%); "
+          f"{len(gaps)} idle gaps of ≥ 20 µs, {idle / 1e6:.3f} s in all, the largest (ms): "
+          f"{', '.join(f'{(e - s) / 1e3:.2f}' for s, e in sorted(gaps, key=lambda g: g[0] - g[1])[:10])}")
+    print("| host call overlapping the gaps | ms |\n|---|---|")
+    for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"| {name[:100]} | {us / 1e3:.2f} |")
+    waits: dict[str, list[float]] = {}
+    for name, h_start, h_end in host:
+        if any(key in name.lower() for key in SYNC_CALLS):
+            waits.setdefault(name, []).append(h_end - h_start)
+    print("| host call that waits on the device | calls | ms |\n|---|---|---|")
+    for name, times in sorted(waits.items(), key=lambda kv: -sum(kv[1])):
+        print(f"| {name[:100]} | {len(times)} | {sum(times) / 1e3:.2f} |")
 
 
 def best_of_three(fn, device: torch.device) -> float:
@@ -267,6 +335,8 @@ def main() -> None:
                         help="the requests take each sample's LoRA gradient in tiles of TILE samples (0: off)")
     parser.add_argument("--lora-rank", type=int, default=32)
     parser.add_argument("--profile-step", action="store_true", help="torch.profiler over one step of the timed rollout")
+    parser.add_argument("--trace", default=None, metavar="PATH",
+                        help="with --profile-step: the profiled step's Chrome trace to PATH (Perfetto reads it)")
     parser.add_argument("--attention-backends", default="",
                         help="comma list of diffusers attention backends to time eagerly first (e.g. native,_native_cudnn)")
     parser.add_argument("--patch-group", default=None,
@@ -285,6 +355,8 @@ def main() -> None:
                              "coordinate_descent_tuning=True or max_autotune_pointwise=True")
     opts = parser.parse_args()
     opts.width = opts.width or opts.height
+    if opts.trace and not opts.profile_step:
+        parser.error("--trace writes the profiled step's trace: add --profile-step")
     import torch._inductor.config as inductor_config
 
     settings = inductor_settings(opts.inductor)
@@ -327,7 +399,8 @@ def profile(opts: argparse.Namespace) -> None:
     timer = Timer(device)
     resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     began = time.perf_counter()
-    one_rollout(runner, opts, timer, profile_step=opts.steps // 2 if opts.profile_step else None)
+    one_rollout(runner, opts, timer, profile_step=opts.steps // 2 if opts.profile_step else None,
+                trace=opts.trace)
     total = time.perf_counter() - began
     print(f"\none rollout, {opts.num_images} images of {opts.height}x{opts.width}, {opts.steps} steps, CFG {opts.cfg}, "
           f"requests of {opts.samples_per_request}, compile={opts.compile}, rollout gradient tile "

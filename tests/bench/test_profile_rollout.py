@@ -51,3 +51,14 @@ def test_inductor_settings_take_the_type_of_the_setting_and_refuse_unknown_keys(
                       ("coordinate_descent_tuning=yes", "True or False")):
         with pytest.raises(SystemExit, match=said):
             profile_rollout.inductor_settings([bad])
+
+
+def test_idle_gaps_are_the_device_intervals_no_kernel_covers_and_name_the_host_calls_inside_them(profile_rollout):
+    kernels = [(0.0, 10.0), (5.0, 30.0), (100.0, 110.0), (115.0, 200.0), (260.0, 300.0)]
+    host = [("cudaStreamSynchronize", 30.0, 100.0), ("aten::linear", 90.0, 120.0), ("launch", 240.0, 262.0)]
+    span, busy, gaps, by_name = profile_rollout.idle_gaps(kernels, host, min_gap=20.0)
+    assert span == 300.0
+    assert busy == 30.0 + 10.0 + 85.0 + 40.0  # overlapping kernels counted once
+    assert gaps == [(30.0, 100.0), (200.0, 260.0)]  # the 5 µs gap is under the threshold
+    assert by_name == {"cudaStreamSynchronize": 70.0, "aten::linear": 10.0, "launch": 20.0}
+    assert profile_rollout.idle_gaps([], host) == (0.0, 0.0, [], {})
