@@ -182,7 +182,10 @@ class _AdapterGradientTap(torch.autograd.Function):
     copy of y (the compiler fuses it into y's consumer), and the backward two thin matmuls per factor,
     u = x̄·Aᵀ then ∇B = s·gᵀu, and v = g·B then ∇A = s·vᵀx̄, without the [rows, tokens, out] intermediates that
     autograd through `t − t.detach()` would write and read. The rows of x and y are copies × samples (the
-    family's doubled CFG batch): each copy's rows are a contiguous block, and a sample's gradient sums its copies."""
+    family's doubled CFG batch): each copy's rows are a contiguous block, and a sample's gradient sums its copies.
+    All copies go through each matmul as one batch (the factors repeated per copy), then the copies' parts are
+    summed in fp32: four launches a layer instead of four per copy, and twice the blocks to spread over the
+    device's multiprocessors at a tile of 8 under CFG (bench/bench_adapter_tap.py times both forms)."""
 
     @staticmethod
     def forward(ctx, y, x, a, b, scaling):
@@ -193,19 +196,25 @@ class _AdapterGradientTap(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, a, b = ctx.saved_tensors
-        samples = a.shape[0]
-        g = grad.reshape(x.shape[0], -1, grad.shape[-1]).to(x.dtype)
-        low_a, low_b = a.to(x.dtype), b.to(x.dtype)
-        grad_a = grad_b = None
-        for lo in range(0, x.shape[0], samples):
-            xs, gs = x[lo : lo + samples], g[lo : lo + samples]
-            u = torch.bmm(xs, low_a.transpose(1, 2))  # [samples, tokens, r]
-            v = torch.bmm(gs, low_b)  # [samples, tokens, r]
-            part_b = torch.bmm(gs.transpose(1, 2), u).to(b.dtype)
-            part_a = torch.bmm(v.transpose(1, 2), xs).to(a.dtype)
-            grad_a = part_a if grad_a is None else grad_a + part_a
-            grad_b = part_b if grad_b is None else grad_b + part_b
+        grad_a, grad_b = adapter_factor_gradients(x, grad.reshape(x.shape[0], -1, grad.shape[-1]), a, b)
         return grad, None, grad_a * ctx.scaling, grad_b * ctx.scaling, None
+
+
+def adapter_factor_gradients(x: torch.Tensor, g: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample's (gᵀ·x·Aᵀ-shaped) factor gradients of the adapter's term, unscaled: x [copies × samples,
+    tokens, in] and g [copies × samples, tokens, out] in the compute dtype, a [samples, r, in] and b [samples,
+    out, r] in theirs; returns (∇A, ∇B) in the factors' dtype, each sample's copies summed."""
+    samples = a.shape[0]
+    copies = x.shape[0] // samples
+    g = g.to(x.dtype)
+    low_a = a.to(x.dtype).repeat(copies, 1, 1)  # row c·samples + j is sample j's factor, as x's rows
+    low_b = b.to(x.dtype).repeat(copies, 1, 1)
+    u = torch.bmm(x, low_a.transpose(1, 2))  # [rows, tokens, r]
+    v = torch.bmm(g, low_b)  # [rows, tokens, r]
+    part_b = torch.bmm(g.transpose(1, 2), u).to(b.dtype)  # [rows, out, r]
+    part_a = torch.bmm(v.transpose(1, 2), x).to(a.dtype)  # [rows, r, in]
+    return part_a.view(copies, *a.shape).sum(0), part_b.view(copies, *b.shape).sum(0)
 
 
 def _forward_with_rows(layer: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:

@@ -296,3 +296,21 @@ def test_a_compiled_rollout_gradient_engine_lets_the_compiler_fuse_and_keeps_its
     eager_rounding, tile, opaque = opaque_layers(gradient_tile=0)
     assert eager_rounding and tile == 2 and opaque > 0
     assert opaque_layers(gradient_tile=2) == (False, 2, 0)
+
+
+@pytest.mark.parametrize("copies", [1, 2, 3])
+def test_the_taps_factor_gradients_are_each_samples_autograd_gradient_of_its_adapter_term_over_its_copies(copies):
+    from miles.engine.rollout_gradients import adapter_factor_gradients
+
+    torch.manual_seed(0)
+    samples, tokens, d_in, d_out, rank = 3, 5, 6, 7, 2
+    x = torch.randn(copies * samples, tokens, d_in, dtype=torch.float64)
+    g = torch.randn(copies * samples, tokens, d_out, dtype=torch.float64)
+    a = torch.randn(samples, rank, d_in, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(samples, d_out, rank, dtype=torch.float64, requires_grad=True)
+    rows = torch.arange(copies * samples) % samples  # copy c's rows are samples 0..samples-1 again
+    term = torch.einsum("nor,nri,nti->nto", b[rows], a[rows], x)  # each row's B_b A_b x
+    (term * g).sum().backward()
+    grad_a, grad_b = adapter_factor_gradients(x, g, a.detach(), b.detach())
+    torch.testing.assert_close(grad_a, a.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad_b, b.grad, rtol=1e-12, atol=1e-12)
