@@ -202,9 +202,10 @@ class _AdapterGradientTap(torch.autograd.Function):
 
 def adapter_factor_gradients(x: torch.Tensor, g: torch.Tensor, a: torch.Tensor, b: torch.Tensor
                              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sample's (gᵀ·x·Aᵀ-shaped) factor gradients of the adapter's term, unscaled: x [copies × samples,
-    tokens, in] and g [copies × samples, tokens, out] in the compute dtype, a [samples, r, in] and b [samples,
-    out, r] in theirs; returns (∇A, ∇B) in the factors' dtype, each sample's copies summed."""
+    """Each sample's gradients of its adapter term B_b·A_b·x with respect to its factors, unscaled: ∇A_b = Σ vᵀx
+    (v = g·B_b) and ∇B_b = Σ gᵀu (u = x·A_bᵀ), summed over tokens and over the sample's copies. x [copies ×
+    samples, tokens, in] and g [copies × samples, tokens, out] in the compute dtype, a [samples, r, in] and b
+    [samples, out, r] in theirs; returns (∇A, ∇B) in the factors' dtype."""
     samples = a.shape[0]
     copies = x.shape[0] // samples
     g = g.to(x.dtype)
