@@ -77,13 +77,13 @@ def init_ray(config: RunConfig) -> None:
     offline environment and the run's API key (created here unless $MILES_API_KEY is set)."""
     import ray
 
-    from miles.utils.auth import ensure_run_api_key
+    from miles.utils.auth import ensure_run_api_key, remove_run_folder
 
     # the run's key for engines, router and trainer ranks: through the environment, never a command line or args
     api_key = ensure_run_api_key()
     if ray.is_initialized():
         return
-    on_run_exit("the run's key file", _remove_key_file)
+    on_run_exit("the run's key file", remove_run_folder)
     start_or_join_ray(config, {"env_vars": worker_env_vars(config, api_key)})
     reinstall_signal_handlers()  # ray.init made SIGTERM a bare sys.exit, which would skip the run's cleanup
 
@@ -141,16 +141,6 @@ def start_or_join_ray(config: RunConfig, runtime_env: dict) -> None:
                  _system_config=local_ray_system_config())
     finally:
         auth_logger.setLevel(level)
-
-
-def _remove_key_file() -> None:
-    """The run's own key file goes with the run; one the user exported (MILES_API_KEY_FILE) stays."""
-    from miles.utils.auth import API_KEY_FILE_ENV, RUN_FOLDER_ENV
-
-    path, run_folder = os.environ.get(API_KEY_FILE_ENV), os.environ.get(RUN_FOLDER_ENV)
-    if path and run_folder and path.startswith(run_folder + os.sep) and os.path.isfile(path):
-        os.unlink(path)
-        del os.environ[API_KEY_FILE_ENV]
 
 
 def _local_gpu_budget(config: RunConfig) -> int:

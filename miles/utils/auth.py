@@ -21,6 +21,7 @@ import ipaddress
 import logging
 import os
 import secrets
+import shutil
 import stat
 import tempfile
 from typing import Iterable
@@ -68,14 +69,35 @@ def read_api_key_file(path: str) -> str:
     return check_api_key(key, f"${API_KEY_FILE_ENV} {path!r}")
 
 
+_made_run_folder: str | None = None  # the run folder this process created, which `remove_run_folder` removes
+
+
 def run_folder() -> str:
     """The run's private folder (mode 0700, created once per driver, named in $MILES_RUN_FOLDER)."""
+    global _made_run_folder
     folder = os.environ.get(RUN_FOLDER_ENV)
     if folder and os.path.isdir(folder):
         return folder
     folder = tempfile.mkdtemp(prefix="miles-")  # mode 0700, a fresh name: nobody else can have made it
     os.environ[RUN_FOLDER_ENV] = folder
+    _made_run_folder = folder
     return folder
+
+
+def remove_run_folder() -> None:
+    """At the run's end: the run folder this process created goes, with the key file in it (before, every run
+    left an empty folder in the temp folder: a hundred after one pass of the tests). A key file the user
+    exported (MILES_API_KEY_FILE outside the folder) and a folder a parent process made stay."""
+    global _made_run_folder
+    folder, _made_run_folder = _made_run_folder, None
+    if folder is None:
+        return
+    key_file = os.environ.get(API_KEY_FILE_ENV, "")
+    if key_file.startswith(folder + os.sep):
+        del os.environ[API_KEY_FILE_ENV]
+    if os.environ.get(RUN_FOLDER_ENV) == folder:
+        del os.environ[RUN_FOLDER_ENV]
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def write_api_key_file(key: str) -> str:

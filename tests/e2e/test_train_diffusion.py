@@ -74,11 +74,13 @@ def series(records: list[dict], key: str) -> list[float]:
     return [r[key] for r in records if key in r]
 
 
-def test_flow_grpo_reward_rises(sd3, prompts, tmp_path):
+def test_flow_grpo_reward_rises(sd3, prompts, tmp_path, private_temp_root):
     # one seed: tests/e2e/test_shapes_learning.py measures learning on a task whose outputs can be checked
     out, seed = tmp_path / "run", 1
     run([*base_flags(sd3, prompts, out), "--num-rollout", "15", "--seed", str(seed), "--rollout-seed", str(seed),
-         "--colocate"])
+         "--colocate"], env={"TMPDIR": private_temp_root})
+    # the run's folders (its key file's, its Ray instance's) went with it
+    assert not [p.name for p in Path(private_temp_root).iterdir() if p.name.startswith("miles-")]
     records = metrics(out)
     rewards = series(records, "rollout/reward_mean")
     assert len(rewards) == 15

@@ -92,6 +92,37 @@ def test_the_run_key_is_created_once_and_kept_in_a_private_file(monkeypatch, tmp
     assert auth.read_api_key_file(os.environ[auth.API_KEY_FILE_ENV]) == "mine-" + "9" * 20
 
 
+def test_the_run_folder_goes_with_the_run_and_a_users_key_file_stays(monkeypatch, tmp_path):
+    monkeypatch.delenv(auth.API_KEY_ENV, raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    for name in (auth.API_KEY_FILE_ENV, auth.RUN_FOLDER_ENV):
+        monkeypatch.setenv(name, "")  # recorded, so that what ensure_run_api_key sets is undone afterwards
+        monkeypatch.delenv(name)
+    auth.ensure_run_api_key()
+    folder = os.environ[auth.RUN_FOLDER_ENV]
+    assert os.listdir(folder) == [auth.API_KEY_FILE_NAME]
+    auth.remove_run_folder()
+    assert not os.path.exists(folder) and auth.API_KEY_FILE_ENV not in os.environ
+    assert auth.RUN_FOLDER_ENV not in os.environ and list(tmp_path.iterdir()) == []
+    auth.remove_run_folder()  # twice: nothing left to do
+
+    mine = tmp_path / "my_key"  # a key file the user exported: the run uses it and leaves it
+    mine.touch(mode=0o600)
+    mine.write_text("k" * 32)
+    monkeypatch.setenv(auth.API_KEY_FILE_ENV, str(mine))
+    assert auth.ensure_run_api_key() == "k" * 32
+    auth.remove_run_folder()
+    assert mine.read_text() == "k" * 32 and os.environ[auth.API_KEY_FILE_ENV] == str(mine)
+
+    parents = tmp_path / "miles-parent"  # a run folder a parent process made and named
+    parents.mkdir(mode=0o700)
+    monkeypatch.setenv(auth.RUN_FOLDER_ENV, str(parents))
+    assert auth.run_folder() == str(parents)
+    auth.remove_run_folder()
+    assert parents.is_dir()
+
+
 def test_servers_refuse_to_run_without_a_usable_key(monkeypatch):
     monkeypatch.delenv(auth.API_KEY_ENV, raising=False)
     monkeypatch.delenv(auth.API_KEY_FILE_ENV, raising=False)
