@@ -258,6 +258,8 @@ def run_miles(opts, checkpoint: str, prompt_file: str, lora: bool, mode: str, wo
         for r in iterations:
             print(f"  miles {'lora' if lora else 'full'} {mode} launch {launch} rollout {r['rollout_id']}: " +
                   " ".join(f"{k[5:]}={v:.2f}" for k, v in r.items() if k.startswith("perf/") and k.endswith(PRINTED)),
+                  # the push's own split: gathering the weights, the engines' wait for their worker and their apply
+                  " ".join(f"{k}={v:.3f}" for k, v in r.items() if k.startswith("weight_sync/") and k.endswith("seconds")),
                   flush=True)
         row = launch_row(iterations, memory.gib, wall, out)
         if launch < launches - 1:

@@ -218,11 +218,16 @@ class EngineServer:
         return web.json_response({"ok": True, "weight_version": self.runner.weight_version, **result})
 
     async def _apply_update(self, message) -> dict[str, Any]:
+        queued = time.perf_counter()
+
         def apply() -> dict[str, Any]:
+            began = time.perf_counter()
             applied = self.receiver.apply(message)
             if message.flush:
                 self.runner.weights_updated()  # CFG- or sequence-parallel followers take the finished update
-            return applied
+            # the sender's report splits its push time: waiting for the worker thread (a step or a prompt
+            # encoding running there) and applying the bucket
+            return {**applied, "wait_seconds": began - queued, "apply_seconds": time.perf_counter() - began}
 
         result = await self.scheduler.run_exclusive(apply)
         self.counters["weight_buckets"] += 1

@@ -236,6 +236,26 @@ def _buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: in
         yield bucket, size
 
 
+def _timed(named_tensors: Iterable[tuple[str, torch.Tensor]], stats: dict[str, Any]):
+    """The tensors as they come, adding the time spent producing them (the trainer gathering and casting its
+    weights) to `stats["gather_seconds"]`."""
+    iterator = iter(named_tensors)
+    while True:
+        began = time.perf_counter()
+        item = next(iterator, None)
+        stats["gather_seconds"] += time.perf_counter() - began
+        if item is None:
+            return
+        yield item
+
+
+def add_engine_seconds(stats: dict[str, Any], answers: Sequence[dict]) -> None:
+    """Add one message's engine times to the push report: the slowest engine's wait for its worker thread and
+    its apply (the engines take a bucket concurrently, so the push waits for the slowest)."""
+    for key in ("wait_seconds", "apply_seconds"):
+        stats[f"engine_{key}"] += max((float(a.get(key, 0.0)) for a in answers), default=0.0)
+
+
 async def _post_bucket(session, url: str, body: bytes, timeout: float, headers: dict[str, str],
                        path: str = "/update_weights_from_tensor") -> dict:
     import aiohttp
@@ -298,7 +318,8 @@ async def push_weights_async(
                          "broken broadcast group must be built again")
     group_urls = list(group.engine_urls) if group is not None else []
     stats: dict[str, Any] = {"num_tensors": 0, "num_buckets": 0, "bytes": 0, "ipc_engines": len(engine_urls),
-                             "broadcast_engines": len(group_urls)}
+                             "broadcast_engines": len(group_urls), "gather_seconds": 0.0,
+                             "engine_wait_seconds": 0.0, "engine_apply_seconds": 0.0}
     buffers: dict[tuple[torch.device, int], SharedBuffer] = {}
     in_flight: asyncio.Future | None = None
     in_flight_slot: int | None = None
@@ -333,8 +354,8 @@ async def push_weights_async(
 
     async def send_ipc(buffer: SharedBuffer, entries: tuple[TensorEntry, ...]) -> None:
         bodies = [message(buffer=buffer.describe(), entries=entries) for _ in engine_urls]
-        await asyncio.gather(*(_post_bucket(session, url, body, timeout, headers)
-                               for url, body in zip(engine_urls, bodies)))
+        add_engine_seconds(stats, await asyncio.gather(*(_post_bucket(session, url, body, timeout, headers)
+                                                         for url, body in zip(engine_urls, bodies))))
 
     async def send_broadcast(buffer: SharedBuffer, entries: tuple[TensorEntry, ...], size: int) -> None:
         assert group is not None
@@ -376,7 +397,7 @@ async def push_weights_async(
     try:
         async with aiohttp.ClientSession(connector=connector) as session:
             slot = 0
-            for bucket, size in _buckets(named_tensors, bucket_bytes):
+            for bucket, size in _buckets(_timed(named_tensors, stats), bucket_bytes):
                 devices = {tensor.device for _, tensor in bucket}
                 if len(devices) != 1:  # one buffer per bucket: split a mixed bucket by device
                     raise ValueError(f"a weight bucket mixes devices {devices}; put all synced tensors on one device")
@@ -400,6 +421,7 @@ async def push_weights_async(
                 in_flight = None
             # the flush message commits the version (and checks that every LoRA pair arrived)
             answers = await flush()
+            add_engine_seconds(stats, answers)
     finally:
         if in_flight is not None:
             # a failed push: let the engines finish with the buffers before they are unmapped and unlinked

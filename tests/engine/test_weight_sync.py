@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 import urllib.request
 
 import pytest
@@ -89,8 +90,17 @@ def test_full_update_gives_exact_weights_and_a_fresh_engines_outputs(
 ):
     before = _generate(engine.url)
     new_weights = _perturbed(base_transformer, seed=1)
-    stats = push_weights([engine.url], new_weights, bucket_bytes=BUCKET_BYTES, weight_version=1)
+    def produced_slowly():  # as a trainer gathering its weights: the report counts that time apart
+        for item in new_weights:
+            time.sleep(0.002)
+            yield item
+
+    stats = push_weights([engine.url], produced_slowly(), bucket_bytes=BUCKET_BYTES, weight_version=1)
     assert stats["num_buckets"] > 3 and stats["num_tensors"] == len(new_weights)
+    # the push's seconds split: producing the tensors, the engine's wait for its worker thread, its apply
+    assert stats["gather_seconds"] >= 0.002 * len(new_weights) and stats["engine_apply_seconds"] > 0
+    assert stats["engine_wait_seconds"] >= 0
+    assert stats["gather_seconds"] + stats["engine_wait_seconds"] + stats["engine_apply_seconds"] < stats["seconds"]
     # two alternating buffers sized by the buckets, never above the bucket size unless one tensor is
     largest = max(tensor.numel() * tensor.element_size() for _, tensor in new_weights)
     assert stats["buffer_bytes"] <= 2 * max(BUCKET_BYTES, largest + 256)
