@@ -96,6 +96,10 @@ def test_flow_grpo_reward_rises(sd3, prompts, tmp_path, private_temp_root):
         k[len("perf/startup/trainer_init/"):-len("_time")] for k in laps}
     assert records[0]["perf/startup/trainer_init/load_time"] > 0 and records[0]["perf/engine_load_s"] > 0
     assert records[0]["perf/startup/engines_launch_time"] >= 0  # asking for the engines' processes: its own part
+    # each weight push's seconds split into its parts (bench_e2e prints them)
+    sync = [r for r in records if "weight_sync/seconds" in r]
+    assert len(sync) == 15 and all(0 < r["weight_sync/engine_apply_seconds"] and 0 <= r["weight_sync/gather_seconds"]
+                                   and r["weight_sync/engine_apply_seconds"] < r["weight_sync/seconds"] for r in sync)
 
 
 @pytest.fixture
