@@ -67,7 +67,8 @@ from miles.config.flags import all_flags  # noqa: E402
 PHASES = ("rollout", "release", "onload", "train", "save", "resume", "weight_sync", "offload", "eval", "log")
 LORA_TARGETS = None  # the family's defaults (miles.models.sd3.SD3_LORA_TARGETS)
 # the perf/ metrics printed per iteration: the phases' times and the trainer's allocator counts (miles/utils/device_memory.py)
-PRINTED = ("_time", "_cuda_mallocs", "_alloc_retries", "_parked_gib", "_compile_s")
+PRINTED = ("_time", "_cuda_mallocs", "_alloc_retries", "_parked_gib", "_compile_s", "_fetch_s", "_engine_wait_s",
+           "_engine_sum_s")
 ROLLOUT_GRADIENT = "-rollout-gradient"  # a --miles-modes suffix: the mode plus --diffusion-rollout-gradient
 
 

@@ -482,6 +482,8 @@ class PolicyGradientAnswer:
     samples: int  # how many of the asked samples this engine held
     gradient: dict[str, torch.Tensor] | None = None  # by name (no `into`)
     layout: list[tuple[str, tuple[int, ...]]] | None = None  # the pieces added into `into`, in buffer order
+    wait_seconds: float = 0.0  # the request waiting for the engine's worker thread (a step or an encoding there)
+    sum_seconds: float = 0.0  # forming Σ_b c_b·G_b (the kept sums come back from the host) and adding it
 
 
 def encode_policy_gradient_request(coefficients: dict[int, float], into: dict | None = None) -> bytes:
@@ -505,7 +507,8 @@ def decode_policy_gradient_request(data: bytes) -> tuple[dict[int, float], Any]:
 
 
 def encode_policy_gradient(answer: PolicyGradientAnswer) -> bytes:
-    body: dict[str, Any] = {"samples": answer.samples, "protocol_version": PROTOCOL_VERSION}
+    body: dict[str, Any] = {"samples": answer.samples, "protocol_version": PROTOCOL_VERSION,
+                            "wait_seconds": float(answer.wait_seconds), "sum_seconds": float(answer.sum_seconds)}
     if answer.gradient is not None:
         body["gradient"] = answer.gradient
     if answer.layout is not None:
@@ -527,4 +530,6 @@ def decode_policy_gradient(data: bytes) -> PolicyGradientAnswer:
                 and all(type(d) is int and d >= 0 for d in piece[1]) for piece in layout):
             raise ProtocolError("policy_gradient response: 'layout' must be a list of [name, shape]")
         layout = [(name, tuple(shape)) for name, shape in layout]
-    return PolicyGradientAnswer(samples, gradient, layout)
+    wait, total = body.get("wait_seconds", 0.0), body.get("sum_seconds", 0.0)
+    return PolicyGradientAnswer(samples, gradient, layout, _as_float("wait_seconds", wait),
+                                _as_float("sum_seconds", total))

@@ -345,14 +345,20 @@ class EngineServer:
             self.counters["bad_requests"] += 1
             return _error(400, str(err))
 
+        queued = time.perf_counter()
+
         def add_into() -> PolicyGradientAnswer:
+            began = time.perf_counter()
             with map_buffer(ref, writable=True) as flat:  # on CUDA: the add has finished when this exits
                 layout, used = gradients.add_policy_gradient(coefficients, flat)
-            return PolicyGradientAnswer(used, layout=layout)
+            return PolicyGradientAnswer(used, layout=layout, wait_seconds=began - queued,
+                                        sum_seconds=time.perf_counter() - began)
 
         def in_answer() -> PolicyGradientAnswer:
+            began = time.perf_counter()
             gradient, used = gradients.policy_gradient(coefficients)
-            return PolicyGradientAnswer(used, gradient=gradient)
+            return PolicyGradientAnswer(used, gradient=gradient, wait_seconds=began - queued,
+                                        sum_seconds=time.perf_counter() - began)
 
         try:
             answer = await self.scheduler.run_exclusive(in_answer if ref is None else add_into)

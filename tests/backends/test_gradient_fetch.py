@@ -90,6 +90,9 @@ def test_the_gradient_added_into_the_trainers_buffer_is_the_one_in_the_bodies(en
     alone += _fetch({second: coefficients[second]}, adapter, "ipc").flat
     assert (shared.engines_by_reference, shared.engines_by_body) == (2, 0)
     assert (bodies.engines_by_reference, bodies.engines_by_body) == (0, 2)
+    for fetched in (shared, bodies):  # the engines say how long they waited for their worker and summed
+        assert fetched.engine_sum_seconds > 0 and fetched.engine_wait_seconds >= 0
+        assert fetched.engine_wait_seconds + fetched.engine_sum_seconds < fetched.seconds
     assert shared.held == bodies.held == 4
     assert shared.flat.abs().sum() > 0 and torch.equal(shared.flat, bodies.flat) and torch.equal(shared.flat, alone)
     assert torch.equal(_everyone_holds(shared, shared.flat.numel(), torch.device("cpu")), shared.flat)

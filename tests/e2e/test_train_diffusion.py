@@ -398,6 +398,10 @@ def test_rollout_gradient_steps_as_the_replay_does(sd3, prompts, tmp_path):
         # the colocated engine added its sum into the trainer's shared buffer (gradient_fetch.py), not in a body
         assert series(records, "perf/policy_gradient_engines_by_reference") == [1.0] * 3
         assert series(records, "weight_sync/ipc_engines") == [1.0] * 3
+        # the fetch's seconds split: the engine's wait for its worker thread and its sum, inside the fetch
+        for fetch, wait, total in zip(*(series(records, f"perf/policy_gradient_{key}") for key in (
+                "fetch_s", "engine_wait_s", "engine_sum_s")), strict=True):
+            assert total > 0 and wait >= 0 and wait + total < fetch
     assert any("perf/release_time" in r for r in b)  # a CPU run keeps the turns
     assert not any(key in r for r in c for key in ("perf/release_time", "perf/onload_time", "perf/offload_time"))
 

@@ -11,11 +11,14 @@ import torch
 from miles.engine.protocol import (
     GenerateRequest,
     GenerateResponse,
+    PolicyGradientAnswer,
     ProtocolError,
     RequestLimits,
     SampleResult,
+    decode_policy_gradient,
     decode_request,
     decode_response,
+    encode_policy_gradient,
     encode_request,
     encode_response,
     packb,
@@ -287,3 +290,12 @@ def test_an_input_image_larger_than_the_engine_serves_is_refused():
     with pytest.raises(ProtocolError, match="image size 80x2 exceeds this engine's limit 64"):
         decode_request(body, RequestLimits(max_image_size=64))
     assert decode_request(body, RequestLimits(max_image_size=80)).image.height == 80
+
+
+def test_a_policy_gradient_answer_carries_the_engines_wait_and_sum_seconds():
+    answer = PolicyGradientAnswer(2, layout=[("a", (3, 4))], wait_seconds=0.25, sum_seconds=0.125)
+    assert decode_policy_gradient(encode_policy_gradient(answer)) == answer
+    body = msgpack.unpackb(encode_policy_gradient(answer))
+    body["wait_seconds"] = float("nan")
+    with pytest.raises(ProtocolError, match="wait_seconds must be a finite number"):
+        decode_policy_gradient(msgpack.packb(body))

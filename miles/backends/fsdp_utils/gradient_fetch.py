@@ -48,6 +48,8 @@ class FetchedGradient:
     seconds: float = 0.0
     engines_by_reference: int = 0
     engines_by_body: int = 0
+    engine_wait_seconds: float = 0.0  # the engines' answers: waiting for their worker thread, summing (in order)
+    engine_sum_seconds: float = 0.0
 
 
 def _post(url: str, body: bytes, timeout: float) -> PolicyGradientAnswer:
@@ -105,21 +107,24 @@ class PolicyGradientFetcher:
         began = time.perf_counter()
         urls = [url for url, coefficients in ask.coefficients.items() if coefficients]
         by_reference, by_body = self.pusher.split(urls)
+        answers: list[PolicyGradientAnswer] = []
         if by_reference:
-            total, held = self._added_by_reference(by_reference, ask)
+            total, held = self._added_by_reference(by_reference, ask, answers)
         else:
             total, held = torch.zeros(self.order.numel, dtype=torch.float32, device=self.device), 0
         for url in by_body:
             answer = _post(url, encode_policy_gradient_request(ask.coefficients[url]), self.timeout)
+            answers.append(answer)
             gradient = answer.gradient or {}
             self.order.check(url, [(name, tuple(value.shape)) for name, value in gradient.items()])
             held += answer.samples
             for name, value in gradient.items():
                 self.order.add(total, name, value)
         return FetchedGradient(total, held, ask.samples, time.perf_counter() - began, len(by_reference),
-                               len(by_body))
+                               len(by_body), sum(a.wait_seconds for a in answers), sum(a.sum_seconds for a in answers))
 
-    def _added_by_reference(self, urls: list[str], ask: PolicyGradientAsk) -> tuple[torch.Tensor, int]:
+    def _added_by_reference(self, urls: list[str], ask: PolicyGradientAsk,
+                            answers: list[PolicyGradientAnswer]) -> tuple[torch.Tensor, int]:
         """The engines at `urls` add their sums into the shared buffer, one after another; returns the sum in our
         order (the buffer itself where the engines' order is ours) and how many samples they held."""
         order = self.order
@@ -133,6 +138,7 @@ class PolicyGradientFetcher:
         for url in urls:  # one at a time: each adds into the same buffer
             into = encode_buffer_ref(self._shared.describe())
             answer = _post(url, encode_policy_gradient_request(ask.coefficients[url], into), self.timeout)
+            answers.append(answer)
             order.check(url, answer.layout or [])
             if layout is not None and answer.layout != layout:  # the same push, so the same order, or a bug
                 raise PartDiedError(f"--diffusion-rollout-gradient: engine {url} lays the gradient out in "

@@ -97,6 +97,9 @@ def train_on_rollout_gradient(trainer, rollout_id: int, samples: list[Sample],
         "perf/train_time_s": seconds + fetched.seconds,
         "perf/train_pairs_per_s": float(pairs.sum()) / max(seconds + fetched.seconds, 1e-9),
         "perf/policy_gradient_fetch_s": fetched.seconds,
+        # of which the engines' answers: waiting for their worker thread, and forming and adding the sum
+        "perf/policy_gradient_engine_wait_s": fetched.engine_wait_seconds,
+        "perf/policy_gradient_engine_sum_s": fetched.engine_sum_seconds,
         "perf/policy_gradient_engines_by_reference": float(fetched.engines_by_reference),
         "perf/policy_gradient_engines_by_body": float(fetched.engines_by_body),
     }
