@@ -68,13 +68,19 @@ def test_only_the_right_bearer_key_gets_in_and_errors_are_one_line_json():
     assert "secret internals" not in results[-1][1]["error"]  # a 500 names the type, not the details
 
 
-def test_the_run_key_is_created_once_and_kept_in_a_private_file(monkeypatch, tmp_path):
+@pytest.fixture
+def no_run_key(monkeypatch, tmp_path):
+    """A driver before its run: no key, no key file, no run folder, the temp folder `tmp_path`."""
     monkeypatch.delenv(auth.API_KEY_ENV, raising=False)
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
     for name in (auth.API_KEY_FILE_ENV, auth.RUN_FOLDER_ENV):
         monkeypatch.setenv(name, "")  # recorded, so that what ensure_run_api_key sets is undone afterwards
         monkeypatch.delenv(name)
+    monkeypatch.setattr(auth, "_made_run_folder", None)  # what remove_run_folder would remove, restored after
+
+
+def test_the_run_key_is_created_once_and_kept_in_a_private_file(monkeypatch, no_run_key):
     key = auth.ensure_run_api_key()
     assert len(key) == 64 and auth.api_key_from_env() == key
     assert auth.API_KEY_ENV not in os.environ  # what the driver's children inherit is the file's path only
@@ -92,13 +98,7 @@ def test_the_run_key_is_created_once_and_kept_in_a_private_file(monkeypatch, tmp
     assert auth.read_api_key_file(os.environ[auth.API_KEY_FILE_ENV]) == "mine-" + "9" * 20
 
 
-def test_the_run_folder_goes_with_the_run_and_a_users_key_file_stays(monkeypatch, tmp_path):
-    monkeypatch.delenv(auth.API_KEY_ENV, raising=False)
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
-    for name in (auth.API_KEY_FILE_ENV, auth.RUN_FOLDER_ENV):
-        monkeypatch.setenv(name, "")  # recorded, so that what ensure_run_api_key sets is undone afterwards
-        monkeypatch.delenv(name)
+def test_the_run_folder_goes_with_the_run_and_a_users_key_file_stays(monkeypatch, tmp_path, no_run_key):
     auth.ensure_run_api_key()
     folder = os.environ[auth.RUN_FOLDER_ENV]
     assert os.listdir(folder) == [auth.API_KEY_FILE_NAME]
