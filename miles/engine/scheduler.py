@@ -132,6 +132,18 @@ class StepScheduler:
         """Run `fn(*args)` on the worker thread, between two denoising steps."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
+    async def run_exclusive_timed(self, fn: Callable[[], Any]) -> tuple[Any, float, float]:
+        """`run_exclusive(fn)`, and how long it waited for the worker thread (a step or a prompt encoding running
+        there) and how long it ran: (result, wait seconds, run seconds), for the caller's report."""
+        queued = time.perf_counter()
+
+        def timed() -> tuple[Any, float, float]:
+            began = time.perf_counter()
+            result = fn()
+            return result, began - queued, time.perf_counter() - began
+
+        return await self.run_exclusive(timed)
+
     # ---- the loop -------------------------------------------------------------------------------------------
     async def _loop(self) -> None:
         assert self._wakeup is not None

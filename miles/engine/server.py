@@ -25,6 +25,7 @@ import logging
 import os
 import socket
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -218,18 +219,15 @@ class EngineServer:
         return web.json_response({"ok": True, "weight_version": self.runner.weight_version, **result})
 
     async def _apply_update(self, message) -> dict[str, Any]:
-        queued = time.perf_counter()
-
         def apply() -> dict[str, Any]:
-            began = time.perf_counter()
             applied = self.receiver.apply(message)
             if message.flush:
                 self.runner.weights_updated()  # CFG- or sequence-parallel followers take the finished update
-            # the sender's report splits its push time: waiting for the worker thread (a step or a prompt
-            # encoding running there) and applying the bucket
-            return {**applied, "wait_seconds": began - queued, "apply_seconds": time.perf_counter() - began}
+            return applied
 
-        result = await self.scheduler.run_exclusive(apply)
+        applied, wait, seconds = await self.scheduler.run_exclusive_timed(apply)
+        # the sender's report splits its push time into these (miles.engine.weight_sync.add_engine_seconds)
+        result = {**applied, "wait_seconds": wait, "apply_seconds": seconds}
         self.counters["weight_buckets"] += 1
         if message.flush:
             self.runner.weight_version = message.weight_version
@@ -345,23 +343,18 @@ class EngineServer:
             self.counters["bad_requests"] += 1
             return _error(400, str(err))
 
-        queued = time.perf_counter()
-
         def add_into() -> PolicyGradientAnswer:
-            began = time.perf_counter()
             with map_buffer(ref, writable=True) as flat:  # on CUDA: the add has finished when this exits
                 layout, used = gradients.add_policy_gradient(coefficients, flat)
-            return PolicyGradientAnswer(used, layout=layout, wait_seconds=began - queued,
-                                        sum_seconds=time.perf_counter() - began)
+            return PolicyGradientAnswer(used, layout=layout)
 
         def in_answer() -> PolicyGradientAnswer:
-            began = time.perf_counter()
             gradient, used = gradients.policy_gradient(coefficients)
-            return PolicyGradientAnswer(used, gradient=gradient, wait_seconds=began - queued,
-                                        sum_seconds=time.perf_counter() - began)
+            return PolicyGradientAnswer(used, gradient=gradient)
 
         try:
-            answer = await self.scheduler.run_exclusive(in_answer if ref is None else add_into)
+            answer, wait, seconds = await self.scheduler.run_exclusive_timed(in_answer if ref is None else add_into)
+            answer = replace(answer, wait_seconds=wait, sum_seconds=seconds)
         except ProtocolError as err:
             self.counters["bad_requests"] += 1
             return _error(400, str(err))

@@ -83,7 +83,7 @@ def init_ray(config: RunConfig) -> None:
     api_key = ensure_run_api_key()
     if ray.is_initialized():
         return
-    on_run_exit("the run's key file", remove_run_folder)
+    on_run_exit("the run's key folder", remove_run_folder)
     start_or_join_ray(config, {"env_vars": worker_env_vars(config, api_key)})
     reinstall_signal_handlers()  # ray.init made SIGTERM a bare sys.exit, which would skip the run's cleanup
 
