@@ -391,6 +391,7 @@ class ModelRunner:
                                    for key, value in trajectory.conditioning.items()}
         trajectory.weight_version_at_start = self.weight_version
         if trajectory.request.rollout_gradient:
+            self.rollout_gradients.spill_to_host()  # an earlier wave's kept sums make room for this one's
             trajectory.gradient_sums = self.rollout_gradients.sums(m)
 
     def batch_key(self, trajectory: Trajectory) -> tuple:
@@ -549,7 +550,7 @@ class ModelRunner:
             logger.info("request %s compiled for %.1f s; %d graphs compiled in this engine so far",
                         request.request_id, t.compile_seconds, compiled_graphs())
         if t.gradient_sums is not None:  # kept under each sample's seed until POST /policy_gradient
-            self.rollout_gradients.keep((request.seed + b for b in range(t.num_samples)), to_host(t.gradient_sums))
+            self.rollout_gradients.keep((request.seed + b for b in range(t.num_samples)), t.gradient_sums)
             t.gradient_sums = None
         training = not request.evaluation
         sigmas = torch.tensor(t.sigma_values, dtype=torch.float32)
@@ -640,6 +641,8 @@ class ModelRunner:
             return
         if self._followers is not None:
             self._followers.release_memory()
+        if self.rollout_gradients is not None:
+            self.rollout_gradients.spill_to_host()  # kept sums not yet asked for wait on the host meanwhile
         self._released = []
 
         def to_host(name: str, tensor: torch.Tensor) -> torch.Tensor | None:

@@ -60,6 +60,8 @@ class RolloutGradients:
         self.layers: dict[str, nn.Module] = {}  # the Linear layers whose forward is wrapped
         self.gradients: dict[int, torch.Tensor] = {}  # seed -> that sample's Σ_k ∇ℓ, flat [P] in layout order
         self._flat: torch.Tensor | None = None  # every layer's factors in layout order, built once per push
+        # kept requests' sums still on the device, with their (seed, row) pairs: what `spill_to_host` moves
+        self._on_device: list[tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]] = []
 
     # ---- the adapter, from the weight sync ------------------------------------------------------------------
     def set_factors(self, module_name: str, layer_name: str, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -84,6 +86,7 @@ class RolloutGradients:
     def new_weights(self) -> None:
         """A weight update finished: gradients of the previous policy that nobody asked for are dropped."""
         self.gradients.clear()
+        self._on_device.clear()
 
     def layout(self) -> list[tuple[str, tuple[int, ...]]]:
         """(trainer name, shape) of each piece of the flat fp32 layout, in order."""
@@ -129,18 +132,36 @@ class RolloutGradients:
                                    self.factors[key].scaling)
 
     def keep(self, seeds: Iterable[int], sums: torch.Tensor) -> None:
-        """A finished request: sample b's accumulated gradient, kept under its seed until asked for. `sums` is on
-        the host (`ModelRunner.finish_async` copies a GPU engine's into pinned memory, in stream order before any
-        later use): with the scheduler's waves the GPU then holds only the running wave's sums, however many
-        samples the rollout has (72 MiB each at SD3.5-Medium, LoRA rank 32)."""
+        """A finished request: sample b's accumulated gradient, kept under its seed until asked for. A GPU
+        engine's sums stay on the device: the rollout's last wave is usually the last gradient work before the
+        fetch, which then reads them where they are: the way back over the host link took 0.13 s of the fetch for
+        a rollout of 32 on an H100 (2.4 GB; bench/RESULTS.md, thirty-fifth session), and the way out was queued
+        ahead of each response's results. `spill_to_host` moves them when another wave needs the memory, so the
+        GPU still holds only one wave's sums, however many samples the rollout has (72 MiB each at SD3.5-Medium,
+        LoRA rank 32)."""
         seeds = list(seeds)
         for seed in seeds:
             if seed in self.gradients:
                 raise ProtocolError(f"a second rollout_gradient sample with seed {seed} before the first was taken")
+        rows = [(seed, sums[b]) for b, seed in enumerate(seeds)]
+        self.gradients.update(rows)
         if sums.is_cuda:
-            raise ValueError("RolloutGradients.keep takes the sums on the host")
-        for b, seed in enumerate(seeds):
-            self.gradients[seed] = sums[b]
+            self._on_device.append((sums, rows))
+
+    def spill_to_host(self) -> None:
+        """The kept sums still on the device, to pinned host memory: before another wave's sums are allocated
+        (`ModelRunner.activate`) or the engine releases its memory. The copies are queued on the current stream,
+        as is every later use (`_weighted_sum`), and the caching allocator hands the freed device memory only to
+        work queued after them."""
+        for sums, rows in self._on_device:
+            if not any(self.gradients.get(seed) is row for seed, row in rows):
+                continue  # all taken already
+            host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+            host.copy_(sums, non_blocking=True)
+            for b, (seed, row) in enumerate(rows):
+                if self.gradients.get(seed) is row:  # not taken (nor replaced by a later sample's)
+                    self.gradients[seed] = host[b]
+        self._on_device.clear()
 
     # ---- the policy gradient --------------------------------------------------------------------------------
     def _weighted_sum(self, coefficients: Mapping[int, float]) -> tuple[torch.Tensor, int]:
@@ -149,7 +170,7 @@ class RolloutGradients:
         used = [seed for seed in coefficients if seed in self.gradients]
         total = torch.zeros(sum(math.prod(shape) for _, shape in self.layout()),
                             device=next(iter(self.factors.values())).a.device)
-        for seed in used:  # each sample's sums come back from the host as they are added
+        for seed in used:  # a spilled sample's sums come back from the host as they are added
             total.add_(self.gradients.pop(seed).to(total.device, non_blocking=True), alpha=float(coefficients[seed]))
         return total, len(used)
 

@@ -72,7 +72,8 @@ class StepScheduler:
     def __init__(self, runner: ModelRunner, max_batch_size: int, batch_wait_ms: float, gradient_wave: int = 0):
         """`gradient_wave`: samples of rollout_gradient requests denoised at once (0: no limit). Their tiles run
         one after another whatever the wave, so a wave of one tile costs no GPU work and bounds the per-sample
-        gradient sums held on the GPU to that wave's (finished ones wait on the host: `RolloutGradients.keep`)."""
+        gradient sums held on the GPU to that wave's (finished ones move to the host when the next wave starts:
+        `RolloutGradients.spill_to_host`)."""
         self.runner = runner
         self.max_batch_size = max(1, int(max_batch_size))
         self.batch_wait_s = max(0.0, float(batch_wait_ms)) / 1000.0

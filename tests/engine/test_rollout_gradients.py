@@ -190,6 +190,34 @@ def test_per_sample_gradients_are_kept_by_seed_and_dropped_with_new_weights():
     assert gradients.gradients == {}
 
 
+@pytest.mark.parametrize("device", ["cpu", ON_A_GPU])
+def test_kept_sums_stay_on_the_engines_device_until_another_wave_needs_the_room(device):
+    """A GPU engine keeps a finished request's sums where they were summed, so the fetch after the rollout's last
+    wave reads them without a round trip over the host link; `spill_to_host` (the next wave, a release) moves
+    those not yet taken, each to its own sample."""
+    layer = torch.nn.Linear(3, 2).to(device)
+    gradients = __import__("miles.engine.rollout_gradients", fromlist=["RolloutGradients"]).RolloutGradients(
+        {"transformer": torch.nn.ModuleDict({"proj": layer})})
+    gradients.set_factors("transformer", "proj", torch.ones(1, 3), torch.ones(2, 1), 0.5)  # P = 3 + 2
+
+    def flat(gradient):
+        return torch.cat([gradient[name].reshape(-1) for name, _ in gradients.layout()]).cpu()
+
+    first = torch.arange(10, dtype=torch.float32, device=device).view(2, 5)
+    gradients.keep([1, 2], first)
+    assert all(g.device.type == device for g in gradients.gradients.values())
+    taken, _ = gradients.policy_gradient({2: 1.0})  # asked for before any spill: read where it is
+    torch.testing.assert_close(flat(taken), first[1].cpu())
+    later = torch.full((1, 5), 7.0, device=device)
+    gradients.keep([2], later)  # the same seed again (a later request): its own sums, not the taken ones
+    gradients.spill_to_host()
+    assert set(gradients.gradients) == {1, 2} and all(not g.is_cuda for g in gradients.gradients.values())
+    gradients.spill_to_host()  # nothing left on the device: nothing moves
+    total, used = gradients.policy_gradient({1: 2.0, 2: 1.0})
+    assert used == 2
+    torch.testing.assert_close(flat(total), 2 * first[0].cpu() + later[0].cpu())
+
+
 def test_a_compiled_engine_compiles_each_block_variant_once_with_the_gradient_tap():
     """The tap wraps every LoRA target layer's forward. Dynamo guards a forward attribute by identity, so a
     wrapper object per layer compiled every block on its own (24 graphs at SD3.5-Medium where 3 block variants
