@@ -60,8 +60,9 @@ class RolloutGradients:
         self.layers: dict[str, nn.Module] = {}  # the Linear layers whose forward is wrapped
         self.gradients: dict[int, torch.Tensor] = {}  # seed -> that sample's Σ_k ∇ℓ, flat [P] in layout order
         self._flat: torch.Tensor | None = None  # every layer's factors in layout order, built once per push
-        # kept requests' sums still on the device, with their (seed, row) pairs: what `spill_to_host` moves
-        self._on_device: list[tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]] = []
+        # a GPU engine's kept requests' sums, on the device or spilled, with their (seed, row) pairs: what `_move`
+        # moves as one block
+        self._blocks: list[tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]] = []
 
     # ---- the adapter, from the weight sync ------------------------------------------------------------------
     def set_factors(self, module_name: str, layer_name: str, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -83,10 +84,16 @@ class RolloutGradients:
             layer.forward = types.MethodType(_forward_with_rows, layer)
             self.layers[key] = layer
 
+    @property
+    def device(self) -> torch.device:
+        """Where the factors, and so the gradient sums, live."""
+        self.check_pushed()
+        return next(iter(self.factors.values())).a.device
+
     def new_weights(self) -> None:
         """A weight update finished: gradients of the previous policy that nobody asked for are dropped."""
         self.gradients.clear()
-        self._on_device.clear()
+        self._blocks.clear()
 
     def layout(self) -> list[tuple[str, tuple[int, ...]]]:
         """(trainer name, shape) of each piece of the flat fp32 layout, in order."""
@@ -133,12 +140,11 @@ class RolloutGradients:
 
     def keep(self, seeds: Iterable[int], sums: torch.Tensor) -> None:
         """A finished request: sample b's accumulated gradient, kept under its seed until asked for. A GPU
-        engine's sums stay on the device: the rollout's last wave is usually the last gradient work before the
-        fetch, which then reads them where they are: the way back over the host link took 0.13 s of the fetch for
-        a rollout of 32 on an H100 (2.4 GB; bench/RESULTS.md, thirty-fifth session), and the way out was queued
-        ahead of each response's results. `spill_to_host` moves them when another wave needs the memory, so the
-        GPU still holds only one wave's sums, however many samples the rollout has (72 MiB each at SD3.5-Medium,
-        LoRA rank 32)."""
+        engine's sums stay on the device until another wave needs the room (`spill_to_host`: the GPU holds one
+        wave's sums, however many samples the rollout has, 72 MiB each at SD3.5-Medium, LoRA rank 32), and after
+        the rollout's last wave the spilled ones come back (`gather_on_device`), so that the fetch sums them all
+        where they are: read back at the fetch, the way over the host link took 0.13 s of it for a rollout of 32
+        on an H100 (2.4 GB; bench/RESULTS.md, thirty-fifth session)."""
         seeds = list(seeds)
         for seed in seeds:
             if seed in self.gradients:
@@ -146,32 +152,50 @@ class RolloutGradients:
         rows = [(seed, sums[b]) for b, seed in enumerate(seeds)]
         self.gradients.update(rows)
         if sums.is_cuda:
-            self._on_device.append((sums, rows))
+            self._blocks.append((sums, rows))
 
     def spill_to_host(self) -> None:
-        """The kept sums still on the device, to pinned host memory: before another wave's sums are allocated
-        (`ModelRunner.activate`) or the engine releases its memory. The copies are queued on the current stream,
-        as is every later use (`_weighted_sum`), and the caching allocator hands the freed device memory only to
-        work queued after them."""
-        for sums, rows in self._on_device:
-            if not any(self.gradients.get(seed) is row for seed, row in rows):
-                continue  # all taken already
-            host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
-            host.copy_(sums, non_blocking=True)
-            for b, (seed, row) in enumerate(rows):
+        """The kept sums on the device, to pinned host memory: before another wave's sums are allocated
+        (`ModelRunner.activate`) or the engine releases its memory."""
+        self._move(to_host=True)
+
+    def gather_on_device(self) -> None:
+        """The spilled sums back on the device: after the rollout's last wave (the scheduler calls it once no
+        other gradient request can start before the weights change), while its last results are decoded and
+        scored; the steps' activations are gone by then, so they take no more than the steps' peak."""
+        self._move(to_host=False)
+
+    def _move(self, to_host: bool) -> None:
+        """Each kept request's sums that are not where they should be, copied there as one block, its samples
+        re-pointed to their rows. The copies are queued on the current stream, as is every later use
+        (`_weighted_sum`); the caching allocators hand the memory they leave only to work queued after them."""
+        self._prune()
+        for index, (block, rows) in enumerate(self._blocks):
+            if block.is_cuda != to_host:
+                continue
+            moved = (torch.empty(block.shape, dtype=block.dtype, pin_memory=True) if to_host
+                     else torch.empty_like(block, device=self.device))
+            moved.copy_(block, non_blocking=True)
+            moved_rows = [(seed, moved[b]) for b, (seed, _) in enumerate(rows)]
+            for (seed, row), moved_row in zip(rows, moved_rows):
                 if self.gradients.get(seed) is row:  # not taken (nor replaced by a later sample's)
-                    self.gradients[seed] = host[b]
-        self._on_device.clear()
+                    self.gradients[seed] = moved_row[1]
+            self._blocks[index] = (moved, moved_rows)
+
+    def _prune(self) -> None:
+        """Forget the blocks whose samples were all taken (their memory is freed with them)."""
+        self._blocks = [(block, rows) for block, rows in self._blocks
+                        if any(self.gradients.get(seed) is row for seed, row in rows)]
 
     # ---- the policy gradient --------------------------------------------------------------------------------
     def _weighted_sum(self, coefficients: Mapping[int, float]) -> tuple[torch.Tensor, int]:
         """Σ_b c_b·G_b, flat [P] on the engine's device, over the kept samples named in `coefficients`; those are
         dropped. A seed this engine does not hold is skipped (another engine served it)."""
         used = [seed for seed in coefficients if seed in self.gradients]
-        total = torch.zeros(sum(math.prod(shape) for _, shape in self.layout()),
-                            device=next(iter(self.factors.values())).a.device)
-        for seed in used:  # a spilled sample's sums come back from the host as they are added
+        total = torch.zeros(sum(math.prod(shape) for _, shape in self.layout()), device=self.device)
+        for seed in used:  # a sample still spilled comes back from the host as it is added
             total.add_(self.gradients.pop(seed).to(total.device, non_blocking=True), alpha=float(coefficients[seed]))
+        self._prune()
         return total, len(used)
 
     def policy_gradient(self, coefficients: Mapping[int, float]) -> tuple[dict[str, torch.Tensor], int]:

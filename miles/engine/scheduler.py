@@ -57,6 +57,7 @@ class SchedulerCounters:
     max_forward_samples: int = 0
     step_seconds: float = 0.0  # worker time inside ModelRunner.step (DiT forwards + step kernels)
     decode_seconds: float = 0.0  # worker time inside ModelRunner.finish_async (queueing the VAE decode and copies)
+    gradient_gathers: int = 0  # rollouts whose spilled gradient sums were gathered on the device after the last wave
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -282,6 +283,17 @@ class StepScheduler:
         pending.timings["step_clock_end"] = self.counters.step_seconds
         num_samples, job.trajectory = job.trajectory.num_samples, None
         self._answering[job] = loop.create_task(self._answer(loop, job, pending, num_samples))
+        if job.request.rollout_gradient and not self._gradient_work_before_new_weights():
+            # the rollout's last wave: its spilled sums back on the device while its results are decoded and scored
+            await loop.run_in_executor(self.executor, self.runner.rollout_gradients.gather_on_device)
+            self.counters.gradient_gathers += 1
+
+    def _gradient_work_before_new_weights(self) -> bool:
+        """A rollout_gradient request is being denoised or can start on the current weights (a later wave)."""
+        return any(job.request.rollout_gradient for job in self._active) or any(
+            job.request.rollout_gradient and (job.request.after_weight_version is None
+                                              or job.request.after_weight_version <= self.runner.weight_version)
+            for job in self._started + self._pending)
 
     async def _answer(self, loop: asyncio.AbstractEventLoop, job: _Job, pending: PendingResponse,
                       num_samples: int) -> None:

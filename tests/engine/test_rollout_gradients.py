@@ -191,10 +191,10 @@ def test_per_sample_gradients_are_kept_by_seed_and_dropped_with_new_weights():
 
 
 @pytest.mark.parametrize("device", ["cpu", ON_A_GPU])
-def test_kept_sums_stay_on_the_engines_device_until_another_wave_needs_the_room(device):
-    """A GPU engine keeps a finished request's sums where they were summed, so the fetch after the rollout's last
-    wave reads them without a round trip over the host link; `spill_to_host` (the next wave, a release) moves
-    those not yet taken, each to its own sample."""
+def test_kept_sums_leave_the_device_for_another_wave_and_come_back_after_the_last(device):
+    """A GPU engine keeps a finished request's sums where they were summed; `spill_to_host` (the next wave, a
+    release) moves those not yet taken to the host, each to its own sample, and `gather_on_device` (after the last
+    wave) brings them back, so that the fetch sums every sample without crossing the host link."""
     layer = torch.nn.Linear(3, 2).to(device)
     gradients = __import__("miles.engine.rollout_gradients", fromlist=["RolloutGradients"]).RolloutGradients(
         {"transformer": torch.nn.ModuleDict({"proj": layer})})
@@ -213,9 +213,12 @@ def test_kept_sums_stay_on_the_engines_device_until_another_wave_needs_the_room(
     gradients.spill_to_host()
     assert set(gradients.gradients) == {1, 2} and all(not g.is_cuda for g in gradients.gradients.values())
     gradients.spill_to_host()  # nothing left on the device: nothing moves
-    total, used = gradients.policy_gradient({1: 2.0, 2: 1.0})
-    assert used == 2
-    torch.testing.assert_close(flat(total), 2 * first[0].cpu() + later[0].cpu())
+    gradients.keep([3], torch.full((1, 5), -1.0, device=device))  # the last wave's, kept where it was summed
+    gradients.gather_on_device()  # after the last wave: the spilled ones back
+    assert all(g.device.type == device for g in gradients.gradients.values())
+    total, used = gradients.policy_gradient({1: 2.0, 2: 1.0, 3: 3.0})
+    assert used == 3 and gradients.gradients == {} and gradients._blocks == []
+    torch.testing.assert_close(flat(total), 2 * first[0].cpu() + later[0].cpu() - 3.0)
 
 
 def test_a_compiled_engine_compiles_each_block_variant_once_with_the_gradient_tap():
@@ -293,6 +296,8 @@ def test_rollout_gradient_requests_run_in_waves_with_the_same_gradients(tiny_che
             assert all(earlier[1] <= later[0] for earlier, later in zip(spans, spans[1:]))
         else:
             assert len(set(spans)) == 1
+        # the rollout's kept sums gathered on the device once, after its last wave (a no-op on the CPU)
+        assert scheduler.counters.gradient_gathers == 1
         return scheduler.counters.max_forward_samples, gradient
 
     largest_wave, in_waves = asyncio.run(rollout(2))
