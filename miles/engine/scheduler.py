@@ -285,8 +285,12 @@ class StepScheduler:
         self._answering[job] = loop.create_task(self._answer(loop, job, pending, num_samples))
         if job.request.rollout_gradient and not self._gradient_work_before_new_weights():
             # the rollout's last wave: its spilled sums back on the device while its results are decoded and scored
-            await loop.run_in_executor(self.executor, self.runner.rollout_gradients.gather_on_device)
-            self.counters.gradient_gathers += 1
+            try:
+                await loop.run_in_executor(self.executor, self.runner.rollout_gradients.gather_on_device)
+                self.counters.gradient_gathers += 1
+            except Exception:  # a speed-up only: what stayed on the host is summed from there
+                logger.exception("gathering the kept gradient sums on the device failed; the fetch reads them "
+                                 "from the host")
 
     def _gradient_work_before_new_weights(self) -> bool:
         """A rollout_gradient request is being denoised or can start on the current weights (a later wave)."""
