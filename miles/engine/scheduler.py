@@ -281,16 +281,17 @@ class StepScheduler:
         # the rollout side takes each engine's span over its requests as that engine's denoising time
         pending.timings["step_clock_start"] = job.step_clock_at_start
         pending.timings["step_clock_end"] = self.counters.step_seconds
-        num_samples, job.trajectory = job.trajectory.num_samples, None
-        self._answering[job] = loop.create_task(self._answer(loop, job, pending, num_samples))
         if job.request.rollout_gradient and not self._gradient_work_before_new_weights():
             # the rollout's last wave: its spilled sums back on the device while its results are decoded and scored
+            # (queued behind the decode, before the answer: whoever has the answer sees the gather counted)
             try:
                 await loop.run_in_executor(self.executor, self.runner.rollout_gradients.gather_on_device)
                 self.counters.gradient_gathers += 1
             except Exception:  # a speed-up only: what stayed on the host is summed from there
                 logger.exception("gathering the kept gradient sums on the device failed; the fetch reads them "
                                  "from the host")
+        num_samples, job.trajectory = job.trajectory.num_samples, None
+        self._answering[job] = loop.create_task(self._answer(loop, job, pending, num_samples))
 
     def _gradient_work_before_new_weights(self) -> bool:
         """A rollout_gradient request is being denoised or can start on the current weights (a later wave)."""
