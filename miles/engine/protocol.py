@@ -483,7 +483,7 @@ class PolicyGradientAnswer:
     gradient: dict[str, torch.Tensor] | None = None  # by name (no `into`)
     layout: list[tuple[str, tuple[int, ...]]] | None = None  # the pieces added into `into`, in buffer order
     wait_seconds: float = 0.0  # the request waiting for the engine's worker thread (a step or an encoding there)
-    sum_seconds: float = 0.0  # forming Σ_b c_b·G_b (the kept sums come back from the host) and adding it
+    sum_seconds: float = 0.0  # forming Σ_b c_b·G_b (reading any sums still spilled to the host) and adding it
 
 
 def encode_policy_gradient_request(coefficients: dict[int, float], into: dict | None = None) -> bytes:

@@ -177,15 +177,18 @@ class RolloutGradients:
                      else torch.empty_like(block, device=self.device))
             moved.copy_(block, non_blocking=True)
             moved_rows = [(seed, moved[b]) for b, (seed, _) in enumerate(rows)]
-            for (seed, row), moved_row in zip(rows, moved_rows):
-                if self.gradients.get(seed) is row:  # not taken (nor replaced by a later sample's)
-                    self.gradients[seed] = moved_row[1]
+            for (seed, row), (_, moved_row) in zip(rows, moved_rows):
+                if self._held(seed, row):
+                    self.gradients[seed] = moved_row
             self._blocks[index] = (moved, moved_rows)
+
+    def _held(self, seed: int, row: torch.Tensor) -> bool:
+        """The sample's kept gradient is still this row: not taken, nor replaced by a later sample's."""
+        return self.gradients.get(seed) is row
 
     def _prune(self) -> None:
         """Forget the blocks whose samples were all taken (their memory is freed with them)."""
-        self._blocks = [(block, rows) for block, rows in self._blocks
-                        if any(self.gradients.get(seed) is row for seed, row in rows)]
+        self._blocks = [(block, rows) for block, rows in self._blocks if any(self._held(s, r) for s, r in rows)]
 
     # ---- the policy gradient --------------------------------------------------------------------------------
     def _weighted_sum(self, coefficients: Mapping[int, float]) -> tuple[torch.Tensor, int]:
