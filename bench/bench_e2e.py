@@ -68,7 +68,7 @@ PHASES = ("rollout", "release", "onload", "train", "save", "resume", "weight_syn
 LORA_TARGETS = None  # the family's defaults (miles.models.sd3.SD3_LORA_TARGETS)
 # the perf/ metrics printed per iteration: the phases' times and the trainer's allocator counts (miles/utils/device_memory.py)
 PRINTED = ("_time", "_cuda_mallocs", "_alloc_retries", "_parked_gib", "_compile_s", "_fetch_s", "_engine_wait_s",
-           "_engine_sum_s")
+           "_engine_sum_s", "_engine_step_s")
 ROLLOUT_GRADIENT = "-rollout-gradient"  # a --miles-modes suffix: the mode plus --diffusion-rollout-gradient
 
 
@@ -260,7 +260,8 @@ def run_miles(opts, checkpoint: str, prompt_file: str, lora: bool, mode: str, wo
             print(f"  miles {'lora' if lora else 'full'} {mode} launch {launch} rollout {r['rollout_id']}: " +
                   " ".join(f"{k[5:]}={v:.2f}" for k, v in r.items() if k.startswith("perf/") and k.endswith(PRINTED)),
                   # the push's own split: gathering the weights, the engines' wait for their worker and their apply
-                  " ".join(f"{k}={v:.3f}" for k, v in r.items() if k.startswith("weight_sync/") and k.endswith("seconds")),
+                  " ".join(f"{k}={v:.3f}" for k, v in r.items()
+                           if k.startswith("weight_sync/") and k.endswith(("seconds", "stepped"))),
                   flush=True)
         row = launch_row(iterations, memory.gib, wall, out)
         if launch < launches - 1:

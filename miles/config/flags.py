@@ -450,6 +450,13 @@ MILES_GROUPS: list[tuple[str, list[Flag]]] = [
           "host for one colocated trainer rank (--colocate, --actor-num-nodes 1, --actor-num-gpus-per-node 1), "
           "else device. docs/training.md.",
           choices=("auto", "device", "host"), extension=True),
+        F("--rollout-gradient-engine-step", str, "auto", "Under --diffusion-rollout-gradient with the trainer on the "
+          "host: auto: where one engine holds the rollout and shares the trainer's memory, that engine takes the "
+          "optimizer step on its own adapter too, with the trainer's AdamW arithmetic (both sides run the same "
+          "correctly rounded fp32 operations and the trainer checks the engine's checksum each step), so the next "
+          "rollout starts without a weight push; the trainer keeps the run's weights and moments. off: the trainer "
+          "steps with torch's fused AdamW and pushes the factors. docs/training.md.",
+          choices=("auto", "off"), extension=True),
         F("--diffusion-kl-beta", finite_float, 0.0, "Reference-KL coefficient; > 0 turns on a reference forward.",
           ge=0),
         F("--ref-mode", str, None, "Reference policy: none / lora_base / ema. Unset = auto: under nft ema (the "

@@ -250,6 +250,7 @@ class TrainerConfig:
     diffusion_rollout_gradient: bool  # each sample's ∇ℓ from the engines, no replay (miles/engine/rollout_gradients.py)
     rollout_gradient_tile: int  # the engines' samples per forward-with-backward under the flag above (0: micro-batch)
     rollout_gradient_trainer: str  # under the flag above, resolved: device / host (where the trainer runs); else auto
+    rollout_gradient_engine_step: str  # auto / off: the engine takes the host trainer's AdamW step too (adapter_step.py)
     diffusion_kl_beta: float
     ref_mode: str  # resolved: none / lora_base / ema (docs/algorithms.md §5, §6, §8)
     custom_prepare_train_batch_path: str | None

@@ -478,7 +478,8 @@ def _rule_rollout_gradient(args: argparse.Namespace) -> None:
     loss with one optimizer step per rollout; each sample's term is taken in a one-process engine's forward."""
     if not args.diffusion_rollout_gradient:
         for name, value, default in (("tile", args.rollout_gradient_tile, 0),
-                                     ("trainer", args.rollout_gradient_trainer, "auto")):
+                                     ("trainer", args.rollout_gradient_trainer, "auto"),
+                                     ("engine-step", args.rollout_gradient_engine_step, "auto")):
             if value != default:
                 _fail(f"--rollout-gradient-{name} applies under --diffusion-rollout-gradient; pass that flag too, "
                       f"or drop this one")

@@ -23,6 +23,7 @@ from typing import Any
 import msgpack
 import torch
 
+from miles.diffusion.mirrored_adamw import AdamWStep
 from miles.utils.defaults import DEFAULT_NOISE_LEVEL
 from miles.types import GuidanceConfig, Sample
 
@@ -475,6 +476,9 @@ def decode_response(data: bytes) -> GenerateResponse:
 # miles/engine/weight_sync_wire.py writes; the server decodes it there). With `into` the engine adds its Σ_b c_b·G_b
 # into that buffer (fp32, its pieces one after another) and the answer carries only the pieces' names and shapes;
 # without it the answer carries the tensors.
+# With `into`, the request may also carry `step` (the trainer's AdamW settings for this step, `AdamWStep`) and
+# `weight_version`: the engine then steps its adapter too (miles/engine/adapter_step.py) and the answer's `step`
+# says how it went (`AdapterStepAnswer`).
 
 
 @dataclass(frozen=True)
@@ -484,26 +488,73 @@ class PolicyGradientAnswer:
     layout: list[tuple[str, tuple[int, ...]]] | None = None  # the pieces added into `into`, in buffer order
     wait_seconds: float = 0.0  # the request waiting for the engine's worker thread (a step or an encoding there)
     sum_seconds: float = 0.0  # forming Σ_b c_b·G_b (reading any sums still spilled to the host) and adding it
+    step: AdapterStepAnswer | None = None  # the engine's own optimizer step, when the request carried one
 
 
-def encode_policy_gradient_request(coefficients: dict[int, float], into: dict | None = None) -> bytes:
+@dataclass(frozen=True)
+class AdapterStepAnswer:
+    """The engine's optimizer step (miles/engine/adapter_step.py). `outcome`: stepped (the weights moved to the
+    request's weight version), skipped (a non-finite gradient: the weights are unchanged and still move to that
+    version, as the trainer skips too) or no_state (the engine's moments are not the trainer's: nothing changed).
+    `grad_norm`: ‖g‖ as the engine measured it, which the trainer's step uses too; `checksum`: the new factors'
+    `bits_checksum` (stepped only)."""
+
+    outcome: str
+    grad_norm: float
+    checksum: int = 0
+    seconds: float = 0.0
+
+
+_STEP_FIELDS = ("lr", "beta1", "beta2", "eps", "weight_decay", "clip", "count")
+_STEP_OUTCOMES = ("stepped", "skipped", "no_state")
+
+
+@dataclass(frozen=True)
+class PolicyGradientRequest:
+    coefficients: dict[int, float]  # c_b by seed
+    into: Any = None  # the raw `into` map (for `decode_buffer_ref`) or None
+    step: AdamWStep | None = None  # with `into` only
+    weight_version: int = 0  # the engine's version after `step`
+
+
+def encode_policy_gradient_request(coefficients: dict[int, float], into: dict | None = None,
+                                   step: AdamWStep | None = None, weight_version: int = 0) -> bytes:
     seeds = list(coefficients)
     body = {"seeds": seeds, "coefficients": [float(coefficients[s]) for s in seeds],
             "protocol_version": PROTOCOL_VERSION}
     if into is not None:
         body["into"] = into
+    if step is not None:
+        body["step"] = {name: getattr(step, name) for name in _STEP_FIELDS}
+        body["weight_version"] = int(weight_version)
     return packb(body)
 
 
-def decode_policy_gradient_request(data: bytes) -> tuple[dict[int, float], Any]:
-    """(coefficients by seed, the raw `into` map or None: for `decode_buffer_ref`)."""
+def decode_policy_gradient_request(data: bytes) -> PolicyGradientRequest:
     body = _check_version(unpackb(data), "policy_gradient request")
     seeds, coefficients = body.get("seeds"), body.get("coefficients")
-    if not set(body) <= {"seeds", "coefficients", "into"} or type(seeds) is not list \
+    if not set(body) <= {"seeds", "coefficients", "into", "step", "weight_version"} or type(seeds) is not list \
             or type(coefficients) is not list or len(seeds) != len(coefficients) or len(seeds) > _MAX_INDEX_COUNT:
         raise ProtocolError("policy_gradient request: expected equal lists 'seeds' and 'coefficients'")
-    return {_as_int("seeds[]", s): _as_float("coefficients[]", c) for s, c in zip(seeds, coefficients)}, \
-        body.get("into")
+    by_seed = {_as_int("seeds[]", s): _as_float("coefficients[]", c) for s, c in zip(seeds, coefficients)}
+    raw_step, step = body.get("step"), None
+    if raw_step is not None:
+        if type(raw_step) is not dict or set(raw_step) != set(_STEP_FIELDS) or body.get("into") is None:
+            raise ProtocolError(f"policy_gradient request: 'step' must map {list(_STEP_FIELDS)} and comes with "
+                                "'into'")
+        values = {name: _as_float(f"step.{name}", raw_step[name]) for name in _STEP_FIELDS if name != "count"}
+        count = _as_int("step.count", raw_step["count"])
+        if count < 1 or not 0 <= values["beta1"] < 1 or not 0 <= values["beta2"] < 1 or values["eps"] <= 0:
+            raise ProtocolError(f"policy_gradient request: step settings out of range {_short(raw_step)}")
+        step = AdamWStep(count=count, **values)
+    return PolicyGradientRequest(by_seed, body.get("into"), step,
+                                 _as_int("weight_version", body.get("weight_version", 0)))
+
+
+def _float_or_nonfinite(name: str, value: Any) -> float:
+    if type(value) not in (int, float):  # a norm may be inf or nan: the step was skipped
+        raise ProtocolError(f"{name} must be a number, got {_short(value)}")
+    return float(value)
 
 
 def encode_policy_gradient(answer: PolicyGradientAnswer) -> bytes:
@@ -513,6 +564,9 @@ def encode_policy_gradient(answer: PolicyGradientAnswer) -> bytes:
         body["gradient"] = answer.gradient
     if answer.layout is not None:
         body["layout"] = [[name, list(shape)] for name, shape in answer.layout]
+    if answer.step is not None:
+        body["step"] = {"outcome": answer.step.outcome, "grad_norm": float(answer.step.grad_norm),
+                        "checksum": int(answer.step.checksum), "seconds": float(answer.step.seconds)}
     return packb(body)
 
 
@@ -531,5 +585,34 @@ def decode_policy_gradient(data: bytes) -> PolicyGradientAnswer:
             raise ProtocolError("policy_gradient response: 'layout' must be a list of [name, shape]")
         layout = [(name, tuple(shape)) for name, shape in layout]
     wait, total = body.get("wait_seconds", 0.0), body.get("sum_seconds", 0.0)
+    raw_step, step = body.get("step"), None
+    if raw_step is not None:
+        if type(raw_step) is not dict or set(raw_step) != {"outcome", "grad_norm", "checksum", "seconds"} \
+                or raw_step["outcome"] not in _STEP_OUTCOMES:
+            raise ProtocolError(f"policy_gradient response: 'step' must be an outcome {list(_STEP_OUTCOMES)} with "
+                                "grad_norm, checksum and seconds")
+        step = AdapterStepAnswer(raw_step["outcome"], _float_or_nonfinite("step.grad_norm", raw_step["grad_norm"]),
+                                 _as_int("step.checksum", raw_step["checksum"]),
+                                 _as_float("step.seconds", raw_step["seconds"]))
     return PolicyGradientAnswer(samples, gradient, layout, _as_float("wait_seconds", wait),
-                                _as_float("sum_seconds", total))
+                                _as_float("sum_seconds", total), step)
+
+
+# ---- POST /optimizer_state (miles/engine/adapter_step.py) -----------------------------------------------------
+# The trainer's AdamW moments after its step `count`, for an engine that steps the adapter itself: `into` names a
+# buffer of the trainer's (as above) holding exp_avg then exp_avg_sq, fp32 in the engine's layout order.
+
+
+def encode_optimizer_state(count: int, into: dict) -> bytes:
+    return packb({"count": int(count), "into": into, "protocol_version": PROTOCOL_VERSION})
+
+
+def decode_optimizer_state(data: bytes) -> tuple[int, Any]:
+    """(the step count, the raw `into` map)."""
+    body = _check_version(unpackb(data), "optimizer_state request")
+    if set(body) != {"count", "into"}:
+        raise ProtocolError("optimizer_state request: expected 'count' and 'into'")
+    count = _as_int("count", body["count"])
+    if count < 0:
+        raise ProtocolError(f"optimizer_state request: count {count} < 0")
+    return count, body["into"]

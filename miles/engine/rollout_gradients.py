@@ -106,7 +106,7 @@ class RolloutGradients:
             raise ProtocolError("a rollout_gradient request before any LoRA weights were pushed to this engine "
                                 "(--diffusion-rollout-gradient syncs LoRA pairs first)")
 
-    def _flat_factors(self) -> torch.Tensor:
+    def flat_factors(self) -> torch.Tensor:
         self.check_pushed()
         if self._flat is None:
             self._flat = torch.cat([t.reshape(-1) for f in self.factors.values() for t in (f.a, f.b)])
@@ -115,7 +115,7 @@ class RolloutGradients:
     def sums(self, num_samples: int) -> torch.Tensor:
         """A request's per-sample gradient sums, Σ_k ∇ℓ_{b,k}: zeros [M, P] fp32 (72 MiB per sample at
         SD3.5-Medium, LoRA rank 32)."""
-        flat = self._flat_factors()
+        flat = self.flat_factors()
         return flat.new_zeros(num_samples, flat.numel())
 
     def tile_rows(self, rows: int) -> torch.Tensor:
@@ -123,7 +123,7 @@ class RolloutGradients:
         backward gives each row its own gradient, which `step_with_gradients` adds to its sample's sums. (Rows
         gathered from per-request leaves were a dense copy, 602 MB per tile of 8 at SD3.5-Medium, kept for the
         forward and the backward.)"""
-        return self._flat_factors().unsqueeze(0).expand(rows, -1).requires_grad_(True)
+        return self.flat_factors().unsqueeze(0).expand(rows, -1).requires_grad_(True)
 
     def forward_rows(self, rows: torch.Tensor | None) -> None:
         """The factors of the next forward's samples, rows [n, P] in its row order (None: no gradient forward)."""
@@ -209,10 +209,11 @@ class RolloutGradients:
         return {name: part.view(shape) for (name, shape), part in zip(pieces, parts)}, used
 
     def add_policy_gradient(self, coefficients: Mapping[int, float], into: torch.Tensor
-                            ) -> tuple[list[tuple[str, tuple[int, ...]]], int]:
+                            ) -> tuple[list[tuple[str, tuple[int, ...]]], int, torch.Tensor]:
         """Add Σ_b c_b·G_b as fp32 in `layout()` order into the first bytes of `into` (a flat uint8 buffer the
         trainer shared, miles/backends/fsdp_utils/gradient_fetch.py): the gradient reaches the trainer without
-        leaving the device. Returns (layout, samples used)."""
+        leaving the device. Returns (layout, samples used, the sum on the engine's device: the engine's own
+        optimizer step reads it, miles/engine/adapter_step.py)."""
         layout = self.layout()
         nbytes = 4 * sum(math.prod(shape) for _, shape in layout)
         if into.numel() < nbytes:  # checked before any kept gradient is taken
@@ -220,7 +221,7 @@ class RolloutGradients:
                                 f"needs {nbytes}")
         total, used = self._weighted_sum(coefficients)
         into[:nbytes].view(torch.float32).add_(total.to(into.device))
-        return layout, used
+        return layout, used, total
 
 
 class _AdapterGradientTap(torch.autograd.Function):

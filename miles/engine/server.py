@@ -7,6 +7,8 @@ Endpoints (see docs/engine.md):
 - `GET  /weights_checksum`            JSON: sha256 per module over its parameters (`?per_tensor=1`, `?modules=a,b`,
                                       `?include_buffers=1`)
 - `POST /release_memory_occupation`, `POST /resume_memory_occupation`, `GET /health`
+- `POST /policy_gradient`, `POST /optimizer_state` (msgpack): the rollout's policy gradient, and the engine's own
+  optimizer step on it (rollout_gradients.py, adapter_step.py)
 - `POST /init_weights_update_group`, `POST /destroy_weights_update_group` (JSON): join / leave the trainer's
   weight broadcast group; `POST /update_weights_from_distributed` (msgpack bucket message: check and stage a
   broadcast bucket, or flush), `POST /receive_weights_broadcast` (JSON: receive the staged bucket and apply it);
@@ -31,12 +33,14 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from miles.engine.adapter_step import AdapterStepper
 from miles.engine.model_runner import ModelRunner
 from miles.engine.protocol import (
     CONTENT_TYPE,
     PolicyGradientAnswer,
     ProtocolError,
     RequestLimits,
+    decode_optimizer_state,
     decode_policy_gradient_request,
     decode_request,
     encode_policy_gradient,
@@ -92,6 +96,8 @@ class EngineServer:
         gradients = self.runner.rollout_gradients
         self.receiver = WeightReceiver({name: getattr(self.runner.pipe, name) for name in self.runner.module_names},
                                        on_lora_pair=None if gradients is None else gradients.set_factors)
+        # the trainer's optimizer step taken here too (--rollout-gradient-engine-step)
+        self.adapter_stepper = None if gradients is None else AdapterStepper(gradients, self.receiver.merge_adapter)
         self.memory_released = False
         self._admitted = 0  # generate requests being handled (reading, waiting for a batch, running)
         self.counters: dict[str, Any] = {
@@ -122,6 +128,7 @@ class EngineServer:
                 web.post("/update_weights_from_distributed", self.handle_stage_broadcast),
                 web.post("/receive_weights_broadcast", self.handle_receive_broadcast),
                 web.post("/policy_gradient", self.handle_policy_gradient),
+                web.post("/optimizer_state", self.handle_optimizer_state),
             ]
         )
         self.app.on_startup.append(self._on_startup)
@@ -332,34 +339,69 @@ class EngineServer:
 
     async def handle_policy_gradient(self, request: web.Request) -> web.Response:
         """Σ_b c_b·G_b over the rollout_gradient samples this engine holds (miles/engine/rollout_gradients.py): in
-        the answer, or added into the asking trainer's buffer when the request names one (`into`)."""
+        the answer, or added into the asking trainer's buffer when the request names one (`into`); with `step`,
+        the engine then takes the trainer's optimizer step on its adapter and moves to the request's weight version
+        (miles/engine/adapter_step.py)."""
         gradients = self.runner.rollout_gradients
         if gradients is None:
             return _error(400, "this engine keeps no gradients: it was not started with --diffusion-rollout-gradient")
         try:
-            coefficients, into = decode_policy_gradient_request(await request.read())
-            ref = None if into is None else decode_buffer_ref(into, None, by_reference_only=True)
+            asked = decode_policy_gradient_request(await request.read())
+            ref = None if asked.into is None else decode_buffer_ref(asked.into, None, by_reference_only=True)
         except ProtocolError as err:
             self.counters["bad_requests"] += 1
             return _error(400, str(err))
 
         def add_into() -> PolicyGradientAnswer:
             with map_buffer(ref, writable=True) as flat:  # on CUDA: the add has finished when this exits
-                layout, used = gradients.add_policy_gradient(coefficients, flat)
-            return PolicyGradientAnswer(used, layout=layout)
+                layout, used, total = gradients.add_policy_gradient(asked.coefficients, flat)
+            if asked.step is None:
+                return PolicyGradientAnswer(used, layout=layout)
+            stepped = self.adapter_stepper.step(total, asked.step)
+            if stepped.outcome != "no_state":
+                self.runner.weights_updated()
+            return PolicyGradientAnswer(used, layout=layout, step=stepped)
 
         def in_answer() -> PolicyGradientAnswer:
-            gradient, used = gradients.policy_gradient(coefficients)
+            gradient, used = gradients.policy_gradient(asked.coefficients)
             return PolicyGradientAnswer(used, gradient=gradient)
 
-        try:
+        async def answer_and_step() -> PolicyGradientAnswer:
             answer, wait, seconds = await self.scheduler.run_exclusive_timed(in_answer if ref is None else add_into)
-            answer = replace(answer, wait_seconds=wait, sum_seconds=seconds)
+            step = answer.step
+            if step is not None and step.outcome != "no_state":  # the next version's weights: its rollout starts
+                self.runner.weight_version = asked.weight_version
+                self.counters["engine_steps"] = self.counters.get("engine_steps", 0) + 1
+                self.scheduler.wake()
+            return replace(answer, wait_seconds=wait, sum_seconds=seconds - (step.seconds if step else 0.0))
+
+        try:
+            # shielded: a trainer that disconnects must not leave stepped weights under the old version number
+            answer = await asyncio.shield(answer_and_step())
         except ProtocolError as err:
             self.counters["bad_requests"] += 1
             return _error(400, str(err))
         payload = await asyncio.get_running_loop().run_in_executor(None, encode_policy_gradient, answer)
         return web.Response(body=payload, content_type=CONTENT_TYPE)
+
+    async def handle_optimizer_state(self, request: web.Request) -> web.Response:
+        """The trainer's AdamW moments, for the engine's own optimizer steps (miles/engine/adapter_step.py)."""
+        if self.runner.rollout_gradients is None:
+            return _error(400, "this engine keeps no gradients: it was not started with --diffusion-rollout-gradient")
+        try:
+            count, into = decode_optimizer_state(await request.read())
+            ref = decode_buffer_ref(into, None, by_reference_only=True)
+
+            def load() -> None:
+                self.runner.rollout_gradients.check_pushed()
+                with map_buffer(ref) as flat:
+                    self.adapter_stepper.load_moments(count, flat.view(torch.float32))
+
+            await asyncio.shield(self.scheduler.run_exclusive(load))
+        except ProtocolError as err:
+            self.counters["bad_requests"] += 1
+            return _error(400, str(err))
+        return web.json_response({"ok": True, "count": count})
 
     async def handle_server_info(self, request: web.Request) -> web.Response:
         runner = self.runner

@@ -670,6 +670,12 @@ class WeightReceiver:
             del self._pending_lora[step.key]
             self._merge_lora(step.key, pending.lora_a, pending.lora_b, target_modules)
 
+    @torch.no_grad()
+    def merge_adapter(self, module_name: str, layer: str, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
+        """One layer's new factors merged as a pushed pair of them would be: the engine's own optimizer step
+        (miles/engine/adapter_step.py), at the scaling of the last LoRA push."""
+        self._merge_lora((module_name, layer), lora_a, lora_b, None)
+
     def _merge_lora(self, key: tuple[str, str], lora_a: torch.Tensor, lora_b: torch.Tensor, target_modules) -> None:
         module_name, layer = key
         _, param_name, weight = self._resolve(f"{module_name}.{layer}.weight", target_modules)

@@ -75,6 +75,8 @@ class TrainRayActor:
         self.trainer = None
         self.weight_pusher = None  # rank 0: transports and the broadcast group of weight sync (weight_push.py)
         self.gradient_fetcher = None  # rank 0 under --diffusion-rollout-gradient: its buffer kept for the run
+        # (engine URLs, weight version) the engine already holds after taking the optimizer step itself
+        self.engine_stepped: tuple[list[str], int] | None = None
         self._store_socket = None  # rank 0: the rendezvous store's listening socket, until the store takes it
         os.environ.update(config.trainer.train_env_vars)
         if config.trainer.on_host:  # before anything asks torch for a GPU: this process then never makes a context
@@ -148,12 +150,37 @@ class TrainRayActor:
                     self.gradient_fetcher = PolicyGradientFetcher(
                         self._weight_pusher(), shapes, self.trainer.device,
                         timeout=60.0 * self.config.placement.distributed_timeout_minutes)
-                gradient = self.gradient_fetcher.fetch(ask)
+                gradient = self.gradient_fetcher.fetch(ask, self._engine_step(ask), weight_version=rollout_id + 1)
             else:
                 gradient = FetchedGradient(None, held=-1, expected=ask.samples)
         metrics = self.trainer.train(rollout_id, samples, gradient)
+        if gradient is not None and gradient.engine_step is not None:
+            self._after_engine_step(ask, gradient, rollout_id + 1)
         memory = current_device_memory()
         return {**metrics, **peak_memory_metrics("perf/train", [memory] if memory is not None else [])}
+
+    def _engine_step(self, ask):
+        """The AdamW step the engine should take itself (`--rollout-gradient-engine-step`), or None."""
+        from miles.backends.fsdp_utils.rollout_gradient_step import next_adamw_step
+
+        config = self.config
+        if not (config.trainer.on_host and config.trainer.rollout_gradient_engine_step == "auto") \
+                or config.rollout.check_weight_sync or not self.gradient_fetcher.engine_can_step(ask):
+            return None
+        return next_adamw_step(self.trainer)
+
+    def _after_engine_step(self, ask, gradient, weight_version: int) -> None:
+        """The engine holds the trainer's new weights under `weight_version` (the next weight sync has nothing to
+        push), or it had no moments to step with: then it gets the trainer's, and the weight sync pushes as before."""
+        from miles.backends.fsdp_utils.rollout_gradient_step import adapter_moments, steps_taken
+
+        url = next(url for url, coefficients in ask.coefficients.items() if coefficients)
+        if gradient.engine_step.outcome == "no_state":
+            self.engine_stepped = None
+            self.gradient_fetcher.push_moments(url, gradient.engine_layout, adapter_moments(self.trainer),
+                                               steps_taken(self.trainer))
+        else:
+            self.engine_stepped = ([url], weight_version)
 
     def _weight_pusher(self):
         """Rank 0's `WeightPusher`, built on first use (it knows which engines share rank 0's memory)."""
@@ -173,6 +200,9 @@ class TrainRayActor:
         other ranks join the gathers. Returns rank 0's push report."""
         from miles.backends.fsdp_utils.weight_export import iter_sync_tensors, lora_scaling
 
+        stepped, self.engine_stepped = self.engine_stepped, None
+        if stepped == (list(engine_urls), weight_version):  # the engine took this step itself: nothing to push
+            return {"engine_stepped": 1, "seconds": 0.0}
         named_tensors = iter_sync_tensors(self.trainer)
         if self.rank != 0:
             for _ in named_tensors:  # join every gather; only rank 0 sends

@@ -373,9 +373,12 @@ def test_rollout_gradient_steps_as_the_replay_does(sd3, prompts, tmp_path):
     the gradient reaches the trainer through its shared buffer. With the trainer on the host (the default for
     one colocated rank) it sees no GPU, gradient and factors cross by shared-memory files and the colocated run
     takes no turns; `--rollout-gradient-trainer device` keeps it beside the engine (on the CPU the two differ
-    only in those turns and the optimizer's fused kernel). The host run sends each next rollout while the trainer
-    trains (`--rollout-prefetch`, on there by default): the same run without it is the same bit for bit."""
-    replay, fused, host = tmp_path / "replay", tmp_path / "fused", tmp_path / "host"
+    only in those turns and the optimizer's fused kernel). On the host the engine takes the optimizer step on its
+    own adapter too (`--rollout-gradient-engine-step auto`) and no weight push follows; the trainer checked the
+    engine's checksum of the same step, and `off` (the trainer's fused AdamW and a push) trains alike. The host
+    run sends each next rollout while the trainer trains (`--rollout-prefetch`, on there by default): the same
+    run without it is the same bit for bit."""
+    replay, fused, host, pushed = (tmp_path / name for name in ("replay", "fused", "host", "pushed"))
     lora = ["--use-lora", "--lora-rank", "4", "--lora-alpha", "8", "--colocate", "--num-rollout", "3"]
     run([*base_flags(sd3, prompts, replay), *lora, "--lora-ipc-weight-sync"])
     result = run([*base_flags(sd3, prompts, fused), *lora, "--diffusion-rollout-gradient",
@@ -383,25 +386,32 @@ def test_rollout_gradient_steps_as_the_replay_does(sd3, prompts, tmp_path):
     assert "warning" not in result.stderr.lower()
     result = run([*base_flags(sd3, prompts, host), *lora, "--diffusion-rollout-gradient"])
     assert "warning" not in result.stderr.lower() and "1 trainer rank(s) on the host" in result.stderr
-    a, b, c = metrics(replay), metrics(fused), metrics(host)
-    first = [series(records, "rollout/reward_mean")[0] for records in (a, b, c)]
-    assert first[0] == first[1] == first[2]
-    for x, y, z in zip(series(a, "rollout/reward_mean"), series(b, "rollout/reward_mean"),
-                       series(c, "rollout/reward_mean"), strict=True):
-        assert abs(x - y) < 1e-5 and abs(x - z) < 1e-5
-    norms_replay, norms_fused, norms_host = (series(r, "train/grad_norm") for r in (a, b, c))
+    run([*base_flags(sd3, prompts, pushed), *lora, "--diffusion-rollout-gradient",
+         "--rollout-gradient-engine-step", "off"])
+    a, b, c, e = metrics(replay), metrics(fused), metrics(host), metrics(pushed)
+    first = [series(records, "rollout/reward_mean")[0] for records in (a, b, c, e)]
+    assert first[0] == first[1] == first[2] == first[3]
+    for x, y, z, w in zip(*(series(r, "rollout/reward_mean") for r in (a, b, c, e)), strict=True):
+        assert abs(x - y) < 1e-5 and abs(x - z) < 1e-5 and abs(x - w) < 1e-5
+    norms_replay, norms_fused, norms_host, norms_pushed = (series(r, "train/grad_norm") for r in (a, b, c, e))
     assert len(norms_fused) == 3 and all(n > 0 for n in norms_fused)
-    for x, y, z in zip(norms_replay, norms_fused, norms_host, strict=True):
-        assert abs(x - y) < 1e-3 * x and abs(y - z) < 1e-3 * y  # the fused AdamW rounds otherwise
-    for records in (b, c):
+    for x, y, z, w in zip(norms_replay, norms_fused, norms_host, norms_pushed, strict=True):
+        # the fused AdamW and the mirrored one round otherwise
+        assert abs(x - y) < 1e-3 * x and abs(y - z) < 1e-3 * y and abs(z - w) < 1e-3 * z
+    for records in (b, c, e):
         assert series(records, "train/rollout_train_log_prob_abs_diff") == [0.0] * 3
         # the colocated engine added its sum into the trainer's shared buffer (gradient_fetch.py), not in a body
         assert series(records, "perf/policy_gradient_engines_by_reference") == [1.0] * 3
-        assert series(records, "weight_sync/ipc_engines") == [1.0] * 3
         # the fetch's seconds split: the engine's wait for its worker thread and its sum, inside the fetch
         for fetch, wait, total in zip(*(series(records, f"perf/policy_gradient_{key}") for key in (
                 "fetch_s", "engine_wait_s", "engine_sum_s")), strict=True):
             assert total > 0 and wait >= 0 and wait + total < fetch
+    for records in (b, e):
+        assert series(records, "weight_sync/ipc_engines") == [1.0] * 3
+    # the engine stepped each time (its moments zero at the first step, as the trainer's) and nothing was pushed
+    assert series(c, "train/engine_stepped") == series(c, "weight_sync/engine_stepped") == [1.0] * 3
+    assert not any("weight_sync/ipc_engines" in r for r in c)
+    assert all(value > 0 for value in series(c, "perf/policy_gradient_engine_step_s"))
     assert any("perf/release_time" in r for r in b)  # a CPU run keeps the turns
     assert not any(key in r for r in c for key in ("perf/release_time", "perf/onload_time", "perf/offload_time"))
 
@@ -409,10 +419,16 @@ def test_rollout_gradient_steps_as_the_replay_does(sd3, prompts, tmp_path):
     waits = series(c, "rollout/engine_weights_wait_seconds")
     assert waits[0] == 0.0 and all(wait > 0 for wait in waits[1:])
     assert series(b, "rollout/engine_weights_wait_seconds") == [0.0] * 3  # colocated on the device: no prefetch
-    unfetched = tmp_path / "host_no_prefetch"
-    run([*base_flags(sd3, prompts, unfetched), *lora, "--diffusion-rollout-gradient", "--rollout-prefetch", "off"])
+    # ... and stopped after its first rollout and resumed: the resumed engine has no moments, so the trainer steps
+    # alone, pushes the weights and sends its moments, and the engine takes the next step again
+    unfetched, checkpoints = tmp_path / "host_no_prefetch", tmp_path / "ckpt"
+    no_prefetch = [*base_flags(sd3, prompts, unfetched), *lora, "--diffusion-rollout-gradient", "--rollout-prefetch",
+                   "off", "--save", str(checkpoints), "--save-interval", "1"]
+    run([*no_prefetch, "--num-rollout", "1"])
+    run([*no_prefetch, "--load", str(checkpoints)])
     d = metrics(unfetched)
     assert series(d, "rollout/engine_weights_wait_seconds") == [0.0] * 3
+    assert series(d, "train/engine_stepped") == [1.0, 0.0, 1.0]
     for key in ("rollout/reward_mean", "train/grad_norm", "train/loss"):
         assert series(c, key) == series(d, key), key
 
@@ -420,7 +436,8 @@ def test_rollout_gradient_steps_as_the_replay_does(sd3, prompts, tmp_path):
 @pytest.mark.gpu
 def test_on_a_gpu_a_trainer_on_the_host_leaves_the_device_to_the_engine(sd3, prompts, tmp_path):
     """`--rollout-gradient-trainer host` with the engine on a GPU: the run trains, the engine reports its GPU
-    memory and the trainer none (its process sees no GPU), gradient and factors cross by shared memory."""
+    memory and the trainer none (its process sees no GPU), the gradient crosses by shared memory and the engine
+    steps its own adapter."""
     import torch
 
     if not torch.cuda.is_available():
@@ -433,7 +450,8 @@ def test_on_a_gpu_a_trainer_on_the_host_leaves_the_device_to_the_engine(sd3, pro
     assert any("perf/engine_peak_reserved_gib" in r for r in records)
     assert not any(key.startswith("perf/train_peak") for r in records for key in r)
     assert series(records, "perf/policy_gradient_engines_by_reference") == [1.0] * 2
-    assert series(records, "weight_sync/ipc_engines") == [1.0] * 2
+    # the engine took each optimizer step on the GPU with the bits the trainer's took on the host (it checked)
+    assert series(records, "train/engine_stepped") == [1.0] * 2
 
 def test_overlapped_rollout_learns_one_step_off_policy(sd3, prompts, tmp_path):
     """--overlap-rollout (engines of their own): rollout k+1 is generated while rollout k trains, so every

@@ -8,17 +8,23 @@ import msgpack
 import pytest
 import torch
 
+from miles.diffusion.mirrored_adamw import AdamWStep
 from miles.engine.protocol import (
+    AdapterStepAnswer,
     GenerateRequest,
     GenerateResponse,
     PolicyGradientAnswer,
     ProtocolError,
     RequestLimits,
     SampleResult,
+    decode_optimizer_state,
     decode_policy_gradient,
+    decode_policy_gradient_request,
     decode_request,
     decode_response,
+    encode_optimizer_state,
     encode_policy_gradient,
+    encode_policy_gradient_request,
     encode_request,
     encode_response,
     packb,
@@ -299,3 +305,27 @@ def test_a_policy_gradient_answer_carries_the_engines_wait_and_sum_seconds():
     body["wait_seconds"] = float("nan")
     with pytest.raises(ProtocolError, match="wait_seconds must be a finite number"):
         decode_policy_gradient(msgpack.packb(body))
+
+
+def test_a_policy_gradient_request_may_carry_the_step_the_engine_takes_itself():
+    step = AdamWStep(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, clip=1.0, count=7)
+    into = {"kind": "shm"}
+    asked = decode_policy_gradient_request(encode_policy_gradient_request({3: -0.5}, into, step, weight_version=8))
+    assert asked.coefficients == {3: -0.5} and asked.into == into and asked.step == step and asked.weight_version == 8
+    assert decode_policy_gradient_request(encode_policy_gradient_request({3: 1.0})).step is None
+    body = msgpack.unpackb(encode_policy_gradient_request({3: 1.0}, into, step, 8))
+    for field, value, message in (("count", 0, "out of range"), ("beta2", 1.0, "out of range"),
+                                  ("lr", float("inf"), "step.lr must be a finite number")):
+        with pytest.raises(ProtocolError, match=message):
+            decode_policy_gradient_request(msgpack.packb({**body, "step": {**body["step"], field: value}}))
+    with pytest.raises(ProtocolError, match="comes with 'into'"):  # the step needs the trainer's shared buffer
+        decode_policy_gradient_request(msgpack.packb({k: v for k, v in body.items() if k != "into"}))
+    answer = PolicyGradientAnswer(1, layout=[("a", (2,))], step=AdapterStepAnswer("skipped", float("inf"), 0, 0.5))
+    decoded = decode_policy_gradient(encode_policy_gradient(answer))
+    assert decoded.step.outcome == "skipped" and decoded.step.grad_norm == float("inf")
+    body = msgpack.unpackb(encode_policy_gradient(answer))
+    with pytest.raises(ProtocolError, match="outcome"):
+        decode_policy_gradient(msgpack.packb({**body, "step": {**body["step"], "outcome": "maybe"}}))
+    assert decode_optimizer_state(encode_optimizer_state(4, into)) == (4, into)
+    with pytest.raises(ProtocolError, match="count -1 < 0"):
+        decode_optimizer_state(encode_optimizer_state(-1, into))

@@ -152,7 +152,7 @@ def test_an_engine_takes_its_factors_from_and_adds_its_gradient_into_host_memory
     into = SharedBuffer(4 * sum(torch.Size(shape).numel() for _, shape in layout), torch.device("cpu"))
     try:
         into.buffer.zero_()
-        _, held = runner.rollout_gradients.add_policy_gradient(coefficients, into.buffer)
+        _, held, _ = runner.rollout_gradients.add_policy_gradient(coefficients, into.buffer)
         flat = into.buffer.view(torch.float32).clone()
     finally:
         into.close()

@@ -23,11 +23,14 @@ from urllib.error import HTTPError
 
 import torch
 
+from miles.diffusion.mirrored_adamw import AdamWStep
 from miles.engine.protocol import (
     CONTENT_TYPE,
+    AdapterStepAnswer,
     PolicyGradientAnswer,
     ProtocolError,
     decode_policy_gradient,
+    encode_optimizer_state,
     encode_policy_gradient_request,
 )
 from miles.engine.weight_sync import SharedBuffer
@@ -50,18 +53,32 @@ class FetchedGradient:
     engines_by_body: int = 0
     engine_wait_seconds: float = 0.0  # the engines' answers: waiting for their worker thread, summing (in order)
     engine_sum_seconds: float = 0.0
+    # the engine's own optimizer step (miles/engine/adapter_step.py): the settings sent, the engine's answer and
+    # the order it lays the adapter out in (for its moments, `push_moments`)
+    step: AdamWStep | None = None
+    engine_step: AdapterStepAnswer | None = None
+    engine_layout: list[tuple[str, tuple[int, ...]]] | None = None
 
 
-def _post(url: str, body: bytes, timeout: float) -> PolicyGradientAnswer:
-    request = urllib.request.Request(f"{url}/policy_gradient", data=body, method="POST",
+def _post(url: str, body: bytes, timeout: float, path: str = "policy_gradient") -> bytes:
+    request = urllib.request.Request(f"{url}/{path}", data=body, method="POST",
                                      headers={"Content-Type": CONTENT_TYPE, **auth_headers()})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return decode_policy_gradient(response.read())
-    except (OSError, ProtocolError) as err:  # URLError, HTTPError, a refused or dropped connection, a bad body
+            return response.read()
+    except OSError as err:  # URLError, HTTPError, a refused or dropped connection
         reason = f"{err}: {err.read().decode(errors='replace')[:300]}" if isinstance(err, HTTPError) else str(err)
-        raise PartDiedError(f"--diffusion-rollout-gradient: POST {url}/policy_gradient failed ({reason}); the engine "
+        raise PartDiedError(f"--diffusion-rollout-gradient: POST {url}/{path} failed ({reason}); the engine "
                             f"holding those samples' gradients is gone or refused the request") from err
+
+
+def _ask(url: str, body: bytes, timeout: float) -> PolicyGradientAnswer:
+    data = _post(url, body, timeout)
+    try:
+        return decode_policy_gradient(data)
+    except ProtocolError as err:
+        raise PartDiedError(f"--diffusion-rollout-gradient: engine {url}'s policy_gradient answer is malformed "
+                            f"({err})") from err
 
 
 class _FlatOrder:
@@ -101,19 +118,28 @@ class PolicyGradientFetcher:
         self.order = _FlatOrder(shapes)
         self._shared: SharedBuffer | None = None  # made at the first fetch by reference
 
-    def fetch(self, ask: PolicyGradientAsk) -> FetchedGradient:
+    def engine_can_step(self, ask: PolicyGradientAsk) -> bool:
+        """One engine holds the whole rollout and shares our memory: it can take the optimizer step itself."""
+        urls = [url for url, coefficients in ask.coefficients.items() if coefficients]
+        return len(urls) == 1 and self.pusher.split(urls)[0] == urls
+
+    def fetch(self, ask: PolicyGradientAsk, step: AdamWStep | None = None, weight_version: int = 0
+              ) -> FetchedGradient:
         """Σ over engines of Σ_b c_b·G_b as one flat fp32 vector on the device, in `shapes`' order. The vector may
-        be the shared buffer itself: it holds this fetch's gradient until the next fetch."""
+        be the shared buffer itself: it holds this fetch's gradient until the next fetch. With `step` (only where
+        `engine_can_step`), the engine also takes that optimizer step and moves to `weight_version`."""
         began = time.perf_counter()
         urls = [url for url, coefficients in ask.coefficients.items() if coefficients]
         by_reference, by_body = self.pusher.split(urls)
+        if step is not None and not self.engine_can_step(ask):
+            raise ValueError("an engine takes the optimizer step only when it alone holds the rollout, by reference")
         answers: list[PolicyGradientAnswer] = []
         if by_reference:
-            total, held = self._added_by_reference(by_reference, ask, answers)
+            total, held = self._added_by_reference(by_reference, ask, answers, step, weight_version)
         else:
             total, held = torch.zeros(self.order.numel, dtype=torch.float32, device=self.device), 0
         for url in by_body:
-            answer = _post(url, encode_policy_gradient_request(ask.coefficients[url]), self.timeout)
+            answer = _ask(url, encode_policy_gradient_request(ask.coefficients[url]), self.timeout)
             answers.append(answer)
             gradient = answer.gradient or {}
             self.order.check(url, [(name, tuple(value.shape)) for name, value in gradient.items()])
@@ -121,10 +147,12 @@ class PolicyGradientFetcher:
             for name, value in gradient.items():
                 self.order.add(total, name, value)
         return FetchedGradient(total, held, ask.samples, time.perf_counter() - began, len(by_reference),
-                               len(by_body), sum(a.wait_seconds for a in answers), sum(a.sum_seconds for a in answers))
+                               len(by_body), sum(a.wait_seconds for a in answers), sum(a.sum_seconds for a in answers),
+                               step, answers[0].step if step is not None else None,
+                               answers[0].layout if step is not None else None)
 
-    def _added_by_reference(self, urls: list[str], ask: PolicyGradientAsk,
-                            answers: list[PolicyGradientAnswer]) -> tuple[torch.Tensor, int]:
+    def _added_by_reference(self, urls: list[str], ask: PolicyGradientAsk, answers: list[PolicyGradientAnswer],
+                            step: AdamWStep | None = None, weight_version: int = 0) -> tuple[torch.Tensor, int]:
         """The engines at `urls` add their sums into the shared buffer, one after another; returns the sum in our
         order (the buffer itself where the engines' order is ours) and how many samples they held."""
         order = self.order
@@ -137,7 +165,10 @@ class PolicyGradientFetcher:
         layout, held = None, 0
         for url in urls:  # one at a time: each adds into the same buffer
             into = encode_buffer_ref(self._shared.describe())
-            answer = _post(url, encode_policy_gradient_request(ask.coefficients[url], into), self.timeout)
+            answer = _ask(url, encode_policy_gradient_request(ask.coefficients[url], into, step, weight_version),
+                          self.timeout)
+            if step is not None and answer.step is None:
+                raise PartDiedError(f"--rollout-gradient-engine-step: engine {url} answered without taking the step")
             answers.append(answer)
             order.check(url, answer.layout or [])
             if layout is not None and answer.layout != layout:  # the same push, so the same order, or a bug
@@ -153,6 +184,26 @@ class PolicyGradientFetcher:
             order.add(total, name, added[offset : offset + math.prod(shape)])
             offset += math.prod(shape)
         return total, held
+
+    def push_moments(self, url: str, layout: list[tuple[str, tuple[int, ...]]],
+                     moments: dict[str, tuple[torch.Tensor, torch.Tensor]], count: int) -> None:
+        """The trainer's AdamW moments after its step `count` (name -> (exp_avg, exp_avg_sq)) to the engine at
+        `url`, in its `layout`: exp_avg then exp_avg_sq, through a shared-memory file made for the occasion (the
+        first step after a resume or an engine's restart)."""
+        numel = sum(math.prod(shape) for _, shape in layout)
+        buffer = SharedBuffer(8 * numel, torch.device("cpu"))
+        try:
+            flat, offset = buffer.buffer[: 8 * numel].view(torch.float32), 0
+            for which in range(2):
+                for name, _ in layout:
+                    piece = moments[name][which].reshape(-1)
+                    flat[offset : offset + piece.numel()].copy_(piece)
+                    offset += piece.numel()
+            del flat  # the mapping closes with the buffer
+            _post(url, encode_optimizer_state(count, encode_buffer_ref(buffer.describe())), self.timeout,
+                  "optimizer_state")
+        finally:
+            buffer.close()
 
     def close(self) -> None:
         if self._shared is not None:

@@ -4,6 +4,10 @@ Rank 0 fetches Σ_b c_b·G_b from the engines (c_b = −clip(A_b)/P; gradient_fe
 other ranks. That is the gradient the replayed clipped loss would give at ratio 1
 (docs/algorithms.md §5), so the trainer only puts it in each adapter's `.grad` (its shard, under FSDP) and takes
 the ordinary optimizer step: clipping, the NaN guard, the LR schedule and the EMA as in `DiffusionTrainer.train`.
+Where one engine holds the rollout and shares the trainer's memory (a trainer on the host), that engine takes the
+step too (`--rollout-gradient-engine-step`, miles/engine/adapter_step.py): both run miles/diffusion/mirrored_adamw.py's
+arithmetic with the engine's gradient norm, the trainer checks the engine's checksum of the new factors, and no
+weight push follows.
 
 The metrics a replay would log are exact here without one: the ratio is exp(ℓ − ℓ) of the very forward that
 sampled, so `train/rollout_train_log_prob_abs_diff` is 0, `train/clipfrac` 0, `train/ratio_mean` 1, and the
@@ -12,6 +16,8 @@ loss Σ_pairs −clip(A)/P is the mean over samples' pairs of −clip(A_b).
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 
 import torch
@@ -20,9 +26,12 @@ import torch.distributed as dist
 from miles.backends.fsdp_utils.gradient_fetch import FetchedGradient
 from miles.backends.fsdp_utils.weight_export import is_lora_param, strip_peft_name
 from miles.diffusion.losses import rollout_gradient_coefficients
-from miles.engine.weight_sync import canonical_lora_name
+from miles.diffusion.mirrored_adamw import AdamWStep, adamw_step, bits_checksum, clip_scale
+from miles.engine.weight_sync import WeightSyncError, canonical_lora_name
 from miles.types import Sample
 from miles.utils.errors import PartDiedError
+
+logger = logging.getLogger(__name__)
 
 
 def adapter_params_by_pushed_name(trainer) -> dict[str, torch.nn.Parameter]:
@@ -68,20 +77,85 @@ def _everyone_holds(fetched: FetchedGradient, numel: int, device: torch.device) 
     return flat
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def steps_taken(trainer) -> int:
+    """The optimizer steps the trainer's adapter has taken (AdamW's `step` in its state; 0 before the first)."""
+    first = trainer.optimizer.param_groups[0]["params"][0]
+    state = trainer.optimizer.state.get(first, {})
+    return int(state["step"]) if "step" in state else 0
+
+
+def next_adamw_step(trainer) -> AdamWStep | None:
+    """The settings of the trainer's next optimizer step, for the engine to take it too (miles/engine/adapter_step.py);
+    None where that step is not plain AdamW on one parameter group of one rank (fp16's loss scaling, several ranks
+    that would all have to skip the weight push alike)."""
+    optimizer = trainer.optimizer
+    if len(optimizer.param_groups) != 1 or trainer.scaler.is_enabled() or trainer.world_size != 1:
+        return None
+    group = optimizer.param_groups[0]
+    return AdamWStep(lr=float(group["lr"]), beta1=float(group["betas"][0]), beta2=float(group["betas"][1]),
+                     eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                     clip=float(trainer.config.trainer.clip_grad), count=steps_taken(trainer) + 1)
+
+
+def adapter_moments(trainer) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each adapter factor's AdamW moments (exp_avg, exp_avg_sq) by the name the engines know it by."""
+    state = trainer.optimizer.state
+    return {name: (_local(state[p]["exp_avg"]), _local(state[p]["exp_avg_sq"]))
+            for name, p in adapter_params_by_pushed_name(trainer).items()}
+
+
+def _mirrored_step(trainer, where: str, params: dict[str, torch.nn.Parameter], flat: torch.Tensor,
+                   fetched: FetchedGradient) -> torch.Tensor | None:
+    """The step the engine took on its copy (or, where it had no moments, would have taken), on the trainer's
+    factors, with the same arithmetic and the engine's gradient norm: the same bits on both sides, checked."""
+    step, answer = fetched.step, fetched.engine_step
+    assert step is not None and answer is not None
+    trainer.optimizer.zero_grad(set_to_none=True)
+    if not math.isfinite(answer.grad_norm):
+        logger.warning("%s: non-finite gradient (norm %s); optimizer step skipped, weights unchanged", where,
+                       answer.grad_norm)
+        return None
+    scale, offset = clip_scale(answer.grad_norm, step.clip), 0
+    for param in params.values():
+        grad = flat[offset : offset + param.numel()].view(param.shape)
+        offset += param.numel()
+        state = trainer.optimizer.state[param]
+        if not state:  # as torch's AdamW lays its state out, for checkpoints and a later run without this mode
+            state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param))
+        adamw_step(_local(param.detach()), grad, _local(state["exp_avg"]), _local(state["exp_avg_sq"]), step, scale)
+        state["step"] = torch.tensor(float(step.count))
+    trainer.lr_scheduler.step()
+    trainer.global_step += 1
+    if answer.outcome == "stepped":
+        ours = bits_checksum(_local(p.detach()) for p in params.values())
+        if ours != answer.checksum:
+            raise WeightSyncError(f"{where}: the engine's optimizer step gave other weights than the trainer's "
+                                  f"(checksums {answer.checksum} and {ours}); rerun with --rollout-gradient-engine-"
+                                  "step off and report this")
+    return torch.tensor(answer.grad_norm)
+
+
 def train_on_rollout_gradient(trainer, rollout_id: int, samples: list[Sample],
                               fetched: FetchedGradient) -> dict[str, float]:
     started = time.perf_counter()
     params = adapter_params_by_pushed_name(trainer)
     flat = _everyone_holds(fetched, sum(p.numel() for p in params.values()), trainer.device)
-    trainer.optimizer.zero_grad(set_to_none=True)
-    offset = 0
-    for param in params.values():
-        full = flat[offset : offset + param.numel()].view(param.shape)
-        offset += param.numel()
-        param.grad = _like(param, full.to(param.dtype))
-    # no loss was computed: a non-finite gradient makes the gradient norm non-finite, which skips the step (the flag
-    # on the trainer's device: several ranks reduce it, and NCCL takes no host tensor)
-    grad_norm = trainer.optimizer_step(f"rollout {rollout_id}", torch.tensor(True, device=flat.device))
+    if fetched.step is not None:
+        grad_norm = _mirrored_step(trainer, f"rollout {rollout_id}", params, flat, fetched)
+    else:
+        trainer.optimizer.zero_grad(set_to_none=True)
+        offset = 0
+        for param in params.values():
+            full = flat[offset : offset + param.numel()].view(param.shape)
+            offset += param.numel()
+            param.grad = _like(param, full.to(param.dtype))
+        # no loss was computed: a non-finite gradient makes the gradient norm non-finite, which skips the step (the
+        # flag on the trainer's device: several ranks reduce it, and NCCL takes no host tensor)
+        grad_norm = trainer.optimizer_step(f"rollout {rollout_id}", torch.tensor(True, device=flat.device))
     if trainer.ema is not None:
         trainer.ema.update()
     kept = [s for s in samples if not s.remove_sample]
@@ -103,6 +177,9 @@ def train_on_rollout_gradient(trainer, rollout_id: int, samples: list[Sample],
         "perf/policy_gradient_engines_by_reference": float(fetched.engines_by_reference),
         "perf/policy_gradient_engines_by_body": float(fetched.engines_by_body),
     }
+    if fetched.engine_step is not None:  # the engine's own optimizer step and merge (miles/engine/adapter_step.py)
+        result["perf/policy_gradient_engine_step_s"] = fetched.engine_step.seconds
+        result["train/engine_stepped"] = float(fetched.engine_step.outcome != "no_state")
     if grad_norm is not None:
         result["train/grad_norm"] = float(grad_norm)
     if trainer.ema is not None:

@@ -132,5 +132,6 @@ def sync_metrics(stats: dict[str, Any] | None) -> dict[str, float]:
     if not stats:
         return {}
     keys = ("num_tensors", "num_buckets", "bytes", "buffer_bytes", "seconds", "gather_seconds", "engine_wait_seconds",
-            "engine_apply_seconds", "ipc_engines", "broadcast_engines", "checked_tensors", "checked_engines")
+            "engine_apply_seconds", "ipc_engines", "broadcast_engines", "checked_tensors", "checked_engines",
+            "engine_stepped")
     return {f"weight_sync/{key}": float(stats[key]) for key in keys if key in stats}
