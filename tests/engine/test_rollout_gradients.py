@@ -298,6 +298,8 @@ def test_rollout_gradient_requests_run_in_waves_with_the_same_gradients(tiny_che
             assert len(set(spans)) == 1
         # the rollout's kept sums gathered on the device once, after its last wave (a no-op on the CPU)
         assert scheduler.counters.gradient_gathers == 1
+        # with waves, the later requests were encoded while the first wave stepped, not all before its first step
+        assert (scheduler.counters.deferred_starts > 0) == bool(wave)
         return scheduler.counters.max_forward_samples, gradient
 
     largest_wave, in_waves = asyncio.run(rollout(2))
