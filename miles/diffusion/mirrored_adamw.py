@@ -76,3 +76,28 @@ def bits_checksum(tensors: Iterable[torch.Tensor]) -> int:
     for tensor in tensors:
         total += int(tensor.detach().reshape(-1).view(torch.int32).sum(dtype=torch.int64))
     return total
+
+
+def matches_host(device: torch.device | str) -> bool:
+    """Whether `device` takes `adamw_step` with the host's bits: three steps on values of every magnitude fp32 has
+    (normal, subnormal, zeros of both signs), compared bit for bit. An engine asks once, at start-up, before it
+    offers to take the trainer's steps (miles/engine/adapter_step.py)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return True
+    generator = torch.Generator().manual_seed(0)
+    numel = 1 << 16
+    scales = torch.logspace(-44, 30, numel, base=2.0)[torch.randperm(numel, generator=generator)]
+    start = [torch.randn(numel, generator=generator) * scales for _ in range(3)]
+    start[0][::101], start[1][::103] = -0.0, 0.0
+    start[2] = start[2].abs()  # exp_avg_sq is never negative
+    results = []
+    for where in ("cpu", device):
+        param, exp_avg, exp_avg_sq = (t.clone().to(where) for t in start)
+        for count in (1, 2, 3):
+            grad = (torch.randn(numel, generator=torch.Generator().manual_seed(count)) * scales).to(where)
+            step = AdamWStep(lr=1e-3 * count, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, clip=1.0,
+                             count=count)
+            adamw_step(param, grad, exp_avg, exp_avg_sq, step, 0.37 if count == 2 else 1.0)
+        results.append([t.cpu() for t in (param, exp_avg, exp_avg_sq)])
+    return all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(*results))

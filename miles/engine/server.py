@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from miles.diffusion.mirrored_adamw import matches_host
 from miles.engine.adapter_step import AdapterStepper
 from miles.engine.model_runner import ModelRunner
 from miles.engine.protocol import (
@@ -96,8 +97,10 @@ class EngineServer:
         gradients = self.runner.rollout_gradients
         self.receiver = WeightReceiver({name: getattr(self.runner.pipe, name) for name in self.runner.module_names},
                                        on_lora_pair=None if gradients is None else gradients.set_factors)
-        # the trainer's optimizer step taken here too (--rollout-gradient-engine-step)
+        # the trainer's optimizer step taken here too (--rollout-gradient-engine-step), offered where this device
+        # steps AdamW with the host's bits (checked once, here)
         self.adapter_stepper = None if gradients is None else AdapterStepper(gradients, self.receiver.merge_adapter)
+        self.adamw_matches_host = gradients is not None and matches_host(self.runner.device)
         self.memory_released = False
         self._admitted = 0  # generate requests being handled (reading, waiting for a batch, running)
         self.counters: dict[str, Any] = {
@@ -418,6 +421,7 @@ class EngineServer:
                 "patch_groups": runner.patch_groups,
                 "parallel": runner.parallel_info(),
                 "device_identity": self.device_identity,
+                "adamw_matches_host": self.adamw_matches_host,
                 "weights_update_group": self.weight_group.describe() if self.weight_group is not None else None,
                 "compiled": bool(self.server_args.enable_torch_compile),
                 "load_seconds": self.load_seconds,

@@ -77,6 +77,7 @@ class TrainRayActor:
         self.gradient_fetcher = None  # rank 0 under --diffusion-rollout-gradient: its buffer kept for the run
         # (engine URLs, weight version) the engine already holds after taking the optimizer step itself
         self.engine_stepped: tuple[list[str], int] | None = None
+        self.engines_stepping_otherwise: set[str] = set()  # failed their start-up AdamW check: warned once
         self._store_socket = None  # rank 0: the rendezvous store's listening socket, until the store takes it
         os.environ.update(config.trainer.train_env_vars)
         if config.trainer.on_host:  # before anything asks torch for a GPU: this process then never makes a context
@@ -166,6 +167,13 @@ class TrainRayActor:
         config = self.config
         if not (config.trainer.on_host and config.trainer.rollout_gradient_engine_step == "auto") \
                 or config.rollout.check_weight_sync or not self.gradient_fetcher.engine_can_step(ask):
+            return None
+        url = next(url for url, coefficients in ask.coefficients.items() if coefficients)
+        if not self._weight_pusher().engine_info(url).get("adamw_matches_host"):
+            if url not in self.engines_stepping_otherwise:
+                self.engines_stepping_otherwise.add(url)
+                logger.warning("engine %s steps AdamW with other bits than the host (its start-up check): the "
+                               "trainer takes the optimizer step alone and pushes the weights", url)
             return None
         return next_adamw_step(self.trainer)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles.diffusion.mirrored_adamw import AdamWStep, adamw_step, bits_checksum, clip_scale
+from miles.diffusion.mirrored_adamw import AdamWStep, adamw_step, bits_checksum, clip_scale, matches_host
 
 
 def _state(numel: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -55,6 +55,10 @@ def test_the_same_bits_however_the_values_are_cut():
     assert bits_checksum([nudged]) != bits_checksum([whole[0]])
 
 
+def test_the_host_matches_itself():
+    assert matches_host("cpu")
+
+
 def test_no_clipping_below_the_norm_and_none_when_off():
     assert clip_scale(0.5, 1.0) == 1.0 and clip_scale(5.0, 0.0) == 1.0
     assert clip_scale(4.0, 1.0) == pytest.approx(0.25)
@@ -67,3 +71,4 @@ def test_a_gpu_steps_the_same_bits_as_the_cpu():
     on_cpu, on_gpu = _run(6, "cpu", numel=1 << 20), _run(6, "cuda", pieces=3, numel=1 << 20)
     for a, b in zip(on_cpu, on_gpu):
         assert torch.equal(a, b), (a - b).abs().max()
+    assert matches_host("cuda")  # the engine's start-up check says so too (it offers its steps on it)
