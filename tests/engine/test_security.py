@@ -148,7 +148,7 @@ ENGINE_ENDPOINTS = [("GET", "/health"), ("GET", "/server_info"), ("GET", "/weigh
                     ("POST", "/release_memory_occupation"), ("POST", "/resume_memory_occupation"),
                     ("POST", "/init_weights_update_group"), ("POST", "/destroy_weights_update_group"),
                     ("POST", "/update_weights_from_distributed"), ("POST", "/receive_weights_broadcast"),
-                    ("GET", "/no_such_endpoint")]
+                    ("POST", "/policy_gradient"), ("POST", "/optimizer_state"), ("GET", "/no_such_endpoint")]
 ROUTER_ENDPOINTS = [("GET", "/health"), ("GET", "/workers"), ("POST", "/rollout/generate"),
                     ("POST", "/add_worker"), ("POST", "/remove_worker")]
 BAD_HEADERS = [
