@@ -86,6 +86,9 @@ class StepScheduler:
         # packs finished requests' responses once their results reached the host (no device work on it)
         self.packer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-engine-packer")
         self.counters = SchedulerCounters()
+        # more work after a rollout's last gradient wave, besides gathering its sums (the server's: staging the
+        # LoRA bases for the coming merge)
+        self.after_last_gradient_wave: list[Callable[[], None]] = []
         self._pending: list[_Job] = []  # received, not started
         self._started: list[_Job] = []  # encoded, waiting for their weights or their gradient wave
         self._active: list[_Job] = []  # being denoised
@@ -300,14 +303,16 @@ class StepScheduler:
         pending.timings["step_clock_start"] = job.step_clock_at_start
         pending.timings["step_clock_end"] = self.counters.step_seconds
         if job.request.rollout_gradient and not self._gradient_work_before_new_weights():
-            # the rollout's last wave: its spilled sums back on the device while its results are decoded and scored
-            # (queued behind the decode, before the answer: whoever has the answer sees the gather counted)
+            # the rollout's last wave: its spilled sums back on the device while its results are decoded and scored,
+            # and whatever else readies the engine for the new weights (queued behind the decode, before the
+            # answer: whoever has the answer sees the gather counted)
             try:
-                await loop.run_in_executor(self.executor, self.runner.rollout_gradients.gather_on_device)
+                for prepare in (self.runner.rollout_gradients.gather_on_device, *self.after_last_gradient_wave):
+                    await loop.run_in_executor(self.executor, prepare)
                 self.counters.gradient_gathers += 1
-            except Exception:  # a speed-up only: what stayed on the host is summed from there
-                logger.exception("gathering the kept gradient sums on the device failed; the fetch reads them "
-                                 "from the host")
+            except Exception:  # a speed-up only: what stayed on the host is read from there
+                logger.exception("readying the engine for the new weights after the last wave failed; the fetch "
+                                 "and the merge read from the host")
         num_samples, job.trajectory = job.trajectory.num_samples, None
         self._answering[job] = loop.create_task(self._answer(loop, job, pending, num_samples))
 

@@ -101,6 +101,8 @@ class EngineServer:
         # steps AdamW with the host's bits (checked once, here)
         self.adapter_stepper = None if gradients is None else AdapterStepper(gradients, self.receiver.merge_adapter)
         self.adamw_matches_host = gradients is not None and matches_host(self.runner.device)
+        if gradients is not None:
+            self.scheduler.after_last_gradient_wave.append(self.receiver.stage_lora_bases)
         self.memory_released = False
         self._admitted = 0  # generate requests being handled (reading, waiting for a batch, running)
         self.counters: dict[str, Any] = {
@@ -361,6 +363,7 @@ class EngineServer:
             if asked.step is None:
                 return PolicyGradientAnswer(used, layout=layout)
             stepped = self.adapter_stepper.step(total, asked.step)
+            self.receiver.drop_staged_lora_bases()  # what the step did not merge (all of it when it did not step)
             if stepped.outcome != "no_state":
                 self.runner.weights_updated()
             return PolicyGradientAnswer(used, layout=layout, step=stepped)
@@ -464,6 +467,8 @@ class EngineServer:
 
     async def _set_memory_released(self, released: bool) -> None:
         if released != self.memory_released:
+            if released:
+                await self.scheduler.run_exclusive(self.receiver.drop_staged_lora_bases)
             await self.scheduler.run_exclusive(self.runner.release_memory if released else self.runner.resume_memory)
             self.memory_released = released
 

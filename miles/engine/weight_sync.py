@@ -558,6 +558,7 @@ class WeightReceiver:
         self.on_lora_pair = on_lora_pair
         self._tables: dict[str, dict[str, torch.Tensor]] = {}
         self._lora_base: dict[tuple[str, str], torch.Tensor] = {}
+        self._staged_base: dict[tuple[str, str], torch.Tensor] = {}  # copies on the device for the next merge
         self._pending_lora: dict[tuple[str, str], _PendingLora] = {}
         self._lora_scaling = 1.0
         self.tensors_received = 0
@@ -646,6 +647,7 @@ class WeightReceiver:
         self.tensors_received += len(steps)
         if message.flush:
             self.updates_applied += 1
+            self.drop_staged_lora_bases()  # what this update did not merge
         return {"applied": len(steps)}
 
     def _copy(self, steps: list[_FullCopy | _LoraPart], flat: torch.Tensor, target_modules) -> None:
@@ -656,6 +658,7 @@ class WeightReceiver:
                 step.target.copy_(view)
                 # the pushed weight is the new base for later LoRA merges
                 self._lora_base.pop((step.module_name, step.param_name), None)
+                self._staged_base.pop((step.module_name, step.param_name), None)
             else:
                 self._receive_lora(step, view, target_modules)
 
@@ -669,6 +672,18 @@ class WeightReceiver:
         if pending.lora_a is not None and pending.lora_b is not None:
             del self._pending_lora[step.key]
             self._merge_lora(step.key, pending.lora_a, pending.lora_b, target_modules)
+
+    def stage_lora_bases(self) -> None:
+        """Copy every kept LoRA base to its weight's device ahead of the next merge (queued on the current
+        stream): after a rollout's last wave, while its results are scored, so that the merge of the coming
+        weights reads the device instead of the host link (0.9 GB at SD3.5-Medium: ≈ 0.05 s on an H100). The
+        merge takes each copy; `drop_staged_lora_bases` frees what no merge took."""
+        for (module_name, param_name), base in self._lora_base.items():
+            device = self._table(module_name)[param_name].device
+            self._staged_base[(module_name, param_name)] = base.to(device, non_blocking=True)
+
+    def drop_staged_lora_bases(self) -> None:
+        self._staged_base.clear()
 
     @torch.no_grad()
     def merge_adapter(self, module_name: str, layer: str, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
@@ -684,7 +699,9 @@ class WeightReceiver:
             # in host memory (pinned on a GPU engine): 0.9 GB at SD3.5-Medium's 191 LoRA layers in bf16 that
             # would sit beside the model; each update reads it back, a few tens of milliseconds over PCIe
             self._lora_base[base_key] = host_copy(weight.detach())
-        base = self._lora_base[base_key].to(weight.device, non_blocking=True)
+        base = self._staged_base.pop(base_key, None)
+        if base is None:
+            base = self._lora_base[base_key].to(weight.device, non_blocking=True)
         weight.copy_(merge_lora_weight(base, lora_a, lora_b, self._lora_scaling))
         if self.on_lora_pair is not None:
             self.on_lora_pair(module_name, layer, lora_a, lora_b, self._lora_scaling)

@@ -20,10 +20,14 @@ LAYERS = {"proj": (5, 3), "out": (3, 4)}  # in, out
 RANK = 2
 
 
-def _engine(device: str):
+def _modules(device: str) -> dict[str, nn.Module]:
     torch.manual_seed(0)
-    modules = {"transformer": nn.ModuleDict({name: nn.Linear(i, o, bias=False) for name, (i, o) in LAYERS.items()}
-                                            ).to(device)}
+    return {"transformer": nn.ModuleDict({name: nn.Linear(i, o, bias=False) for name, (i, o) in LAYERS.items()}
+                                         ).to(device)}
+
+
+def _engine(device: str):
+    modules = _modules(device)
     gradients = RolloutGradients(modules)
     receiver = WeightReceiver(modules, on_lora_pair=gradients.set_factors)
     bases = {name: layer.weight.detach().clone() for name, layer in modules["transformer"].items()}
@@ -99,3 +103,31 @@ def test_a_non_finite_gradient_is_skipped_and_changes_nothing():
     answer = stepper.step(gradient, _step(2))
     assert answer.outcome == "skipped" and stepper.count == 1
     assert all(torch.equal(a, b) for a, b in zip(before, _held(gradients)))
+
+
+@pytest.mark.parametrize("engine_device", ["cpu", ON_A_GPU])
+def test_bases_staged_after_the_last_wave_merge_to_the_same_weights_and_are_then_freed(engine_device):
+    """The server stages the LoRA bases on the device after a rollout's last gradient wave (the scheduler's
+    `after_last_gradient_wave`); the engine's step then merges from those copies, to the bits of a merge that reads
+    them from where they are kept."""
+    staged_modules, plain_modules = _modules(engine_device), _modules(engine_device)
+    gradients = RolloutGradients(staged_modules)
+    staged = WeightReceiver(staged_modules, on_lora_pair=gradients.set_factors)
+    plain = WeightReceiver(plain_modules)
+    for name, (i, o) in LAYERS.items():
+        a, b = torch.randn(RANK, i), torch.randn(o, RANK) * 0.1
+        staged.merge_adapter("transformer", name, a, b)
+        plain.merge_adapter("transformer", name, a, b)
+    staged.stage_lora_bases()
+    numel = sum(f.a.numel() + f.b.numel() for f in gradients.factors.values())
+    gradient = torch.randn(numel, generator=torch.Generator().manual_seed(9)).to(engine_device)
+    assert AdapterStepper(gradients, staged.merge_adapter).step(gradient, _step(1)).outcome == "stepped"
+    assert not staged._staged_base  # each merge took its copy
+    for name, layer in staged_modules["transformer"].items():
+        factors = gradients.factors[f"transformer.{name}"]
+        plain.merge_adapter("transformer", name, factors.a, factors.b)
+        assert torch.equal(layer.weight.detach(), plain_modules["transformer"][name].weight.detach()), name
+    staged.stage_lora_bases()
+    assert len(staged._staged_base) == len(LAYERS)
+    staged.drop_staged_lora_bases()
+    assert not staged._staged_base
