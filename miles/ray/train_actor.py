@@ -162,15 +162,15 @@ class TrainRayActor:
 
     def _engine_step(self, ask):
         """The AdamW step the engine should take itself (`--rollout-gradient-engine-step`), or None."""
-        from miles.backends.fsdp_utils.rollout_gradient_step import next_adamw_step
+        from miles.backends.fsdp_utils.rollout_gradient_step import engine_may_step, next_adamw_step
 
-        config = self.config
-        if not (config.trainer.on_host and config.trainer.rollout_gradient_engine_step == "auto") \
-                or config.rollout.check_weight_sync or not self.gradient_fetcher.engine_can_step(ask):
+        if not (self.config.trainer.on_host and self.config.trainer.rollout_gradient_engine_step == "auto"):
             return None
+        holds = self.gradient_fetcher.engine_can_step(ask)
         url = next(url for url, coefficients in ask.coefficients.items() if coefficients)
-        if not self._weight_pusher().engine_info(url).get("adamw_matches_host"):
-            if url not in self.engines_stepping_otherwise:
+        info = self._weight_pusher().engine_info(url) if holds else {}
+        if not engine_may_step(self.config, holds, info):
+            if holds and not info.get("adamw_matches_host") and url not in self.engines_stepping_otherwise:
                 self.engines_stepping_otherwise.add(url)
                 logger.warning("engine %s steps AdamW with other bits than the host (its start-up check): the "
                                "trainer takes the optimizer step alone and pushes the weights", url)

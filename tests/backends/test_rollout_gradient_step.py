@@ -6,7 +6,11 @@ import torch
 import torch.distributed as dist
 
 from miles.backends.fsdp_utils.gradient_fetch import FetchedGradient
-from miles.backends.fsdp_utils.rollout_gradient_step import adapter_params_by_pushed_name, train_on_rollout_gradient
+from miles.backends.fsdp_utils.rollout_gradient_step import (
+    adapter_params_by_pushed_name,
+    engine_may_step,
+    train_on_rollout_gradient,
+)
 from miles.backends.fsdp_utils.spawn import free_port, init_distributed
 from miles.testing.tiny_rollout import build_tiny_family, tiny_trainer_config
 from miles.types import Sample
@@ -56,3 +60,18 @@ def test_the_engines_gradient_is_each_factors_gradient_and_a_non_finite_one_skip
     metrics = train_on_rollout_gradient(trainer, 1, _samples(), FetchedGradient(flat=flat, held=2, expected=2))
     assert metrics["train/skipped_steps"] == 1.0 and "train/grad_norm" not in metrics
     assert all(torch.equal(value, stepped[name]) for name, value in _adapters(trainer).items())
+
+
+def test_the_engine_steps_only_for_a_host_trainer_and_an_engine_that_passed_its_check(tiny_checkpoint):
+    """`--rollout-gradient-engine-step auto`: an engine whose device failed the start-up AdamW check, a trainer on
+    the device, `off`, `--check-weight-sync` or a rollout spread over engines leave the step to the trainer."""
+    path = tiny_checkpoint("sd3")
+    flags = dict(use_lora=True, diffusion_rollout_gradient=True, rollout_gradient_trainer="host", colocate=True)
+    host, checked = tiny_trainer_config(path, **flags), {"adamw_matches_host": True}
+    assert engine_may_step(host, True, checked)
+    assert not engine_may_step(host, True, {"adamw_matches_host": False})
+    assert not engine_may_step(host, True, {})  # an engine too old to say
+    assert not engine_may_step(host, False, checked)  # several engines, or one reached over HTTP
+    assert not engine_may_step(host.replace(rollout_gradient_engine_step="off"), True, checked)
+    assert not engine_may_step(host.replace(check_weight_sync=True), True, checked)
+    assert not engine_may_step(host.replace(rollout_gradient_trainer="device"), True, checked)
