@@ -115,3 +115,8 @@ class PolicyGradientAsk:
 
     coefficients: dict[str, dict[int, float]]
     samples: int
+
+    @property
+    def engines(self) -> list[str]:
+        """The URLs of the engines that served some of the rollout's samples (the ones asked)."""
+        return [url for url, coefficients in self.coefficients.items() if coefficients]

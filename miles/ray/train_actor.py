@@ -164,25 +164,24 @@ class TrainRayActor:
         """The AdamW step the engine should take itself (`--rollout-gradient-engine-step`), or None."""
         from miles.backends.fsdp_utils.rollout_gradient_step import engine_may_step, next_adamw_step
 
-        if not (self.config.trainer.on_host and self.config.trainer.rollout_gradient_engine_step == "auto"):
-            return None
         holds = self.gradient_fetcher.engine_can_step(ask)
-        url = next(url for url, coefficients in ask.coefficients.items() if coefficients)
-        info = self._weight_pusher().engine_info(url) if holds else {}
-        if not engine_may_step(self.config, holds, info):
-            if holds and not info.get("adamw_matches_host") and url not in self.engines_stepping_otherwise:
-                self.engines_stepping_otherwise.add(url)
-                logger.warning("engine %s steps AdamW with other bits than the host (its start-up check): the "
-                               "trainer takes the optimizer step alone and pushes the weights", url)
-            return None
-        return next_adamw_step(self.trainer)
+        info = self._weight_pusher().engine_info(ask.engines[0]) if holds else {}
+        if engine_may_step(self.config, holds, info):
+            return next_adamw_step(self.trainer)
+        # where only the engine's start-up check stands in the way, say so once
+        if engine_may_step(self.config, holds, {**info, "adamw_matches_host": True}) \
+                and ask.engines[0] not in self.engines_stepping_otherwise:
+            self.engines_stepping_otherwise.add(ask.engines[0])
+            logger.warning("engine %s steps AdamW with other bits than the host (its start-up check): the trainer "
+                           "takes the optimizer step alone and pushes the weights", ask.engines[0])
+        return None
 
     def _after_engine_step(self, ask, gradient, weight_version: int) -> None:
         """The engine holds the trainer's new weights under `weight_version` (the next weight sync has nothing to
         push), or it had no moments to step with: then it gets the trainer's, and the weight sync pushes as before."""
         from miles.backends.fsdp_utils.rollout_gradient_step import adapter_moments, steps_taken
 
-        url = next(url for url, coefficients in ask.coefficients.items() if coefficients)
+        url = ask.engines[0]
         if gradient.engine_step.outcome == "no_state":
             self.engine_stepped = None
             self.gradient_fetcher.push_moments(url, gradient.engine_layout, adapter_moments(self.trainer),

@@ -120,7 +120,7 @@ class PolicyGradientFetcher:
 
     def engine_can_step(self, ask: PolicyGradientAsk) -> bool:
         """One engine holds the whole rollout and shares our memory: it can take the optimizer step itself."""
-        urls = [url for url, coefficients in ask.coefficients.items() if coefficients]
+        urls = ask.engines
         return len(urls) == 1 and self.pusher.split(urls)[0] == urls
 
     def fetch(self, ask: PolicyGradientAsk, step: AdamWStep | None = None, weight_version: int = 0
@@ -129,7 +129,7 @@ class PolicyGradientFetcher:
         be the shared buffer itself: it holds this fetch's gradient until the next fetch. With `step` (only where
         `engine_can_step`), the engine also takes that optimizer step and moves to `weight_version`."""
         began = time.perf_counter()
-        urls = [url for url, coefficients in ask.coefficients.items() if coefficients]
+        urls = ask.engines
         by_reference, by_body = self.pusher.split(urls)
         if step is not None and not self.engine_can_step(ask):
             raise ValueError("an engine takes the optimizer step only when it alone holds the rollout, by reference")
