@@ -7,8 +7,8 @@ rollout at once, with no weight push, and the trainer still holds the run's weig
 That only works if both steps give the same bits. torch's AdamW kernels do not promise it across devices (fused
 kernels, `lerp`, a division by a scalar done as a multiplication by its reciprocal on CUDA, FMA contraction), so
 both sides run this function instead: one elementwise operation per kernel (a tensor times a Python scalar cast to
-fp32, a sum of two tensors, a square root, a quotient of two tensors), each correctly rounded in IEEE fp32 on the
-CPU and on CUDA alike, in the same order. Every operation is elementwise, so the result does not depend on how the
+fp32, a sum of two tensors, a quotient of two tensors, a square root made exact by `correctly_rounded_sqrt`), each
+correctly rounded in IEEE fp32 on the CPU and on CUDA alike, in the same order. Every operation is elementwise, so the result does not depend on how the
 parameters are cut into tensors (the engine steps one flat vector, the trainer each factor).
 
 The step is decoupled-weight-decay Adam with bias correction (torch.optim.AdamW's definition):
@@ -61,12 +61,29 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     squared = g * g
     squared.mul_(1.0 - step.beta2)
     exp_avg_sq.add_(squared)
-    denom = exp_avg_sq.sqrt()
+    denom = correctly_rounded_sqrt(exp_avg_sq)
     denom.mul_(1.0 / math.sqrt(1.0 - step.beta2 ** step.count))
     denom.add_(step.eps)
     update = torch.div(exp_avg, denom)
     update.mul_(-step.lr / (1.0 - step.beta1 ** step.count))
     param.add_(update)
+
+
+def correctly_rounded_sqrt(x: torch.Tensor) -> torch.Tensor:
+    """√x of fp32 `x` ≥ 0, rounded to the nearest fp32 on every device. torch's `sqrt` is not: its vectorised CPU
+    kernels are off by an ulp for some inputs, and by how many depends on the CPU's instruction set; CUDA's fp32
+    `sqrt` differs from both. So: an estimate within an ulp (fp64's square root rounded to fp32), then the one
+    correction that makes it the nearest, decided exactly. The midpoint between two neighbouring fp32 values has
+    at most 25 significant bits, its square at most 50, so fp64 holds each square exactly and the comparison
+    with x (exact in fp64 too) says on which side of the midpoint √x lies; a tie cannot occur."""
+    estimate = x.double().sqrt().float()
+    up = torch.nextafter(estimate, torch.full_like(estimate, math.inf))
+    down = torch.nextafter(estimate, torch.zeros_like(estimate))
+    wide, x64 = estimate.double(), x.double()
+    above = (wide + up.double()).mul_(0.5)  # the midpoints: exact in fp64
+    below = (wide + down.double()).mul_(0.5)
+    rounded = torch.where(x64 > above * above, up, estimate)
+    return torch.where(x64 < below * below, down, rounded)
 
 
 def bits_checksum(tensors: Iterable[torch.Tensor]) -> int:
