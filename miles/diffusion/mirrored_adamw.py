@@ -76,14 +76,15 @@ def correctly_rounded_sqrt(x: torch.Tensor) -> torch.Tensor:
     correction that makes it the nearest, decided exactly. The midpoint between two neighbouring fp32 values has
     at most 25 significant bits, its square at most 50, so fp64 holds each square exactly and the comparison
     with x (exact in fp64 too) says on which side of the midpoint √x lies; a tie cannot occur."""
-    estimate = x.double().sqrt().float()
-    up = torch.nextafter(estimate, torch.full_like(estimate, math.inf))
-    down = torch.nextafter(estimate, torch.zeros_like(estimate))
-    wide, x64 = estimate.double(), x.double()
-    above = (wide + up.double()).mul_(0.5)  # the midpoints: exact in fp64
-    below = (wide + down.double()).mul_(0.5)
-    rounded = torch.where(x64 > above * above, up, estimate)
-    return torch.where(x64 < below * below, down, rounded)
+    x64 = x.double()
+    estimate = x64.sqrt().float()
+    rounded = estimate.clone()
+    midpoint = torch.empty_like(x64)  # one fp64 buffer for both midpoints: few allocations on a host trainer
+    for toward, past in ((math.inf, torch.gt), (0.0, torch.lt)):
+        neighbour = torch.nextafter(estimate, torch.full_like(estimate, toward))
+        midpoint.copy_(estimate).add_(neighbour).mul_(0.5).square_()  # each exact in fp64
+        rounded = torch.where(past(x64, midpoint), neighbour, rounded)
+    return rounded
 
 
 def bits_checksum(tensors: Iterable[torch.Tensor]) -> int:
