@@ -8,8 +8,9 @@ That only works if both steps give the same bits. torch's AdamW kernels do not p
 kernels, `lerp`, a division by a scalar done as a multiplication by its reciprocal on CUDA, FMA contraction), so
 both sides run this function instead: one elementwise operation per kernel (a tensor times a Python scalar cast to
 fp32, a sum of two tensors, a quotient of two tensors, a square root made exact by `correctly_rounded_sqrt`), each
-correctly rounded in IEEE fp32 on the CPU and on CUDA alike, in the same order. Every operation is elementwise, so the result does not depend on how the
-parameters are cut into tensors (the engine steps one flat vector, the trainer each factor).
+correctly rounded in IEEE fp32 on the CPU and on CUDA alike, in the same order. Every operation is elementwise, so
+the result does not depend on how the parameters are cut into tensors (the engine steps one flat vector, the
+trainer each factor).
 
 The step is decoupled-weight-decay Adam with bias correction (torch.optim.AdamW's definition):
     p ← p·(1 − lr·λ);  m ← β₁m + (1−β₁)g;  v ← β₂v + (1−β₂)g²;  p ← p − lr/(1−β₁ᵗ) · m / (√v/√(1−β₂ᵗ) + ε)
@@ -71,11 +72,12 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
 
 def correctly_rounded_sqrt(x: torch.Tensor) -> torch.Tensor:
     """√x of fp32 `x` ≥ 0, rounded to the nearest fp32 on every device. torch's `sqrt` is not: its vectorised CPU
-    kernels are off by an ulp for some inputs, and by how many depends on the CPU's instruction set; CUDA's fp32
-    `sqrt` differs from both. So: an estimate within an ulp (fp64's square root rounded to fp32), then the one
-    correction that makes it the nearest, decided exactly. The midpoint between two neighbouring fp32 values has
-    at most 25 significant bits, its square at most 50, so fp64 holds each square exactly and the comparison
-    with x (exact in fp64 too) says on which side of the midpoint √x lies; a tie cannot occur."""
+    kernels are off by an ulp for some inputs, for a share that depends on the CPU, and an H100 gave other bits
+    for 447 of 65 536 values (bench/RESULTS.md, thirty-seventh section). So: an estimate within an ulp (fp64's
+    square root rounded to fp32), then the one correction that makes it the nearest, decided exactly. The
+    midpoint between two neighbouring fp32 values has at most 25 significant bits, its square at most 50, so fp64
+    holds each square exactly and the comparison with x (exact in fp64 too) says on which side of the midpoint √x
+    lies; a tie cannot occur."""
     x64 = x.double()
     estimate = x64.sqrt().float()
     rounded = estimate.clone()

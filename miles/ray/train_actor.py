@@ -162,18 +162,17 @@ class TrainRayActor:
 
     def _engine_step(self, ask):
         """The AdamW step the engine should take itself (`--rollout-gradient-engine-step`), or None."""
-        from miles.backends.fsdp_utils.rollout_gradient_step import engine_may_step, next_adamw_step
+        from miles.backends.fsdp_utils.rollout_gradient_step import engine_may_step, engine_step_wanted, next_adamw_step
 
-        holds = self.gradient_fetcher.engine_can_step(ask)
-        info = self._weight_pusher().engine_info(ask.engines[0]) if holds else {}
-        if engine_may_step(self.config, holds, info):
+        if not engine_step_wanted(self.config, self.gradient_fetcher.engine_can_step(ask)):
+            return None
+        url = ask.engines[0]
+        if engine_may_step(self.config, True, self._weight_pusher().engine_info(url)):
             return next_adamw_step(self.trainer)
-        # where only the engine's start-up check stands in the way, say so once
-        if engine_may_step(self.config, holds, {**info, "adamw_matches_host": True}) \
-                and ask.engines[0] not in self.engines_stepping_otherwise:
-            self.engines_stepping_otherwise.add(ask.engines[0])
+        if url not in self.engines_stepping_otherwise:  # only the engine's start-up check stands in the way: once
+            self.engines_stepping_otherwise.add(url)
             logger.warning("engine %s steps AdamW with other bits than the host (its start-up check): the trainer "
-                           "takes the optimizer step alone and pushes the weights", ask.engines[0])
+                           "takes the optimizer step alone and pushes the weights", url)
         return None
 
     def _after_engine_step(self, ask, gradient, weight_version: int) -> None:

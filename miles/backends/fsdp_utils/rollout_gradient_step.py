@@ -101,14 +101,19 @@ def next_adamw_step(trainer) -> AdamWStep | None:
                      clip=float(trainer.config.trainer.clip_grad), count=steps_taken(trainer) + 1)
 
 
-def engine_may_step(config, engine_holds_rollout: bool, engine_info: dict) -> bool:
-    """Whether the engine takes the trainer's optimizer step (`--rollout-gradient-engine-step auto`): the trainer on
-    the host, one engine holding the whole rollout in memory the trainer shares, no `--check-weight-sync` (it
-    compares pushed weights), and an engine whose device steps this AdamW with the host's bits (its start-up
-    check, `adamw_matches_host` in its server info)."""
+def engine_step_wanted(config, engine_holds_rollout: bool) -> bool:
+    """Whether the run asks its engine to take the trainer's optimizer step (`--rollout-gradient-engine-step
+    auto`): the trainer on the host, one engine holding the whole rollout in memory the trainer shares, and no
+    `--check-weight-sync` (it compares pushed weights)."""
     trainer = config.trainer
     return (trainer.on_host and trainer.rollout_gradient_engine_step == "auto" and not config.rollout.check_weight_sync
-            and engine_holds_rollout and bool(engine_info.get("adamw_matches_host")))
+            and engine_holds_rollout)
+
+
+def engine_may_step(config, engine_holds_rollout: bool, engine_info: dict) -> bool:
+    """`engine_step_wanted`, and an engine whose device steps this AdamW with the host's bits (its start-up check,
+    `adamw_matches_host` in its server info)."""
+    return engine_step_wanted(config, engine_holds_rollout) and bool(engine_info.get("adamw_matches_host"))
 
 
 def adapter_moments(trainer) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
